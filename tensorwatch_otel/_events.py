@@ -1,0 +1,187 @@
+"""Plain event objects the watcher produces and every sink consumes.
+
+Nothing here imports an exporter: sinks translate these into text, JSON, metrics or spans.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Tuple, Union
+
+# Notes for values that have no statistics. The report prints them right-aligned in 17 columns.
+NOTE_NONE = "None"
+NOTE_NOT_TENSOR = "not a tensor"
+NOTE_EMPTY = "empty"
+NOTE_NO_DATA = "no data"  # meta/fake tensors, wrapper subclasses without storage
+
+ROOT_LABEL = "(root)"  # the root module's path is "" in the report and "(root)" in labels
+
+
+def label_for_module(path: str) -> str:
+    """Module path as used in metric labels and span attributes."""
+    return path if path else ROOT_LABEL
+
+
+def nonfinite_kind(*values: Optional[float]) -> str:
+    """'' when all values are finite (or missing), else 'inf', 'nan' or 'inf,nan'."""
+    has_inf = has_nan = False
+    for v in values:
+        if v is None:
+            continue
+        if v != v:
+            has_nan = True
+        elif v in (math.inf, -math.inf):
+            has_inf = True
+    if has_inf and has_nan:
+        return "inf,nan"
+    return "inf" if has_inf else ("nan" if has_nan else "")
+
+
+def merge_kinds(*kinds: str) -> str:
+    """Union of kinds: merge_kinds('inf', 'nan') == 'inf,nan'."""
+    parts = {p for k in kinds for p in k.split(",") if p}
+    return ",".join(k for k in ("inf", "nan") if k in parts)
+
+
+@dataclass(frozen=True)
+class TensorStat:
+    """abs min / abs max of one tensor of a frame (None when it has no values)."""
+
+    name: str  # "weight", "input[0]", "input.attention_mask", "output.logits", "output[0][1]"
+    abs_min: Optional[float]
+    abs_max: Optional[float]
+    dtype: str = ""  # "float16", "int64"... ("" for non-tensors)
+    note: str = ""  # one of the NOTE_* values when there are no statistics
+    range_used: Optional[float] = None  # abs_max / largest finite value of dtype (floats only)
+
+    @property
+    def kind(self) -> str:
+        """'' if finite, else 'inf', 'nan' (a tensor holding NaN reports 'nan')."""
+        return nonfinite_kind(self.abs_min, self.abs_max)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One module call: its own parameters, its inputs and outputs, in report order."""
+
+    module: str  # qualified path, "" for the root module
+    module_class: str
+    tensors: Tuple[TensorStat, ...]
+    batch_number: int
+    batch_start: bool = False  # first frame of its batch (the report prints a batch header)
+    phase: str = "forward"  # "forward", or "backward" for gradient frames
+
+    @property
+    def kind(self) -> str:
+        return merge_kinds(*(t.kind for t in self.tensors))
+
+    def first_nonfinite(self) -> Optional[TensorStat]:
+        for t in self.tensors:
+            if t.kind:
+                return t
+        return None
+
+
+@dataclass(frozen=True)
+class NonFiniteEvent:
+    """The first inf/nan: where it appeared and the frames that led to it (oldest first)."""
+
+    batch_number: int
+    rank: int
+    module: str
+    module_class: str
+    tensor: str
+    kind: str  # "inf", "nan" or "inf,nan"
+    frames: Tuple[Frame, ...]
+    time: float  # seconds since the epoch
+    event: str = field(default="nonfinite_detected", init=False)
+
+
+@dataclass(frozen=True)
+class BatchTraceEvent:
+    """Every frame of a batch listed in trace_batches."""
+
+    batch_number: int
+    rank: int
+    frames: Tuple[Frame, ...]
+    time: float
+    event: str = field(default="batch_trace", init=False)
+
+
+@dataclass(frozen=True)
+class AbortAfterBatchEvent:
+    """abort_after_batch was reached: training stops after this batch."""
+
+    batch_number: int  # the last batch that ran
+    rank: int
+    time: float
+    event: str = field(default="abort_after_batch", init=False)
+
+
+@dataclass(frozen=True)
+class OverflowCheckEvent:
+    """A detect_overflow(var, ctx) call that found inf/nan in an intermediate tensor."""
+
+    batch_number: int
+    rank: int
+    ctx: str
+    kind: str
+    stat: TensorStat
+    time: float
+    event: str = field(default="overflow_check", init=False)
+
+
+Event = Union[NonFiniteEvent, BatchTraceEvent, AbortAfterBatchEvent, OverflowCheckEvent]
+
+
+@dataclass(frozen=True)
+class StatRow:
+    """One (module call, tensor) statistic of a batch, as metric sinks consume it."""
+
+    module: str
+    module_class: str
+    tensor: str
+    dtype: str
+    abs_min: float
+    abs_max: float
+    range_used: Optional[float]
+
+
+class BatchStats:
+    """All statistics of one watched batch, handed to sinks once per batch.
+
+    Built cheaply on the training thread (references only); rows are materialised lazily by
+    the sink, typically on its own thread (a scrape, a metric collection). Immutable once built.
+    """
+
+    __slots__ = ("batch_number", "rank", "time", "_frames")
+
+    def __init__(self, batch_number: int, rank: int, time: float, frames: Tuple[Frame, ...] | "_LazyFrames"):
+        self.batch_number = batch_number
+        self.rank = rank
+        self.time = time
+        self._frames = frames
+
+    @property
+    def frames(self) -> Tuple[Frame, ...]:
+        f = self._frames
+        if not isinstance(f, tuple):
+            f = f.materialize()
+            self._frames = f
+        return f
+
+    def rows(self) -> Iterator[StatRow]:
+        """Every measured tensor of every frame (a module called twice yields its rows twice)."""
+        for fr in self.frames:
+            for t in fr.tensors:
+                if t.abs_max is None or t.abs_min is None:
+                    continue
+                yield StatRow(fr.module, fr.module_class, t.name, t.dtype, t.abs_min, t.abs_max, t.range_used)
+
+
+class _LazyFrames:
+    """Protocol for a deferred frame list (the watcher's batch record)."""
+
+    def materialize(self) -> Tuple[Frame, ...]:  # pragma: no cover - interface
+        raise NotImplementedError

@@ -1,0 +1,52 @@
+"""The `tensorwatch-otel` command line: one subcommand per module, loaded only when chosen."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+from .._version import __version__
+
+# name -> module exposing HELP (one line), add_arguments(parser) and run(args) -> exit code
+COMMANDS = {
+    "demo": "tensorwatch_otel.cli.demo",
+    "report": "tensorwatch_otel.cli.report",
+    "diff": "tensorwatch_otel.cli.diff",
+    "nettest": "tensorwatch_otel.diagnostics.nettest",
+    "doctor": "tensorwatch_otel.diagnostics.doctor",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tensorwatch-otel",
+        description="Find the first inf/nan in PyTorch training, export per-module tensor "
+        "statistics to Prometheus/OpenTelemetry, and check the cluster it runs on.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, modname in COMMANDS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:  # a command still being built is simply absent
+            continue
+        p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
