@@ -1,0 +1,170 @@
+"""Builds OpenTelemetry SDK providers with OTLP exporters from the standard OTEL_* variables.
+
+Used when ``sinks=None`` and an OTLP endpoint is configured; imported only then.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from typing import Any, Callable, List, Mapping, Optional, Tuple
+
+log = logging.getLogger("tensorwatch_otel")
+
+#: Protocols the OTLP exporters speak; the OpenTelemetry specification's default is http/protobuf.
+PROTOCOLS = ("grpc", "http/protobuf")
+DEFAULT_PROTOCOL = "http/protobuf"
+#: Upper bound for flushing and shutting down the providers at interpreter exit.
+EXIT_TIMEOUT_S = 5.0
+
+_SIGNAL_ENDPOINT = {
+    "traces": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "metrics": "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+}
+
+
+def sdk_disabled(env: Optional[Mapping[str, str]] = None) -> bool:
+    """True when OTEL_SDK_DISABLED is "true" (case-insensitive), as the SDK reads it."""
+    env = os.environ if env is None else env
+    return env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
+def otlp_configured(env: Optional[Mapping[str, str]] = None) -> bool:
+    """True when an OTLP endpoint variable (generic, traces or metrics) is set and non-empty."""
+    env = os.environ if env is None else env
+    names = ("OTEL_EXPORTER_OTLP_ENDPOINT",) + tuple(_SIGNAL_ENDPOINT.values())
+    return any(env.get(n, "").strip() for n in names)
+
+
+def _signal_wanted(signal: str, env: Mapping[str, str]) -> bool:
+    # OTEL_TRACES_EXPORTER=none / OTEL_METRICS_EXPORTER=none switch a signal off.
+    chosen = env.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower()
+    if chosen == "none":
+        return False
+    return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or env.get(_SIGNAL_ENDPOINT[signal], "").strip())
+
+
+def _protocol(signal: str, env: Mapping[str, str]) -> str:
+    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = env.get(name, "").strip().lower()
+        if value:
+            if value not in PROTOCOLS:
+                raise ValueError(f"{name}={value!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
+            return value
+    return DEFAULT_PROTOCOL
+
+
+def _span_exporter(protocol: str):
+    # The exporters read their endpoint, headers, timeout, compression and TLS files from the
+    # environment themselves (generic and per-signal variables, with the spec's precedence).
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter()
+
+
+def _metric_exporter(protocol: str):
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    return OTLPMetricExporter()
+
+
+def make_resource(rank: int):
+    """The SDK resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, SDK defaults) plus the rank
+    as ``service.instance.id`` unless the user already set one."""
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+    # Recent SDKs put a random UUID in service.instance.id; the rank is the useful identity of
+    # a training process, but an id the user gave in OTEL_RESOURCE_ATTRIBUTES wins.
+    if "service.instance.id" in OTELResourceDetector().detect().attributes:
+        return Resource.create({})
+    return Resource.create({"service.instance.id": str(rank)})
+
+
+def configure_from_env(rank: int = 0) -> Optional[Tuple[Any, Any]]:
+    """(tracer_provider, meter_provider) exporting over OTLP as the OTEL_* variables say, or None
+    when OTEL_SDK_DISABLED=true or no OTLP endpoint variable is set.
+
+    A signal switched off (``OTEL_TRACES_EXPORTER=none``, or only the other signal's endpoint
+    set) gets the API's no-op provider. Spans go through a BatchSpanProcessor (bounded queue,
+    its own thread; OTEL_BSP_* honoured), metrics through a PeriodicExportingMetricReader
+    (OTEL_METRIC_EXPORT_INTERVAL honoured). Both shut down at interpreter exit, bounded by
+    EXIT_TIMEOUT_S so a dead collector cannot hold the process. Providers are not made global.
+    Raises ValueError for an unsupported OTEL_EXPORTER_OTLP_PROTOCOL.
+    """
+    env = os.environ
+    if sdk_disabled(env) or not otlp_configured(env):
+        return None
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.trace import NoOpTracerProvider
+
+    resource = make_resource(rank)
+    tracer_provider: Any = NoOpTracerProvider()
+    meter_provider: Any = NoOpMeterProvider()
+    to_shut: List[Any] = []
+
+    if _signal_wanted("traces", env):
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        protocol = _protocol("traces", env)
+        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        # BatchSpanProcessor reads OTEL_BSP_MAX_QUEUE_SIZE (default 2048) and drops when full.
+        tracer_provider.add_span_processor(BatchSpanProcessor(_span_exporter(protocol)))
+        to_shut.append(tracer_provider)
+        log.debug("tensorwatch_otel: OTLP traces over %s", protocol)
+
+    if _signal_wanted("metrics", env):
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        protocol = _protocol("metrics", env)
+        reader = PeriodicExportingMetricReader(_metric_exporter(protocol))
+        meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
+        to_shut.append(meter_provider)
+        log.debug("tensorwatch_otel: OTLP metrics over %s", protocol)
+
+    if to_shut:
+        atexit.register(shutdown_bounded, to_shut, EXIT_TIMEOUT_S)
+    return tracer_provider, meter_provider
+
+
+def run_bounded(fn: Callable[[], Any], timeout_s: float, name: str) -> bool:
+    """Runs fn on a daemon thread and waits at most timeout_s; True when it finished in time.
+
+    The SDK's force_flush ignores its timeout and exports on the calling thread, so this is how
+    a flush or shutdown stays bounded when the collector is slow or gone.
+    """
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            fn()
+        except Exception as exc:  # logged, never raised into training
+            log.warning("tensorwatch_otel: %s failed: %s: %s", name, type(exc).__name__, exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"tensorwatch-{name}", daemon=True).start()
+    finished = done.wait(max(0.0, timeout_s))
+    if not finished:
+        log.warning("tensorwatch_otel: %s did not finish within %.1f s; going on without it", name, timeout_s)
+    return finished
+
+
+def shutdown_bounded(providers: List[Any], timeout_s: float) -> None:
+    """Flushes and shuts down each provider, all of them together bounded by timeout_s."""
+
+    def shut() -> None:
+        for p in providers:
+            try:
+                p.shutdown()
+            except Exception as exc:
+                log.warning("tensorwatch_otel: shutting down %s failed: %s", type(p).__name__, exc)
+
+    run_bounded(shut, timeout_s, "otel-shutdown")
