@@ -1,0 +1,49 @@
+"""Names for what a module received and returned: `input[0]`, `input.mask`, `output.logits`,
+`output[0][1]`. Names come from tables and caches so the hot path formats no strings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Tuple
+
+INPUT_NAMES = tuple(f"input[{i}]" for i in range(64))
+OUTPUT_NAMES = tuple(f"output[{i}]" for i in range(64))
+OUTPUT_NESTED = tuple(tuple(f"output[{i}][{j}]" for j in range(16)) for i in range(16))
+
+_child_cache: Dict[Tuple[str, object], str] = {}
+_CHILD_CACHE_MAX = 100_000
+_dataclass_fields: Dict[type, Tuple[str, ...]] = {}
+
+
+def input_name(i: int) -> str:
+    return INPUT_NAMES[i] if i < 64 else f"input[{i}]"
+
+
+def output_name(i: int) -> str:
+    return OUTPUT_NAMES[i] if i < 64 else f"output[{i}]"
+
+
+def output_nested(i: int, j: int) -> str:
+    return OUTPUT_NESTED[i][j] if i < 16 and j < 16 else f"output[{i}][{j}]"
+
+
+def child(parent: str, key) -> str:
+    """`parent[key]` for an int key, `parent.key` otherwise (cached)."""
+    k = (parent, key)
+    name = _child_cache.get(k)
+    if name is None:
+        name = f"{parent}[{key}]" if isinstance(key, int) else f"{parent}.{key}"
+        if len(_child_cache) < _CHILD_CACHE_MAX:
+            _child_cache[k] = name
+    return name
+
+
+def dataclass_fields(obj) -> Tuple[str, ...]:
+    """Field names of a dataclass instance (cached per type); () for anything else."""
+    tp = type(obj)
+    names = _dataclass_fields.get(tp)
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) and \
+            not isinstance(obj, type) else ()
+        _dataclass_fields[tp] = names
+    return names

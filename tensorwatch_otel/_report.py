@@ -1,0 +1,74 @@
+"""The text report: the peer's (transformers.debug_utils) format, line for line.
+
+Pure functions from events to text, shared by the TextReport sink, the span attribute and
+the `report` command.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List
+
+from ._events import BatchTraceEvent, Frame, NonFiniteEvent, TensorStat
+
+PREFIX = " " * 17
+HEADER = f"{'abs min':8} {'abs max':8} metadata"
+
+
+def batch_header(batch_number: int) -> str:
+    return f"\n\n{PREFIX} *** Starting batch number={batch_number} ***\n{HEADER}"
+
+
+def tensor_line(t: TensorStat) -> str:
+    if t.note:
+        return f"{t.note:>17} {t.name}"
+    return f"{t.abs_min:8.2e} {t.abs_max:8.2e} {t.name}"
+
+
+def frame_text(frame: Frame) -> str:
+    lines: List[str] = []
+    if frame.batch_start:
+        lines.append(batch_header(frame.batch_number))
+    lines.append(f"{PREFIX} {frame.module} {frame.module_class}")
+    lines.extend(tensor_line(t) for t in frame.tensors)
+    return "\n".join(lines)
+
+
+def overflow_lines(frame: Frame) -> List[str]:
+    """What the peer prints while analysing the frame that overflowed: `{ctx} has nans/infs`."""
+    out = []
+    for t in frame.tensors:
+        kind = t.kind
+        if "nan" in kind:
+            out.append(f"{t.name} has nans")
+        if "inf" in kind:
+            out.append(f"{t.name} has infs")
+    return out
+
+
+def render_detection(event: NonFiniteEvent) -> str:
+    """The detection report exactly as the peer prints it (each print() ends with a newline)."""
+    parts = overflow_lines(event.frames[-1]) if event.frames else []
+    parts += [
+        f"\nDetected inf/nan during batch_number={event.batch_number}",
+        f"Last {len(event.frames)} forward frames:",
+        HEADER,
+        "\n".join(frame_text(f) for f in event.frames),
+        "\n\n",
+    ]
+    return "".join(p + "\n" for p in parts)
+
+
+def render_frames(frames: Iterable[Frame]) -> str:
+    """Frames as the peer's trace mode prints them, one print() per frame."""
+    return "".join(frame_text(f) + "\n" for f in frames)
+
+
+def render_trace(event: BatchTraceEvent) -> str:
+    return render_frames(event.frames)
+
+
+def summary_line(event: NonFiniteEvent) -> str:
+    """One line for repeated detections after the first full report."""
+    where = event.module or "(root)"
+    return (f"tensorwatch_otel: {event.kind} in {where} {event.module_class} {event.tensor} "
+            f"during batch_number={event.batch_number} (rank {event.rank})\n")

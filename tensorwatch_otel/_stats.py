@@ -1,0 +1,116 @@
+"""On-device statistics of one tensor: abs min and abs max, without a host sync.
+
+The hot path calls `measure(t)`; odd tensors (meta, empty, sparse, quantized, fp8, complex,
+bool, subclasses) are guarded here so the watcher never has to think about them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ._events import NOTE_EMPTY, NOTE_NO_DATA
+
+log = logging.getLogger("tensorwatch_otel")
+
+Pair = Tuple[torch.Tensor, torch.Tensor]  # (abs_min, abs_max) as 0-d device tensors
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                                         "float8_e8m0fnu") if hasattr(torch, n))
+_warned_types: set = set()
+
+
+def _finfo_max(dtype: torch.dtype) -> Optional[float]:
+    if dtype.is_floating_point:
+        return float(torch.finfo(dtype).max)
+    return None
+
+
+# largest finite value per dtype, for range_used (None for integer/bool dtypes)
+DTYPE_MAX = {d: _finfo_max(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64) + _FP8}
+DTYPE_NAME = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = DTYPE_NAME.get(dtype)
+    if name is None:
+        name = DTYPE_NAME[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _values(t: torch.Tensor) -> Union[torch.Tensor, str]:
+    """The tensor whose abs min/max describe `t`, or a NOTE_* when there are none."""
+    if type(t) not in _PLAIN:
+        t = _unwrap_subclass(t)
+        if isinstance(t, str):
+            return t
+    if t.is_meta:
+        return NOTE_NO_DATA
+    if t.layout is not torch.strided:
+        if t.layout in (torch.sparse_coo,):
+            vals = t.coalesce().values() if not t.is_coalesced() else t.values()
+            if vals.numel() < t.numel():  # implicit zeros take part in abs min
+                vals = torch.cat([vals.reshape(-1), vals.new_zeros(1)])
+            t = vals
+        elif t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+            return _values(t.to_sparse_coo())
+        else:
+            return NOTE_NO_DATA
+    if t.is_quantized:
+        t = t.dequantize()
+    if t.numel() == 0:
+        return NOTE_EMPTY
+    dt = t.dtype
+    if dt is torch.bool:
+        return t.view(torch.uint8)
+    if dt in _FP8:
+        return t.float()
+    return t
+
+
+def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str]:
+    """A plain tensor with the same values, for tensor subclasses; NOTE_NO_DATA if there is none."""
+    to_local = getattr(t, "to_local", None)  # DTensor: the local shard
+    try:
+        if callable(to_local):
+            return to_local()
+        cls_name = type(t).__name__
+        if cls_name in ("FakeTensor", "FunctionalTensor") or t.is_meta:
+            return NOTE_NO_DATA
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = t.as_subclass(torch.Tensor)
+        if plain.untyped_storage().data_ptr() == 0 and plain.numel() > 0:
+            return NOTE_NO_DATA  # wrapper subclass: the data lives elsewhere
+        return plain
+    except Exception as exc:  # any subclass may refuse; never break training for it
+        key = type(t)
+        if key not in _warned_types:
+            _warned_types.add(key)
+            log.warning("tensorwatch_otel: cannot read values of %s (%s); reported without statistics",
+                        key.__name__, exc)
+        return NOTE_NO_DATA
+
+
+def measure(t: torch.Tensor) -> Union[Pair, str]:
+    """(abs_min, abs_max) as device scalars, or a NOTE_* string. Call under no_grad.
+
+    NaN propagates into both values and inf shows in abs_max, so detection needs nothing more.
+    """
+    v = _values(t) if (type(t) not in _PLAIN or t.layout is not torch.strided or t.is_meta
+                       or t.numel() == 0 or t.dtype is torch.bool or t.dtype in _FP8 or t.is_quantized) else t
+    if isinstance(v, str):
+        return v
+    if v.is_complex():
+        a = v.abs()
+    elif v.dtype is torch.uint8:
+        a = v
+    else:
+        a = v.abs()
+    mn, mx = torch.aminmax(a)
+    if not a.is_floating_point():
+        # keep integers exact when stacked with float32 stats (float64 holds int up to 2**53)
+        mn, mx = mn.double(), mx.double()
+    return mn, mx

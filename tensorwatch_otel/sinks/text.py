@@ -1,0 +1,37 @@
+"""TextReport: the detection report and batch traces in the peer's text format."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, TextIO
+
+from .._events import BatchTraceEvent, NonFiniteEvent
+from .._report import render_detection, render_trace, summary_line
+from ._base import Sink
+
+
+class TextReport(Sink):
+    """Writes reports to `stream` (default: sys.stdout at the time of writing).
+
+    The first detection prints the full report; later ones (on_detect="report") one line each.
+    Traced batches print on rank 0 only unless `all_ranks=True`; detections print on the rank
+    that found them.
+    """
+
+    def __init__(self, stream: Optional[TextIO] = None, all_ranks: bool = False):
+        self.stream = stream
+        self.all_ranks = all_ranks
+        self._reports = 0
+
+    def _write(self, text: str) -> None:
+        out = self.stream if self.stream is not None else sys.stdout
+        out.write(text)
+        out.flush()
+
+    def on_event(self, event) -> None:
+        if isinstance(event, NonFiniteEvent):
+            self._reports += 1
+            self._write(render_detection(event) if self._reports == 1 else summary_line(event))
+        elif isinstance(event, BatchTraceEvent):
+            if self.all_ranks or event.rank == 0:
+                self._write(render_trace(event))
