@@ -1,0 +1,397 @@
+"""PrometheusMetrics: series names, labels and values, aggregation, cardinality cap, serving,
+taken ports, linger after a detection, a real Prometheus scraping a training process."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from _otel_fixtures import (OverflowNet, TinyNet, batch, detection, frame, linear_frames, parse_prom,
+                            sample, stat, wide_model)
+from conftest import free_port
+from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
+
+
+@pytest.fixture
+def registry():
+    return CollectorRegistry()
+
+
+def scrape(reg) -> dict:
+    return parse_prom(generate_latest(reg).decode())
+
+
+def test_series_names_labels_values(registry):
+    sink = PrometheusMetrics(registry=registry)
+    frames = (frame("enc.0", "Linear", stat("weight", 0.125, 2.0), stat("output", 0.0, 3.0)),
+              frame("", "TinyNet", stat("output", 0.5, 1.5, dtype="float32")))
+    sink.on_batch(batch(frames, number=7, rank=0))
+    p = scrape(registry)
+    lab = dict(module="enc.0", module_class="Linear", rank="0")
+    assert sample(p, "tensorwatch_tensor_abs_max", tensor="weight", **lab) == 2.0
+    assert sample(p, "tensorwatch_tensor_abs_min", tensor="weight", **lab) == 0.125
+    assert sample(p, "tensorwatch_tensor_range_used_ratio", tensor="output", dtype="float16", **lab) == \
+        pytest.approx(3.0 / 65504)
+    # the root module's empty path is "(root)" in labels
+    assert sample(p, "tensorwatch_tensor_abs_max", module="(root)", module_class="TinyNet",
+                  tensor="output", rank="0") == 1.5
+    assert sample(p, "tensorwatch_batches_total", rank="0") == 1
+    assert sample(p, "tensorwatch_batch_number", rank="0") == 7
+    assert sample(p, "tensorwatch_series_dropped", rank="0") == 0
+    sink.close()
+
+
+def test_rank_label_and_latest_batch_only(registry):
+    sink = PrometheusMetrics(registry=registry)
+    sink.on_batch(batch(linear_frames(3), number=0, rank=5))
+    sink.on_batch(batch(linear_frames(1), number=1, rank=5))
+    p = scrape(registry)
+    assert sample(p, "tensorwatch_batches_total", rank="5") == 2
+    assert sample(p, "tensorwatch_batch_number", rank="5") == 1
+    mods = {dict(k[1])["module"] for k in p if k[0] == "tensorwatch_tensor_abs_max"}
+    assert mods == {"layers.0"}  # layers.1/2 belonged to the previous batch only
+    sink.close()
+
+
+def test_module_called_twice_is_aggregated(registry):
+    sink = PrometheusMetrics(registry=registry)
+    a = frame("shared", "Linear", stat("input[0]", 0.5, 2.0), stat("output", 1e-3, 4.0))
+    b = frame("shared", "Linear", stat("input[0]", 0.25, 1.0), stat("output", 1e-2, 8.0))
+    sink.on_batch(batch((a, b)))
+    p = scrape(registry)
+    lab = dict(module="shared", module_class="Linear", rank="0")
+    assert sample(p, "tensorwatch_tensor_abs_max", tensor="input[0]", **lab) == 2.0
+    assert sample(p, "tensorwatch_tensor_abs_min", tensor="input[0]", **lab) == 0.25
+    assert sample(p, "tensorwatch_tensor_abs_max", tensor="output", **lab) == 8.0
+    assert sample(p, "tensorwatch_tensor_abs_min", tensor="output", **lab) == 1e-3
+    assert sample(p, "tensorwatch_tensor_range_used_ratio", tensor="output", dtype="float16", **lab) == \
+        pytest.approx(8.0 / 65504)
+    n = sum(1 for k in p if k[0] == "tensorwatch_tensor_abs_max")
+    assert n == 2
+    sink.close()
+
+
+def test_nan_is_not_hidden_by_aggregation(registry):
+    sink = PrometheusMetrics(registry=registry)
+    a = frame("m", "Linear", stat("output", 0.0, float("nan")))
+    b = frame("m", "Linear", stat("output", 0.0, 3.0))
+    sink.on_batch(batch((a, b)))
+    v = sample(scrape(registry), "tensorwatch_tensor_abs_max", module="m", module_class="Linear",
+               tensor="output", rank="0")
+    assert v != v
+    sink.close()
+
+
+def test_nonfinite_counter_labelled_with_first_tensor(registry):
+    sink = PrometheusMetrics(registry=registry)
+    frames = linear_frames(4, bad_at=3)
+    sink.on_batch(batch(frames))
+    sink.on_event(detection(frames, rank=2))
+    sink.on_event(detection(frames, rank=2))
+    p = scrape(registry)
+    assert sample(p, "tensorwatch_nonfinite_events_total", module="layers.3", module_class="Linear",
+                  tensor="output", rank="2") == 2
+    assert sum(1 for k in p if k[0] == "tensorwatch_nonfinite_events_total") == 1
+    # the overflowing value itself is visible as +Inf (valid in the exposition format)
+    assert sample(p, "tensorwatch_tensor_abs_max", module="layers.3", module_class="Linear",
+                  tensor="output", rank="0") == float("inf")
+    sink.close()
+
+
+def test_include_exclude(registry):
+    sink = PrometheusMetrics(registry=registry, include=["layers.*"], exclude=["layers.1"])
+    sink.on_batch(batch(linear_frames(3) + (frame("", "Net", stat("output", 0, 1)),)))
+    mods = {dict(k[1])["module"] for k in scrape(registry) if k[0] == "tensorwatch_tensor_abs_max"}
+    assert mods == {"layers.0", "layers.2"}
+    sink.close()
+
+
+def test_series_cap_logs_once_and_counts(registry, caplog):
+    sink = PrometheusMetrics(registry=registry, max_series=10)
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        sink.on_batch(batch(linear_frames(5)))  # 20 pairs
+        p = scrape(registry)
+        sink.on_batch(batch(linear_frames(5), number=1))
+        scrape(registry)
+    assert sum(1 for k in p if k[0] == "tensorwatch_tensor_abs_max") == 10
+    assert sample(p, "tensorwatch_series_dropped", rank="0") == 10
+    notes = [r for r in caplog.records if "series cap" in r.getMessage()]
+    assert len(notes) == 1 and "max_series=10" in notes[0].getMessage()
+    sink.close()
+
+
+def test_env_max_series_and_invalid_values(registry, monkeypatch):
+    monkeypatch.setenv("TENSORWATCH_PROMETHEUS_MAX_SERIES", "3")
+    sink = PrometheusMetrics(registry=registry)
+    assert sink.max_series == 3
+    sink.close()
+    monkeypatch.setenv("TENSORWATCH_PROMETHEUS_MAX_SERIES", "lots")
+    with pytest.raises(ValueError, match="TENSORWATCH_PROMETHEUS_MAX_SERIES"):
+        PrometheusMetrics(registry=CollectorRegistry())
+    with pytest.raises(ValueError, match="linger_s"):
+        PrometheusMetrics(registry=CollectorRegistry(), max_series=5, linger_s=-1)
+
+
+def test_scrape_never_sees_half_a_batch(registry):
+    """While the training thread swaps batches as fast as it can, every scrape shows one batch:
+    all modules of a batch carry that batch's value, and batches_total matches batch_number."""
+    sink = PrometheusMetrics(registry=registry)
+    stop = threading.Event()
+
+    def frames_for(b):
+        return tuple(frame(f"m{i}", "Linear", stat("output", 0.0, float(b))) for i in range(50))
+
+    prebuilt = [batch(frames_for(b), number=b) for b in range(200)]
+
+    def train():
+        b = 0
+        while not stop.is_set():
+            sink.on_batch(prebuilt[b % 200])
+            b += 1
+
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        for _ in range(50):
+            p = scrape(registry)
+            values = {v for k, v in p.items() if k[0] == "tensorwatch_tensor_abs_max"}
+            assert len(values) == 1
+            assert values == {sample(p, "tensorwatch_batch_number", rank="0")}
+    finally:
+        stop.set()
+        t.join()
+    sink.close()
+
+
+def test_big_model_scrapes_fast(registry):
+    """2,500 modules x 4 tensors: the first scrape (which aggregates) well under a second."""
+    sink = PrometheusMetrics(registry=registry)
+    sink.on_batch(batch(linear_frames(2500)))
+    t = time.perf_counter()
+    text = generate_latest(registry)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    generate_latest(registry)
+    again = time.perf_counter() - t
+    assert text.count(b"tensorwatch_tensor_abs_max{") == 10_000
+    assert first < 0.5, first
+    assert again < 0.5, again
+    sink.close()
+
+
+def test_on_batch_is_cheap(registry):
+    sink = PrometheusMetrics(registry=registry)
+    st = batch(linear_frames(2000))
+    t = time.perf_counter()
+    for _ in range(10_000):
+        sink.on_batch(st)
+    per_call = (time.perf_counter() - t) / 10_000
+    assert per_call < 20e-6, per_call
+    sink.close()
+
+
+def test_serves_http_and_close_frees_port(registry):
+    sink = PrometheusMetrics(port=0, registry=registry, linger_s=0)
+    assert sink.port and sink.url == f"http://127.0.0.1:{sink.port}/metrics"
+    sink.on_batch(batch(linear_frames(2)))
+    body = urllib.request.urlopen(sink.url, timeout=5).read().decode()
+    assert sample(parse_prom(body), "tensorwatch_tensor_abs_max", module="layers.1",
+                  module_class="Linear", tensor="weight", rank="0") == 1.5
+    port = sink.port
+    sink.close()
+    sink.close()  # idempotent
+    again = PrometheusMetrics(port=port, registry=CollectorRegistry(), linger_s=0)
+    assert again.port == port
+    again.close()
+
+
+def test_local_rank_offsets_the_port(registry, monkeypatch):
+    import socket
+
+    while True:  # a base port whose +3 is free as well
+        base = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + 3))
+                break
+            except OSError:
+                continue
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    sink = PrometheusMetrics(port=base, registry=registry, linger_s=0)
+    assert sink.port == base + 3
+    sink.close()
+
+
+def test_taken_port_logs_one_error_and_training_goes_on(registry, caplog):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        taken = s.getsockname()[1]
+        with caplog.at_level(logging.ERROR, logger="tensorwatch_otel"):
+            sink = PrometheusMetrics(port=taken, registry=registry, linger_s=0)
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1
+        msg = errors[0].getMessage()
+        assert str(taken) in msg and "training goes on" in msg
+        assert sink.port is None and sink.url is None
+        # still collects into the registry
+        sink.on_batch(batch(linear_frames(1)))
+        assert sample(scrape(registry), "tensorwatch_batches_total", rank="0") == 1
+        sink.close()
+
+
+def test_duplicate_registration_is_logged_not_raised(registry, caplog):
+    first = PrometheusMetrics(registry=registry)
+    with caplog.at_level(logging.ERROR, logger="tensorwatch_otel"):
+        second = PrometheusMetrics(registry=registry)
+    assert any("could not register" in r.getMessage() for r in caplog.records)
+    second.close()
+    first.close()
+    third = PrometheusMetrics(registry=registry)  # close() unregistered the first
+    third.close()
+
+
+def test_watch_end_to_end_values_match_the_model(registry):
+    from tensorwatch_otel import watch
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    sink = PrometheusMetrics(registry=registry)
+    x = torch.randn(3, 16)
+    with watch(model, sinks=[sink]):
+        model(x)
+        model(x)
+    p = scrape(registry)
+    w = model.blocks[0].ff.weight.detach().abs()
+    assert sample(p, "tensorwatch_tensor_abs_max", module="blocks.0.ff", module_class="Linear",
+                  tensor="weight", rank="0") == pytest.approx(w.max().item())
+    assert sample(p, "tensorwatch_tensor_abs_min", module="blocks.0.ff", module_class="Linear",
+                  tensor="weight", rank="0") == pytest.approx(w.min().item())
+    assert sample(p, "tensorwatch_tensor_abs_max", module="(root)", module_class="TinyNet",
+                  tensor="output", rank="0") == pytest.approx(model(x).abs().max().item())
+    assert sample(p, "tensorwatch_batches_total", rank="0") == 2
+    assert sample(p, "tensorwatch_batch_number", rank="0") == 1
+
+
+# ---------------------------------------------------------------- linger (subprocess)
+_LINGER_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from prometheus_client import CollectorRegistry
+    sys.path.insert(0, {tests!r})
+    from _otel_fixtures import batch, detection, linear_frames
+    from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
+    sink = PrometheusMetrics(port={port}, registry=CollectorRegistry())
+    frames = linear_frames(3, bad_at=2)
+    sink.on_batch(batch(frames))
+    sink.on_event(detection(frames))
+    print("detected", flush=True)
+    raise ValueError("inf/nan detected")  # the process dies right after the detection
+""")
+
+
+def _run_linger(port, linger):
+    env = dict(os.environ, TENSORWATCH_PROMETHEUS_LINGER_SECONDS=str(linger))
+    script = _LINGER_SCRIPT.format(tests=os.path.dirname(__file__), port=port)
+    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_linger_serves_until_one_scrape_after_detection():
+    port = free_port()
+    proc = _run_linger(port, 30)
+    assert proc.stdout.readline().strip() == "detected"
+    time.sleep(1.0)  # the exception has left; the process is lingering
+    assert proc.poll() is None
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert sample(parse_prom(body), "tensorwatch_nonfinite_events_total", module="layers.2",
+                  module_class="Linear", tensor="output", rank="0") == 1
+    t = time.monotonic()
+    proc.wait(timeout=10)
+    assert time.monotonic() - t < 5  # left soon after the scrape, not after 30 s
+    err = proc.stderr.read()
+    assert "waiting up to 30 s" in err and "ValueError" in err
+
+
+@pytest.mark.slow
+def test_linger_is_bounded_without_scrapes():
+    proc = _run_linger(free_port(), 1.5)
+    t = time.monotonic()
+    proc.wait(timeout=20)
+    took = time.monotonic() - t
+    assert 1.0 < took < 8, took
+    assert "no scrape within" in proc.stderr.read()
+
+
+@pytest.mark.slow
+def test_linger_zero_exits_at_once():
+    proc = _run_linger(free_port(), 0)
+    t = time.monotonic()
+    proc.wait(timeout=20)
+    assert time.monotonic() - t < 5
+    assert "waiting up to" not in proc.stderr.read()
+
+
+# ---------------------------------------------------------------- a real Prometheus
+_TRAIN_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {tests!r})
+    from _otel_fixtures import OverflowNet
+    from tensorwatch_otel import watch, NonFiniteDetected
+    torch.manual_seed(0)
+    model = OverflowNet()
+    x = torch.randn(4, 8)
+    w = watch(model)  # sinks=None: TENSORWATCH_PROMETHEUS_PORT in the environment
+    for step in range(1000):
+        if step == {overflow_at}:
+            model.boom.factor = 1e39
+        model(x)
+        time.sleep(0.05)
+""")
+
+
+@pytest.mark.slow
+def test_real_prometheus_scrapes_training_process(tmp_path):
+    from prom_server import PrometheusServer
+
+    port = free_port()
+    env = dict(os.environ, TENSORWATCH_PROMETHEUS_PORT=str(port), TENSORWATCH_PROMETHEUS_LINGER_SECONDS="60")
+    script = _TRAIN_SCRIPT.format(tests=os.path.dirname(__file__), overflow_at=60)
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        with PrometheusServer(tmp_path, scrape_targets=[f"127.0.0.1:{port}"], scrape_interval="1s") as prom:
+            res = prom.wait_for('tensorwatch_tensor_abs_max{module="inp",tensor="weight"}',
+                                lambda r: len(r) == 1, timeout=30)
+            labels = res[0]["metric"]
+            assert labels["module_class"] == "Linear" and labels["rank"] == "0"
+            assert labels["job"] == "tensorwatch"
+            ru = prom.query('tensorwatch_tensor_range_used_ratio{module="out",tensor="output"}')
+            assert ru and ru[0]["metric"]["dtype"] == "float32"
+            # the injected overflow: the process raises and dies; linger lets Prometheus see it
+            res = prom.wait_for("tensorwatch_nonfinite_events_total", lambda r: len(r) == 1, timeout=30)
+            m = res[0]["metric"]
+            assert (m["module"], m["module_class"], m["tensor"], m["rank"]) == \
+                ("boom", "Overflow", "output", "0")
+            assert float(res[0]["value"][1]) == 1
+            proc.wait(timeout=20)
+            assert proc.returncode == 1
+            assert "NonFiniteDetected" in proc.stderr.read()
+            n = prom.query("max(tensorwatch_batch_number)")
+            assert float(n[0]["value"][1]) >= 50
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
