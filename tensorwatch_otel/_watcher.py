@@ -138,6 +138,8 @@ class Watcher:
         self._acts_seen: Dict[int, tuple] = {}  # id -> (weakref, version, (mn, mx), dtype)
         self._rec = _Record(0)
         self._prev: Optional[_Record] = None
+        # finished batches, newest last, kept while the newer ones hold fewer than max_frames frames
+        self._history: List[_Record] = []
         self._grad_rec: Optional[_Record] = None
         self._active = self._watches(0)
         self._failed_hooks = 0
@@ -390,6 +392,7 @@ class Watcher:
             self._readback(rec)
             self._finish(rec)
             self._prev = rec
+            self._keep(rec)
         cfg = self.config
         if cfg.abort_after_batch is not None and self.batch_number > cfg.abort_after_batch:
             self._abort()
@@ -425,10 +428,23 @@ class Watcher:
         n = self.config.max_frames
         frames = rec.materialize(max(0, fi + 1 - n), fi + 1)
         missing = n - len(frames)
-        prev = self._prev
-        if missing > 0 and prev is not None and prev is not rec and rec.phase == "forward":
-            frames = prev.materialize(max(0, len(prev.frames) - missing)) + frames
+        if rec.phase == "forward":
+            # the ring spans batch boundaries, like the peer's deque (as many batches as fit)
+            for prev in reversed(self._history):
+                if missing <= 0:
+                    break
+                if prev is not rec:
+                    older = prev.materialize(max(0, len(prev.frames) - missing))
+                    frames = older + frames
+                    missing -= len(older)
         return frames
+
+    def _keep(self, rec: _Record) -> None:
+        hist = self._history
+        hist.append(rec)
+        total = sum(len(r.frames) for r in hist)
+        while len(hist) > 1 and total - len(hist[0].frames) >= self.config.max_frames:
+            total -= len(hist.pop(0).frames)
 
     def _detected(self, rec: _Record, fi: int) -> None:
         frames = self._ring(rec, fi)
