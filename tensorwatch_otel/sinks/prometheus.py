@@ -7,19 +7,18 @@ training thread only swaps one reference per batch.
 from __future__ import annotations
 
 import atexit
-import fnmatch
 import logging
-import math
 import os
 import threading
 import time
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .._events import BatchStats, Event, NonFiniteEvent, label_for_module
+from ._aggregate import Key, ModuleFilter, Patterns, aggregate
 from ._base import Sink
 
 __all__ = ["PrometheusMetrics", "DEFAULT_MAX_SERIES", "DEFAULT_LINGER_S"]
@@ -35,8 +34,6 @@ ENV_LINGER = "TENSORWATCH_PROMETHEUS_LINGER_SECONDS"
 # Time left for the HTTP response to reach Prometheus after the collector produced it.
 _RESPONSE_GRACE_S = 0.5
 
-_Patterns = Optional[Union[str, Sequence[str]]]
-_Key = Tuple[str, str]  # (module label, tensor)
 
 
 def _env_number(name: str, arg: str, value, default, cast, minimum):
@@ -56,31 +53,12 @@ def _env_number(name: str, arg: str, value, default, cast, minimum):
     return number
 
 
-def _patterns(p: _Patterns) -> Tuple[str, ...]:
-    if p is None:
-        return ()
-    return (p,) if isinstance(p, str) else tuple(p)
-
-
-def _max_nan(a: float, b: float) -> float:
-    # NaN wins: a NaN anywhere in the batch must not be hidden by comparison order.
-    if a != a or b != b:
-        return math.nan
-    return a if a >= b else b
-
-
-def _min_nan(a: float, b: float) -> float:
-    if a != a or b != b:
-        return math.nan
-    return a if a <= b else b
-
-
 class _Snapshot:
     """Aggregated rows of one batch: one entry per (module, tensor), built at scrape time."""
 
     __slots__ = ("stats", "entries", "dropped")
 
-    def __init__(self, stats: BatchStats, entries: Dict[_Key, list], dropped: int):
+    def __init__(self, stats: BatchStats, entries: Dict[Key, list], dropped: int):
         self.stats = stats
         self.entries = entries
         self.dropped = dropped
@@ -122,16 +100,14 @@ class PrometheusMetrics(Sink):
         addr: str = "127.0.0.1",
         registry: Optional[CollectorRegistry] = None,
         *,
-        include: _Patterns = None,
-        exclude: _Patterns = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
         max_series: Optional[int] = None,
         linger_s: Optional[float] = None,
     ):
         self.max_series = _env_number(ENV_MAX_SERIES, "max_series", max_series, DEFAULT_MAX_SERIES, int, 1)
         self.linger_s = _env_number(ENV_LINGER, "linger_s", linger_s, DEFAULT_LINGER_S, float, 0.0)
-        self._include = _patterns(include)
-        self._exclude = _patterns(exclude)
-        self._selected: Dict[str, bool] = {}
+        self._wanted = ModuleFilter(include, exclude)
         self._default_rank = int(os.environ.get("RANK", "0") or 0)
 
         # (latest stats, watched batches so far): one tuple swapped at once, so a scrape sees
@@ -262,35 +238,9 @@ class PrometheusMetrics(Sink):
                 pass
 
     # -- collection (scrape thread) -------------------------------------------------------
-    def _wanted(self, module: str) -> bool:
-        ok = self._selected.get(module)
-        if ok is None:
-            label = label_for_module(module)
-            names = (module, label)
-            ok = (not self._include or any(fnmatch.fnmatchcase(n, p) for n in names for p in self._include)) and \
-                not any(fnmatch.fnmatchcase(n, p) for n in names for p in self._exclude)
-            self._selected[module] = ok
-        return ok
-
     def _build(self, stats: BatchStats) -> _Snapshot:
-        entries: Dict[_Key, list] = {}
-        dropped = 0
         cap = self.max_series
-        for r in stats.rows():
-            if not self._wanted(r.module):
-                continue
-            key = (label_for_module(r.module), r.tensor)
-            e = entries.get(key)
-            if e is None:
-                if len(entries) >= cap:
-                    dropped += 1
-                    continue
-                entries[key] = [r.module_class, r.dtype, r.abs_min, r.abs_max, r.range_used]
-            else:  # a module called more than once in the batch: the extremes of all calls
-                e[2] = _min_nan(e[2], r.abs_min)
-                e[3] = _max_nan(e[3], r.abs_max)
-                if r.range_used is not None:
-                    e[4] = r.range_used if e[4] is None else _max_nan(e[4], r.range_used)
+        entries, dropped = aggregate(stats, self._wanted, cap)
         if dropped and not self._cap_logged:
             self._cap_logged = True
             log.warning("tensorwatch_otel: Prometheus series cap reached: %d (module, tensor) pairs "

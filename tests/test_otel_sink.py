@@ -1,0 +1,299 @@
+"""OtelTelemetry with the SDK's in-memory exporter and reader: span names, status, attributes,
+frame order, splitting, scope, gauges, counter, and no NaN/Inf gauge values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from _otel_fixtures import OverflowNet, TinyNet, batch, detection, frame, linear_frames, stat
+from tensorwatch_otel._events import BatchTraceEvent
+from tensorwatch_otel._version import __version__
+from tensorwatch_otel.sinks.otel import OtelTelemetry
+
+
+class Otel:
+    def __init__(self, max_events=None):
+        self.spans = InMemorySpanExporter()
+        limits = SpanLimits(max_events=max_events) if max_events else None
+        self.tp = TracerProvider(resource=Resource.create({"service.name": "t"}), span_limits=limits,
+                                 shutdown_on_exit=False)
+        self.tp.add_span_processor(SimpleSpanProcessor(self.spans))
+        self.reader = InMemoryMetricReader()
+        self.mp = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+
+    def sink(self, **kw) -> OtelTelemetry:
+        return OtelTelemetry(self.tp, self.mp, **kw)
+
+    def finished(self, name=None):
+        return [s for s in self.spans.get_finished_spans() if name is None or s.name == name]
+
+    def points(self, name):
+        data = self.reader.get_metrics_data()
+        out = []
+        for rm in data.resource_metrics if data else ():
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    if m.name == name:
+                        out.append((sm.scope, m))
+        return out
+
+    def close(self):
+        self.tp.shutdown()
+        self.mp.shutdown()
+
+
+@pytest.fixture
+def otel():
+    o = Otel()
+    yield o
+    o.close()
+
+
+def values(metric):
+    return {tuple(sorted(dp.attributes.items())): dp.value for dp in metric.data.data_points}
+
+
+def test_detection_span_attributes_status_and_frames(otel):
+    sink = otel.sink()
+    frames = linear_frames(5, bad_at=4) + ()
+    ev = detection(frames, batch=12, rank=3)
+    sink.on_event(ev)
+    sink.flush(5)
+    [span] = otel.finished()
+    assert span.name == "tensorwatch.nonfinite_detected"
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.instrumentation_scope.name == "tensorwatch_otel"
+    assert span.instrumentation_scope.version == __version__
+    a = span.attributes
+    assert a["tensorwatch.module.path"] == "layers.4"
+    assert a["tensorwatch.module.class"] == "Linear"
+    assert a["tensorwatch.tensor"] == "output"
+    assert a["tensorwatch.batch_number"] == 12 and isinstance(a["tensorwatch.batch_number"], int)
+    assert a["tensorwatch.rank"] == 3 and isinstance(a["tensorwatch.rank"], int)
+    assert a["tensorwatch.nonfinite.kind"] == "inf"
+    assert "Detected inf/nan during batch_number=12" in a["tensorwatch.report"]
+    assert "layers.4 Linear" in a["tensorwatch.report"]
+    events = list(span.events)
+    assert [e.name for e in events] == ["tensorwatch.frame"] * 5
+    assert [e.attributes["tensorwatch.module.path"] for e in events] == [f"layers.{i}" for i in range(5)]
+    assert [e.attributes["tensorwatch.frame.index"] for e in events] == list(range(5))
+    ts = [e.timestamp for e in events]
+    assert ts == sorted(ts) and len(set(ts)) == 5
+    last = events[-1].attributes
+    assert list(last["tensorwatch.tensors"]) == ["weight", "bias", "input[0]", "output"]
+    assert list(last["tensorwatch.abs_max"]) == [4.5, 0.25, 4.0, math.inf]
+    assert list(last["tensorwatch.abs_min"]) == pytest.approx([0.005, 0.0, 0.0, 0.0])
+    assert last["tensorwatch.module.class"] == "Linear"
+
+
+def test_root_and_tensors_without_stats(otel):
+    sink = otel.sink()
+    fr = frame("", "Net", stat("input[0]", None, None, note="None"), stat("output", 0.0, float("nan")))
+    sink.on_event(detection((fr,)))
+    sink.flush(5)
+    [span] = otel.finished()
+    assert span.attributes["tensorwatch.module.path"] == "(root)"
+    assert span.attributes["tensorwatch.nonfinite.kind"] == "nan"
+    e = span.events[0].attributes
+    assert list(e["tensorwatch.tensors"]) == ["output"]
+    assert math.isnan(e["tensorwatch.abs_max"][0])
+    assert list(e["tensorwatch.notes"]) == ["input[0]: None"]
+
+
+def test_batch_trace_split_over_event_limit():
+    o = Otel(max_events=4)
+    try:
+        sink = o.sink()
+        frames = linear_frames(10)
+        sink.on_event(BatchTraceEvent(2, 0, frames, 1.7e9))
+        sink.flush(5)
+        spans = o.finished("tensorwatch.batch_trace")
+        assert len(spans) == 3
+        spans.sort(key=lambda s: s.attributes["tensorwatch.trace.part"])
+        assert [s.attributes["tensorwatch.trace.part"] for s in spans] == [1, 2, 3]
+        assert all(s.attributes["tensorwatch.trace.parts"] == 3 for s in spans)
+        assert all(s.attributes["tensorwatch.batch_number"] == 2 for s in spans)
+        assert [len(s.events) for s in spans] == [4, 4, 2]
+        paths = [e.attributes["tensorwatch.module.path"] for s in spans for e in s.events]
+        assert paths == [f"layers.{i}" for i in range(10)]
+        # one trace: later parts are children of the first
+        assert len({s.context.trace_id for s in spans}) == 1
+        assert spans[1].parent.span_id == spans[0].context.span_id
+        assert all(s.dropped_events == 0 for s in spans)
+    finally:
+        o.close()
+
+
+def test_detection_over_event_limit_keeps_latest_frames():
+    o = Otel(max_events=3)
+    try:
+        sink = o.sink()
+        sink.on_event(detection(linear_frames(5, bad_at=4)))
+        sink.flush(5)
+        [span] = o.finished()
+        assert [e.attributes["tensorwatch.module.path"] for e in span.events] == ["layers.2", "layers.3", "layers.4"]
+        assert span.attributes["tensorwatch.frames.omitted"] == 2
+        assert "layers.0 Linear" in span.attributes["tensorwatch.report"]
+    finally:
+        o.close()
+
+
+def test_gauges_read_latest_batch_and_skip_nonfinite(otel):
+    sink = otel.sink()
+    a = frame("enc", "Linear", stat("weight", 0.5, 2.0), stat("output", 0.0, float("inf")))
+    b = frame("enc", "Linear", stat("weight", 0.25, 1.0), stat("output", float("nan"), float("nan")))
+    sink.on_batch(batch(linear_frames(2), number=0, rank=1))
+    sink.on_batch(batch((a, b, frame("", "Net", stat("output", 0.1, 3.0, dtype="float32"))), number=1, rank=1))
+    [(scope, amax)] = otel.points("tensorwatch.tensor.abs_max")
+    assert scope.name == "tensorwatch_otel" and scope.version == __version__
+    got = values(amax)
+    base = (("tensorwatch.module.class", "Linear"), ("tensorwatch.module.path", "enc"), ("tensorwatch.rank", 1))
+    assert got[tuple(sorted(base + (("tensorwatch.tensor", "weight"),)))] == 2.0
+    # abs max of enc.output is inf: no gauge point at all (never a NaN/Inf value)
+    assert tuple(sorted(base + (("tensorwatch.tensor", "output"),))) not in got
+    root = (("tensorwatch.module.class", "Net"), ("tensorwatch.module.path", "(root)"), ("tensorwatch.rank", 1),
+            ("tensorwatch.tensor", "output"))
+    assert got[root] == 3.0
+    assert len(got) == 2  # layers.* belonged to the earlier batch
+    for name in ("tensorwatch.tensor.abs_max", "tensorwatch.tensor.abs_min", "tensorwatch.tensor.range_used"):
+        for _, m in otel.points(name):
+            assert all(math.isfinite(dp.value) for dp in m.data.data_points), name
+    [(_, amin)] = otel.points("tensorwatch.tensor.abs_min")
+    assert values(amin)[tuple(sorted(base + (("tensorwatch.tensor", "weight"),)))] == 0.25
+    [(_, ru)] = otel.points("tensorwatch.tensor.range_used")
+    rv = values(ru)
+    assert rv[tuple(sorted(base + (("tensorwatch.tensor", "weight"), ("tensorwatch.dtype", "float16"))))] == \
+        pytest.approx(2.0 / 65504)
+    [(_, bn)] = otel.points("tensorwatch.batch_number")
+    assert values(bn) == {(("tensorwatch.rank", 1),): 1}
+    [(_, bt)] = otel.points("tensorwatch.batches")
+    assert values(bt) == {(("tensorwatch.rank", 1),): 2}
+
+
+def test_counter_per_detection(otel):
+    sink = otel.sink()
+    frames = linear_frames(3, bad_at=2)
+    sink.on_event(detection(frames, rank=0))
+    sink.on_event(detection(frames, rank=0))
+    sink.flush(5)
+    [(_, m)] = otel.points("tensorwatch.nonfinite.events")
+    assert m.unit == "{event}"
+    assert m.data.is_monotonic
+    assert values(m) == {(("tensorwatch.module.class", "Linear"), ("tensorwatch.module.path", "layers.2"),
+                          ("tensorwatch.rank", 0), ("tensorwatch.tensor", "output")): 2}
+    assert len(otel.finished("tensorwatch.nonfinite_detected")) == 2
+
+
+def test_series_cap(otel, caplog):
+    sink = otel.sink(max_series=6)
+    sink.on_batch(batch(linear_frames(3)))
+    with caplog.at_level("WARNING", logger="tensorwatch_otel"):
+        [(_, m)] = otel.points("tensorwatch.tensor.abs_max")
+        otel.points("tensorwatch.tensor.abs_max")
+    assert len(m.data.data_points) == 6
+    assert sum("series cap" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_global_providers_are_used_when_none_given(otel, monkeypatch):
+    from opentelemetry import metrics, trace
+
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: otel.tp)
+    monkeypatch.setattr(metrics, "get_meter_provider", lambda: otel.mp)
+    sink = OtelTelemetry()
+    sink.on_event(detection(linear_frames(2, bad_at=1)))
+    sink.flush(5)
+    assert len(otel.finished("tensorwatch.nonfinite_detected")) == 1
+
+
+def test_span_is_child_of_the_training_step_span(otel):
+    sink = otel.sink()
+    tracer = otel.tp.get_tracer("train")
+    with tracer.start_as_current_span("train_step") as step:
+        sink.on_event(detection(linear_frames(2, bad_at=1)))
+    sink.flush(5)
+    [span] = otel.finished("tensorwatch.nonfinite_detected")
+    assert span.parent.span_id == step.get_span_context().span_id
+
+
+def test_on_event_returns_fast_even_with_slow_exporter():
+    import time
+
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class Slow(SpanExporter):
+        def export(self, spans):
+            time.sleep(0.5)
+            return SpanExportResult.SUCCESS
+
+    tp = TracerProvider(shutdown_on_exit=False)
+    tp.add_span_processor(SimpleSpanProcessor(Slow()))  # synchronous: the worst case
+    sink = OtelTelemetry(tp, MeterProvider(shutdown_on_exit=False))
+    frames = linear_frames(3, bad_at=2)
+    t = time.perf_counter()
+    for _ in range(5):
+        sink.on_event(detection(frames))
+    assert time.perf_counter() - t < 0.1
+    t = time.perf_counter()
+    sink.flush(0.3)  # bounded although the queued spans need 2.5 s
+    assert time.perf_counter() - t < 0.8
+    sink.close()
+
+
+def test_watch_end_to_end_detection_span(otel):
+    from tensorwatch_otel import NonFiniteDetected, watch
+
+    torch.manual_seed(0)
+    model = OverflowNet()
+    sink = otel.sink()
+    x = torch.randn(2, 8)
+    w = watch(model, sinks=[sink], max_frames=3)
+    try:
+        model(x)
+        model.boom.factor = 1e39
+        with pytest.raises(NonFiniteDetected) as err:
+            model(x)
+        # spans are exported by the time the exception leaves the hook: no extra flush here
+        [span] = otel.finished("tensorwatch.nonfinite_detected")
+        assert err.value.event.module == "boom"
+        a = span.attributes
+        assert (a["tensorwatch.module.path"], a["tensorwatch.module.class"], a["tensorwatch.tensor"]) == \
+            ("boom", "Overflow", "output")
+        assert a["tensorwatch.batch_number"] == 1
+        assert a["tensorwatch.nonfinite.kind"] == "inf"
+        assert [e.attributes["tensorwatch.module.path"] for e in span.events][-1] == "boom"
+        assert len(span.events) == 3
+        [(_, m)] = otel.points("tensorwatch.nonfinite.events")
+        assert sum(dp.value for dp in m.data.data_points) == 1
+    finally:
+        w.detach()
+
+
+def test_watch_end_to_end_gauges_and_trace(otel):
+    from tensorwatch_otel import watch
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    sink = otel.sink()
+    x = torch.randn(3, 16)
+    with watch(model, sinks=[sink], trace_batches=[1]):
+        for _ in range(3):
+            model(x)
+    [span] = otel.finished("tensorwatch.batch_trace")
+    assert span.attributes["tensorwatch.batch_number"] == 1
+    paths = [e.attributes["tensorwatch.module.path"] for e in span.events]
+    assert paths[-1] == "(root)" and "blocks.0.ff" in paths
+    [(_, m)] = otel.points("tensorwatch.tensor.abs_max")
+    got = values(m)
+    key = (("tensorwatch.module.class", "Linear"), ("tensorwatch.module.path", "head"), ("tensorwatch.rank", 0),
+           ("tensorwatch.tensor", "weight"))
+    assert got[key] == pytest.approx(model.head.weight.detach().abs().max().item())
