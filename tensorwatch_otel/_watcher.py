@@ -84,7 +84,7 @@ class _ModuleInfo:
 class _Record:
     """One batch: device stats in call order, and per frame (info, items, first slot)."""
 
-    __slots__ = ("batch_number", "stats", "dtypes", "frames", "host", "phase")
+    __slots__ = ("batch_number", "stats", "dtypes", "frames", "host", "phase", "detected")
 
     def __init__(self, batch_number: int, phase: str = "forward"):
         self.batch_number = batch_number
@@ -93,6 +93,7 @@ class _Record:
         self.frames: List[tuple] = []  # (info, items, first tensor index)
         self.host: List[float] = []
         self.phase = phase
+        self.detected = False  # one detection per record (check="module" checks every frame)
 
     def materialize(self, lo: int = 0, hi: Optional[int] = None) -> Tuple[Frame, ...]:
         host, dtypes = self.host, self.dtypes
@@ -231,7 +232,15 @@ class Watcher:
                     self._hook_failed(info, exc)
                 if self.config.check == "module":
                     self._readback(self._rec)
-                    self._check(self._rec, len(self._rec.frames) - 1)
+                    try:
+                        self._check(self._rec, len(self._rec.frames) - 1)
+                    finally:  # a detection in the root's own frame must still end the batch
+                        if info.is_root:
+                            self._root_depth = max(self._root_depth - 1, 0)
+                            if self._root_depth == 0:
+                                self._end_batch()
+                    if info.is_root:
+                        return
                 elif len(self._rec.stats) > _MAX_PENDING:
                     self._readback(self._rec)
             if info.is_root:
@@ -410,7 +419,7 @@ class Watcher:
 
     def _check(self, rec: _Record, first_frame: int) -> None:
         """Detect inf/nan in frames[first_frame:] of `rec` (their stats are on the host)."""
-        if first_frame < 0 or first_frame >= len(rec.frames):
+        if first_frame < 0 or first_frame >= len(rec.frames) or rec.detected:
             return
         start = rec.frames[first_frame][2] * 2
         host = rec.host
@@ -447,6 +456,7 @@ class Watcher:
             total -= len(hist.pop(0).frames)
 
     def _detected(self, rec: _Record, fi: int) -> None:
+        rec.detected = True
         frames = self._ring(rec, fi)
         last = frames[-1]
         first = last.first_nonfinite()
