@@ -94,7 +94,10 @@ def from_dict(d: Dict[str, Any]) -> Event:
         ts = _dt.datetime.fromisoformat(d["time"].replace("Z", "+00:00")).timestamp()
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a tensorwatch event: {exc}") from None
-    frames = tuple(_frame_from(f, b) for f in d.get("frames", []))
+    try:
+        frames = tuple(_frame_from(f, b) for f in d.get("frames", []))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a malformed frame or tensor
+        raise ValueError(f"malformed frames: {type(exc).__name__}: {exc}") from None
     if kind == "nonfinite_detected":
         return NonFiniteEvent(b, rank, d.get("module", ""), d.get("module_class", ""), d.get("tensor", ""),
                               d.get("kind", ""), frames, ts)
