@@ -1,0 +1,121 @@
+"""`tensorwatch-otel report`: renders a JSON lines event log as the text report (the same text
+the TextReport sink prints while training)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Sequence
+
+HELP = "render a JSON lines event log as the text report"
+
+DESCRIPTION = """\
+Renders the events of a JSON lines log (written by the JsonlLog sink, TENSORWATCH_JSONL or
+`tensorwatch-otel demo`) as the text report, in file order: each inf/nan detection as the
+full report with its last frames, each traced batch as its frames, aborts and
+detect_overflow() findings as one line each. A truncated last line (a process killed
+mid-write) is skipped.
+
+Exit status: 0 rendered (also when nothing matched; a note goes to stderr),
+2 the file is missing, unreadable or not an event log.
+
+examples:
+  tensorwatch-otel report tensorwatch-demo-events.jsonl
+  tensorwatch-otel report events.jsonl --batch 150
+  tensorwatch-otel report events.jsonl --event nonfinite_detected
+"""
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("events", metavar="EVENTS.jsonl", help="the event log")
+    parser.add_argument("--batch", type=int, action="append", metavar="N",
+                        help="only events of batch N (repeat for several)")
+    parser.add_argument("--event", choices=EVENT_TYPES, action="append", metavar="TYPE",
+                        help=f"only events of this type (repeatable): {', '.join(EVENT_TYPES)}")
+    parser.add_argument("--rank", type=int, action="append", metavar="R",
+                        help="only events of global rank R (repeatable)")
+
+
+def load_events(path: str) -> list:
+    """Every event of `path`; InputError with a one-line message for anything unusable."""
+    from .._codec import read_events
+
+    try:
+        return read_events(path)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not an event log") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a JSON lines event log (not UTF-8 text)") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        where = str(exc) if str(exc).startswith(path) else f"{path}: {exc}"  # read_events names the line
+        raise InputError(f"not a tensorwatch event log: {where}") from None
+
+
+class InputError(Exception):
+    """A file or argument the command cannot use; the message is shown as is."""
+
+
+def render_event(event) -> str:
+    """The text for one event, as the TextReport sink and the peer print it."""
+    from .._events import AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent
+    from .._report import render_detection, render_trace
+
+    if isinstance(event, NonFiniteEvent):
+        return render_detection(event)
+    if isinstance(event, BatchTraceEvent):
+        return render_trace(event)
+    if isinstance(event, AbortAfterBatchEvent):
+        return f"aborting after batch_number={event.batch_number} (abort_after_batch)\n"
+    if isinstance(event, OverflowCheckEvent):
+        lines = []
+        if "nan" in event.kind:
+            lines.append(f"{event.ctx} has nans")
+        if "inf" in event.kind:
+            lines.append(f"{event.ctx} has infs")
+        if not lines:
+            lines.append(f"{event.ctx}: finite")
+        return "".join(f"{line} (batch_number={event.batch_number})\n" for line in lines)
+    return ""
+
+
+def select(events: Sequence, batches=None, types=None, ranks=None) -> List:
+    return [e for e in events
+            if (not batches or e.batch_number in batches)
+            and (not types or e.event in types)
+            and (not ranks or e.rank in ranks)]
+
+
+def _inventory(events: Sequence) -> str:
+    seen: dict = {}
+    for e in events:
+        seen.setdefault(e.batch_number, set()).add(e.event)
+    return "; ".join(f"{b} ({', '.join(sorted(kinds))})" for b, kinds in sorted(seen.items()))
+
+
+def run(args) -> int:
+    try:
+        events = load_events(args.events)
+    except InputError as exc:
+        print(f"tensorwatch-otel report: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    chosen = select(events, args.batch, args.event, args.rank)
+    out = sys.stdout
+    for e in chosen:
+        out.write(render_event(e))
+    out.flush()
+    if not events:
+        print(f"report: {args.events} holds no events (a run without inf/nan and without traced batches "
+              "writes none)", file=sys.stderr)
+    elif not chosen:
+        print(f"report: no event matches; events per batch in {args.events}: {_inventory(events)}",
+              file=sys.stderr)
+    return EXIT_OK
