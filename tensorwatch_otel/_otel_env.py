@@ -9,6 +9,7 @@ import atexit
 import logging
 import os
 import threading
+import weakref
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 log = logging.getLogger("tensorwatch_otel")
@@ -157,11 +158,21 @@ def run_bounded(fn: Callable[[], Any], timeout_s: float, name: str) -> bool:
     return finished
 
 
+_shut_down: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_shut_lock = threading.Lock()
+
+
 def shutdown_bounded(providers: List[Any], timeout_s: float) -> None:
-    """Flushes and shuts down each provider, all of them together bounded by timeout_s."""
+    """Flushes and shuts down each provider (once: a sink's close and the exit hook may both
+    ask), all of them together bounded by timeout_s."""
+    with _shut_lock:
+        todo = [p for p in providers if p not in _shut_down]
+        _shut_down.update(todo)
+    if not todo:
+        return
 
     def shut() -> None:
-        for p in providers:
+        for p in todo:
             try:
                 p.shutdown()
             except Exception as exc:
