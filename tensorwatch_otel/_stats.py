@@ -21,6 +21,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
                                          "float8_e8m0fnu") if hasattr(torch, n))
 _warned_types: set = set()
+# abs(-128) does not fit in int8 (it stays -128), and the wide unsigned types have no CPU abs or
+# aminmax kernels: widen these first. They are rare (ids and masks are int64 or bool).
+_WIDEN = {d: torch.int64 for d in (torch.int8, torch.int16, torch.int32)}
+_WIDEN.update({getattr(torch, n): torch.float64 for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)})
 
 
 def _finfo_max(dtype: torch.dtype) -> Optional[float]:
@@ -86,12 +90,17 @@ def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str]:
             return NOTE_NO_DATA  # wrapper subclass: the data lives elsewhere
         return plain
     except Exception as exc:  # any subclass may refuse; never break training for it
-        key = type(t)
-        if key not in _warned_types:
-            _warned_types.add(key)
-            log.warning("tensorwatch_otel: cannot read values of %s (%s); reported without statistics",
-                        key.__name__, exc)
-        return NOTE_NO_DATA
+        return _cannot_read(t, exc)
+
+
+def _cannot_read(t: torch.Tensor, exc: Exception) -> str:
+    """NOTE_NO_DATA, with a warning logged once per tensor type."""
+    key = type(t)
+    if key not in _warned_types:
+        _warned_types.add(key)
+        log.warning("tensorwatch_otel: cannot read values of %s (%s); reported without statistics",
+                    key.__name__, exc)
+    return NOTE_NO_DATA
 
 
 def measure(t: torch.Tensor) -> Union[Pair, str]:
@@ -103,13 +112,16 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
                        or t.numel() == 0 or t.dtype is torch.bool or t.dtype in _FP8 or t.is_quantized) else t
     if isinstance(v, str):
         return v
-    if v.is_complex():
-        a = v.abs()
-    elif v.dtype is torch.uint8:
+    dt = v.dtype
+    if dt is torch.uint8:
         a = v
     else:
-        a = v.abs()
-    mn, mx = torch.aminmax(a)
+        wide = _WIDEN.get(dt)
+        a = (v if wide is None else v.to(wide)).abs()  # complex: abs() is the magnitude
+    try:
+        mn, mx = torch.aminmax(a)
+    except (RuntimeError, NotImplementedError) as exc:  # a layout without the kernel (nested...)
+        return _cannot_read(t, exc)
     if not a.is_floating_point():
         # keep integers exact when stacked with float32 stats (float64 holds int up to 2**53)
         mn, mx = mn.double(), mx.double()
