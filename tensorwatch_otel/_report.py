@@ -6,7 +6,7 @@ the `report` command.
 
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Iterable, List, Optional, Sequence
 
 from ._events import BatchTraceEvent, Frame, NonFiniteEvent, TensorStat
 
@@ -58,13 +58,23 @@ def render_detection(event: NonFiniteEvent) -> str:
     return "".join(p + "\n" for p in parts)
 
 
-def render_frames(frames: Iterable[Frame]) -> str:
-    """Frames as the peer's trace mode prints them, one print() per frame."""
-    return "".join(frame_text(f) + "\n" for f in frames)
+def render_frames(frames: Iterable[Frame], overflow: Optional[Sequence[Sequence[str]]] = None) -> str:
+    """Frames as the peer's trace mode prints them: per frame, the `{ctx} has nans/infs` lines its
+    checks printed while the frame was built, then the frame (one print() each).
+
+    `overflow` gives those lines per frame when the caller knows them exactly; by default they
+    come from abs min/max, where a tensor holding NaN shows as `nan nan` and so only `has nans`
+    (an inf beside the NaN cannot be seen in the two statistics).
+    """
+    frames = tuple(frames)
+    if overflow is None or len(overflow) != len(frames):
+        overflow = [overflow_lines(f) for f in frames]
+    return "".join("".join(line + "\n" for line in lines) + frame_text(f) + "\n"
+                   for f, lines in zip(frames, overflow))
 
 
-def render_trace(event: BatchTraceEvent) -> str:
-    return render_frames(event.frames)
+def render_trace(event: BatchTraceEvent, overflow: Optional[Sequence[Sequence[str]]] = None) -> str:
+    return render_frames(event.frames, overflow)
 
 
 def summary_line(event: NonFiniteEvent) -> str:
