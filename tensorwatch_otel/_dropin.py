@@ -8,14 +8,16 @@ an inf seen while tracing does not abort the next batch, and the batch number is
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
 from ._config import WatchConfig
-from ._events import OverflowCheckEvent, TensorStat
+from ._events import BatchTraceEvent, OverflowCheckEvent, TensorStat
+from ._report import render_trace
 from ._stats import dtype_name, measure
 from ._watcher import _ACTIVE, Watcher, _env_sinks, current_rank
+from .sinks.text import TextReport
 
 
 class DebugUnderflowOverflow:
@@ -30,15 +32,16 @@ class DebugUnderflowOverflow:
     def __init__(self, model: torch.nn.Module, max_frames_to_save: int = 21,
                  trace_batch_nums: Optional[Iterable[int]] = None,
                  abort_after_batch_num: Optional[int] = None):
-        from .sinks.text import TextReport
-
         config = WatchConfig.build(max_frames=max_frames_to_save, trace_batches=trace_batch_nums or (),
                                    abort_after_batch=abort_after_batch_num)
         self.model = model
         self.trace_batch_nums = list(trace_batch_nums or [])
         self.abort_after_batch_num = abort_after_batch_num
-        sinks = [TextReport()] + _env_sinks()
+        self._flags = _TraceFlags(model, config.trace_batches) if config.trace_batches else None
+        sinks = [_PeerTextReport(self._flags)] + _env_sinks()
         self._watcher = Watcher(model, sinks, config, owned_sinks=sinks, _compat=True)
+        if self._flags is not None:
+            self._flags.watcher = self._watcher
 
     @property
     def batch_number(self) -> int:
@@ -47,12 +50,107 @@ class DebugUnderflowOverflow:
     def detach(self) -> None:
         """Remove every hook (idempotent)."""
         self._watcher.detach()
+        if self._flags is not None:
+            self._flags.detach()
 
     def __enter__(self) -> "DebugUnderflowOverflow":
         return self
 
     def __exit__(self, *exc) -> None:
         self.detach()
+
+
+class _TraceFlags:
+    """Exact has-nan/has-inf flags of every tensor of the traced batches, for the peer's
+    `{ctx} has nans` / `{ctx} has infs` lines: abs min/max alone cannot show an inf beside a NaN.
+
+    Traced batches print every frame anyway, so the flags are taken there only (on the device,
+    read back once when the trace is printed); other batches cost one early return per module.
+    Hooks run before the watcher's (prepend) so the root frame's flags exist when it reports.
+    """
+
+    def __init__(self, model: torch.nn.Module, traced):
+        self.traced = frozenset(traced)
+        self.watcher: Optional[Watcher] = None
+        self.batches: Dict[int, List[Optional[list]]] = {}
+        self._handles = []
+        seen = set()
+        for _, module in model.named_modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                self._handles.append(module.register_forward_hook(self._hook, prepend=True, always_call=True))
+
+    def detach(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+        self.batches.clear()
+
+    def _hook(self, module, args, output) -> None:
+        w = self.watcher
+        if w is None or w.batch_number not in self.traced or torch._C._current_graph_task_id() != -1:
+            return
+        frames = self.batches.setdefault(w.batch_number, [])
+        try:
+            with torch.no_grad():
+                frames.append(self._frame(module, args, output))
+        except Exception:  # odd tensors: fall back to what abs min/max say
+            frames.append(None)
+
+    @staticmethod
+    def _frame(module, args, output) -> list:
+        named = [(n, p) for n, p in module._parameters.items() if p is not None]
+        named += [(f"input[{i}]", a) for i, a in enumerate(args)]
+        if isinstance(output, tuple):
+            for i, x in enumerate(output):
+                if isinstance(x, tuple):
+                    named += [(f"output[{i}][{j}]", y) for j, y in enumerate(x)]
+                else:
+                    named.append((f"output[{i}]", x))
+        else:
+            named.append(("output", output))
+        out = []
+        for name, t in named:
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided and not t.is_meta \
+                    and (t.is_floating_point() or t.is_complex()) and t.numel():
+                out.append((name, torch.stack([torch.isnan(t).any(), torch.isinf(t).any()])))
+        return out
+
+    def lines(self, batch: int) -> Optional[List[List[str]]]:
+        """Per frame of `batch`, the lines the peer prints while checking it (None: unknown)."""
+        frames = self.batches.pop(batch, None)
+        if not frames or any(f is None for f in frames):
+            return None
+        flat = [flag for f in frames for _, flag in f]
+        host = torch.stack(flat).to("cpu").tolist() if flat else []
+        out, k = [], 0
+        for f in frames:
+            lines = []
+            for name, _ in f:
+                has_nan, has_inf = host[k]
+                k += 1
+                if has_nan:
+                    lines.append(f"{name} has nans")
+                if has_inf:
+                    lines.append(f"{name} has infs")
+            out.append(lines)
+        return out
+
+
+class _PeerTextReport(TextReport):
+    """TextReport whose traces carry the exact `has nans` / `has infs` lines."""
+
+    def __init__(self, flags: Optional[_TraceFlags]):
+        super().__init__()
+        self._flags = flags
+
+    def on_event(self, event) -> None:
+        if isinstance(event, BatchTraceEvent) and self._flags is not None:
+            overflow = self._flags.lines(event.batch_number)
+            if self.all_ranks or event.rank == 0:
+                self._write(render_trace(event, overflow))
+        else:
+            super().on_event(event)
 
 
 def detect_overflow(var: torch.Tensor, ctx: str) -> bool:
