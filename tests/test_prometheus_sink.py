@@ -329,6 +329,7 @@ def test_linger_serves_until_one_scrape_after_detection():
 @pytest.mark.slow
 def test_linger_is_bounded_without_scrapes():
     proc = _run_linger(free_port(), 1.5)
+    assert proc.stdout.readline().strip() == "detected"  # timed from here: not the torch import
     t = time.monotonic()
     proc.wait(timeout=20)
     took = time.monotonic() - t
@@ -339,9 +340,10 @@ def test_linger_is_bounded_without_scrapes():
 @pytest.mark.slow
 def test_linger_zero_exits_at_once():
     proc = _run_linger(free_port(), 0)
+    assert proc.stdout.readline().strip() == "detected"
     t = time.monotonic()
     proc.wait(timeout=20)
-    assert time.monotonic() - t < 5
+    assert time.monotonic() - t < 3
     assert "waiting up to" not in proc.stderr.read()
 
 
@@ -390,7 +392,8 @@ def test_real_prometheus_scrapes_training_process(tmp_path):
             proc.wait(timeout=20)
             assert proc.returncode == 1
             assert "NonFiniteDetected" in proc.stderr.read()
-            n = prom.query("max(tensorwatch_batch_number)")
+            # the target is gone now (its series are stale): look back over the run
+            n = prom.query("max_over_time(tensorwatch_batch_number[5m])")
             assert float(n[0]["value"][1]) >= 50
     finally:
         if proc.poll() is None:
