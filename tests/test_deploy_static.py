@@ -466,3 +466,65 @@ def test_dashboard_promql_parses(path, tmp_path):
                 prom.query(promql)
             except RuntimeError as exc:
                 raise AssertionError(f"{where}: {promql}\n{exc}") from None
+
+
+# What the collector's Prometheus exporter serves for one run's OTLP metrics (names and labels
+# as the exporter derives them from the OTel sink's instruments: dots to underscores, unit
+# suffixes, attributes as labels, job/instance from service.name/service.instance.id).
+_COLLECTOR_EXPOSITION = """\
+# TYPE tensorwatch_nonfinite_events_total counter
+tensorwatch_nonfinite_events_total{job="tensorwatch-otel",instance="3",otel_scope_name="tensorwatch_otel",tensorwatch_module_path="blocks.1.mlp.fc1",tensorwatch_module_class="Linear",tensorwatch_tensor="output",tensorwatch_rank="3"} 1
+# TYPE tensorwatch_tensor_abs_max_ratio gauge
+tensorwatch_tensor_abs_max_ratio{job="tensorwatch-otel",instance="3",otel_scope_name="tensorwatch_otel",tensorwatch_module_path="blocks.1.mlp.fc1",tensorwatch_module_class="Linear",tensorwatch_tensor="output",tensorwatch_rank="3"} 65000
+# TYPE tensorwatch_tensor_range_used_ratio gauge
+tensorwatch_tensor_range_used_ratio{job="tensorwatch-otel",instance="3",otel_scope_name="tensorwatch_otel",tensorwatch_module_path="blocks.1.mlp.fc1",tensorwatch_module_class="Linear",tensorwatch_tensor="output",tensorwatch_rank="3",tensorwatch_dtype="float16"} 0.99
+"""
+
+
+@pytest.mark.slow
+def test_collector_path_is_relabelled_to_the_direct_names(tmp_path):
+    """The shipped otel-collector scrape job, run by a real Prometheus against the collector's
+    exposition format, yields the same series and labels the rules and dashboard use."""
+    import http.server
+    import threading
+
+    from prom_server import PrometheusServer
+
+    _tool("prometheus")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = _COLLECTOR_EXPOSITION.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        prom_cfg = _load_yaml(PROM_DIR / "prometheus.yml")
+        job = next(j for j in prom_cfg["scrape_configs"] if j["job_name"] == "otel-collector")
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{server.server_address[1]}"]}]
+        job["scrape_interval"] = "1s"
+        job["scrape_timeout"] = "1s"
+        with PrometheusServer(tmp_path, rule_files=RULE_FILES, extra_scrape_configs=[job]) as prom:
+            result = prom.wait_for('tensorwatch_nonfinite_events_total{module="blocks.1.mlp.fc1"}', timeout=20)
+            labels = result[0]["metric"]
+            assert labels["module_class"] == "Linear" and labels["tensor"] == "output"
+            assert labels["rank"] == "3" and labels["job"] == "tensorwatch-otel"
+            assert not any(k.startswith("tensorwatch_") for k in labels), labels
+            assert prom.query('tensorwatch_tensor_abs_max{module="blocks.1.mlp.fc1", rank="3"}')
+            assert not prom.query('{__name__=~"tensorwatch_tensor_abs_max_ratio"}')
+            assert prom.query('tensorwatch_tensor_range_used_ratio{dtype="float16", rank="3"}')
+            # And the page fires on this path too, with the contract labels.
+            alerts = prom.wait_for('ALERTS{alertname="TensorwatchNonFinite", alertstate="firing"}', timeout=20)
+            assert {"module", "module_class", "tensor", "rank", "severity"} <= set(alerts[0]["metric"])
+    finally:
+        server.shutdown()
+        server.server_close()
