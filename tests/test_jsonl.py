@@ -1,0 +1,284 @@
+"""JsonlLog: CONTRACT's JSON lines schema exactly, non-finite floats as strings, durability of
+a detection when the process dies right after, an unwritable path, and the codec round trip."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tensorwatch_otel
+from tensorwatch_otel import (
+    AbortAfterBatch,
+    AbortAfterBatchEvent,
+    BatchTraceEvent,
+    Frame,
+    NonFiniteDetected,
+    NonFiniteEvent,
+    OverflowCheckEvent,
+    TensorStat,
+    watch,
+)
+from tensorwatch_otel import _codec
+from tensorwatch_otel.sinks import JsonlLog, Sink
+
+jsonschema = pytest.importorskip("jsonschema")
+
+NUM = {"anyOf": [{"type": "number"}, {"type": "null"}, {"enum": ["inf", "-inf", "nan"]}]}
+# CONTRACT.md, "JSON lines event log": the required fields and their types
+SCHEMA = {
+    "type": "object",
+    "required": ["time", "event", "batch_number", "rank", "module", "module_class", "tensor", "kind", "frames"],
+    "additionalProperties": False,
+    "properties": {
+        "time": {"type": "string"},
+        "event": {"enum": ["nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check"]},
+        "batch_number": {"type": "integer"},
+        "rank": {"type": "integer"},
+        "module": {"type": "string"},
+        "module_class": {"type": "string"},
+        "tensor": {"type": "string"},
+        "kind": {"type": "string"},
+        "frames": {"type": "array", "items": {
+            "type": "object",
+            "required": ["module", "module_class", "tensors"],
+            "properties": {
+                "module": {"type": "string"},
+                "module_class": {"type": "string"},
+                "tensors": {"type": "array", "items": {
+                    "type": "object",
+                    "required": ["name", "abs_min", "abs_max", "dtype"],
+                    "properties": {"name": {"type": "string"}, "abs_min": NUM, "abs_max": NUM,
+                                   "dtype": {"type": "string"}, "note": {"type": "string"}},
+                }},
+            },
+        }},
+    },
+}
+RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
+
+
+def _strict_loads(line):
+    """json.loads that refuses NaN/Infinity literals (they are not JSON)."""
+    def bad(name):
+        raise ValueError(f"non-JSON constant {name}")
+    return json.loads(line, parse_constant=bad)
+
+
+class Blow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mode = ""
+
+    def forward(self, x):
+        if self.mode == "inf":
+            return x * 1e30 * 1e30
+        if self.mode == "nan":
+            return torch.sqrt(x - 1e6)
+        return x + 0.0
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.bad = Blow()
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x, mask=None):
+        return {"logits": self.out(self.bad(self.lin(x))), "none": None}
+
+
+class Collect(Sink):
+    def __init__(self):
+        self.events = []
+
+    def on_event(self, event):
+        self.events.append(event)
+
+
+def _run_all_events(path):
+    """A run producing every event type; returns what an in-memory sink saw."""
+    torch.manual_seed(0)
+    model = Net()
+    mem = Collect()
+    log = JsonlLog(str(path))
+    x = torch.randn(2, 3)
+    with watch(model, sinks=[log, mem], trace_batches=[0], on_detect="report", abort_after_batch=3):
+        model(x, mask=torch.ones(2))  # 0: traced
+        model.bad.mode = "inf"
+        model(x)  # 1: inf
+        model.bad.mode = "nan"
+        model(x)  # 2: nan
+        tensorwatch_otel.detect_overflow(torch.tensor([1.0, float("inf")]), "attn scores")
+        model.bad.mode = ""
+        with pytest.raises(AbortAfterBatch):
+            model(x)  # 3: abort after it
+    log.close()
+    return mem.events
+
+
+def test_schema_exactly(tmp_path, capsys):
+    path = tmp_path / "sub" / "events.jsonl"  # the folder is created
+    events = _run_all_events(path)
+    raw = path.read_text(encoding="utf-8")
+    assert raw.endswith("\n")
+    lines = raw.splitlines()
+    assert len(lines) == len(events) == 5
+    docs = [_strict_loads(line) for line in lines]
+    for d in docs:
+        jsonschema.validate(d, SCHEMA)
+        assert RFC3339.match(d["time"]), d["time"]
+        when = dt.datetime.fromisoformat(d["time"].replace("Z", "+00:00"))
+        assert when.tzinfo is not None
+        assert abs(when.timestamp() - dt.datetime.now(dt.timezone.utc).timestamp()) < 600
+        assert d["rank"] == 0
+    assert [(d["event"], d["batch_number"]) for d in docs] == [
+        ("batch_trace", 0), ("nonfinite_detected", 1), ("nonfinite_detected", 2),
+        ("overflow_check", 3), ("abort_after_batch", 3)]
+    trace, inf, nan, ovf, abort = docs
+    assert [f["module"] for f in trace["frames"]] == ["lin", "bad", "out", ""]
+    assert [t["name"] for t in trace["frames"][-1]["tensors"]] == [
+        "input[0]", "input.mask", "output.logits", "output.none"]
+    none = trace["frames"][-1]["tensors"][-1]
+    assert (none["abs_min"], none["abs_max"], none.get("note")) == (None, None, "None")
+    # the JSON carries the same numbers as the events, to the last bit
+    for fd, fe in zip(trace["frames"], events[0].frames):
+        for td, te in zip(fd["tensors"], fe.tensors):
+            assert (td["name"], td["abs_min"], td["abs_max"], td["dtype"]) == (te.name, te.abs_min, te.abs_max, te.dtype)
+    assert (inf["module"], inf["module_class"], inf["tensor"], inf["kind"]) == ("bad", "Blow", "output", "inf")
+    bad_out = inf["frames"][-1]["tensors"][-1]
+    assert (bad_out["abs_min"], bad_out["abs_max"]) == ("inf", "inf")  # every element overflowed
+    assert isinstance(inf["frames"][-1]["tensors"][0]["abs_min"], float)
+    assert (nan["tensor"], nan["kind"]) == ("output", "nan")
+    assert nan["frames"][-1]["tensors"][-1]["abs_min"] == "nan"
+    assert (ovf["tensor"], ovf["kind"]) == ("attn scores", "inf")
+    assert ovf["frames"][0]["tensors"][0]["abs_max"] == "inf"
+    assert (abort["module"], abort["frames"], abort["kind"]) == ("", [], "")
+
+
+def test_negative_infinity_and_nan_written_as_strings():
+    stat = TensorStat("x", float("-inf"), float("nan"), "float32")
+    ev = NonFiniteEvent(4, 0, "m", "M", "x", "inf,nan", (Frame("m", "M", (stat,), 4),), 0.0)
+    line = _codec.to_line(ev)
+    assert line.endswith("\n") and line.count("\n") == 1
+    d = _strict_loads(line)
+    assert d["frames"][0]["tensors"][0]["abs_min"] == "-inf"
+    assert d["frames"][0]["tensors"][0]["abs_max"] == "nan"
+    assert d["time"] == "1970-01-01T00:00:00.000000Z"
+
+
+def test_read_events_round_trips(tmp_path, capsys):
+    path = tmp_path / "events.jsonl"
+    events = _run_all_events(path)
+    back = _codec.read_events(str(path))
+    assert [type(e) for e in back] == [BatchTraceEvent, NonFiniteEvent, NonFiniteEvent, OverflowCheckEvent,
+                                       AbortAfterBatchEvent]
+
+    def same(a, b):
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+    for e, b in zip(events, back):
+        assert (b.event, b.batch_number, b.rank) == (e.event, e.batch_number, e.rank)
+        assert abs(b.time - e.time) < 1e-5
+        if isinstance(e, NonFiniteEvent):
+            assert (b.module, b.module_class, b.tensor, b.kind) == (e.module, e.module_class, e.tensor, e.kind)
+        if isinstance(e, OverflowCheckEvent):
+            assert (b.ctx, b.kind, b.stat.abs_max) == (e.ctx, e.kind, e.stat.abs_max)
+        for fb, fe in zip(getattr(b, "frames", ()), getattr(e, "frames", ())):
+            assert (fb.module, fb.module_class, fb.batch_number, fb.batch_start, fb.phase) == \
+                (fe.module, fe.module_class, fe.batch_number, fe.batch_start, fe.phase)
+            for tb, te in zip(fb.tensors, fe.tensors, strict=True):
+                assert (tb.name, tb.dtype, tb.note) == (te.name, te.dtype, te.note)
+                assert same(tb.abs_min, te.abs_min) and same(tb.abs_max, te.abs_max)
+    # a crash mid-write leaves a truncated last line: everything before it still reads
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"time": "2026-01-01T00:00:00Z", "event": "nonfin')
+    assert len(_codec.read_events(str(path))) == 5
+
+
+DIES_RIGHT_AFTER = textwrap.dedent("""
+    import os, sys, torch, torch.nn as nn
+    from tensorwatch_otel import watch, NonFiniteDetected
+    from tensorwatch_otel.sinks import JsonlLog
+
+    class Blow(nn.Module):
+        def forward(self, x):
+            return x * 1e30 * 1e30
+
+    model = nn.Sequential(nn.Linear(3, 3), Blow(), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = watch(model, sinks=[JsonlLog(sys.argv[1])], trace_batches=[0])
+    try:
+        for step in range(3):
+            loss = model(torch.randn(2, 3)).sum()
+    except NonFiniteDetected:
+        os._exit(1)  # dies at once: no atexit, no finalizers, no buffer flushing
+    os._exit(0)
+""")
+
+
+def test_detection_line_is_durable_when_process_dies_right_after(tmp_path):
+    path = tmp_path / "events.jsonl"
+    proc = subprocess.run([sys.executable, "-c", DIES_RIGHT_AFTER, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    lines = path.read_text(encoding="utf-8").splitlines()
+    docs = [_strict_loads(line) for line in lines]
+    assert [d["event"] for d in docs] == ["batch_trace", "nonfinite_detected"]
+    det = docs[-1]
+    jsonschema.validate(det, SCHEMA)
+    assert (det["module"], det["module_class"], det["tensor"], det["kind"], det["batch_number"]) == (
+        "1", "Blow", "output", "inf", 0)
+    assert [f["module"] for f in det["frames"]] == ["0", "1"]
+
+
+def test_unwritable_path_logged_once_and_training_goes_on(tmp_path, caplog):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    log_sink = JsonlLog(str(blocker / "events.jsonl"))
+    mem = Collect()
+    model = Net()
+    x = torch.randn(2, 3)
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        with watch(model, sinks=[log_sink, mem], trace_batches=range(5), on_detect="report") as w:
+            for b in range(4):
+                model.bad.mode = "inf" if b == 2 else ""
+                model(x)
+            assert w.batch_number == 4
+            assert w.sink_failures["JsonlLog.on_event"] == 5
+        # on_detect="raise" still raises the detection itself
+        model.bad.mode = "inf"
+        with watch(model, sinks=[log_sink, mem]):
+            with pytest.raises(NonFiniteDetected):
+                model(x)
+    msgs = [r.getMessage() for r in caplog.records if "JsonlLog.on_event" in r.getMessage()]
+    assert len(msgs) == 2  # once per watcher that owns the failing sink, not once per event
+    assert len([e for e in mem.events if isinstance(e, BatchTraceEvent)]) == 4
+
+
+def test_bad_path_argument():
+    with pytest.raises(ValueError, match="path"):
+        JsonlLog("")
+    with pytest.raises(ValueError, match="path"):
+        JsonlLog(None)
+
+
+def test_rank_placeholder(tmp_path):
+    sink = JsonlLog(str(tmp_path / "ev-{rank}.jsonl"), rank=3)
+    ev = AbortAfterBatchEvent(0, 3, 0.0)
+    sink.on_event(ev)
+    sink.close()
+    sink.close()  # idempotent
+    assert _strict_loads((tmp_path / "ev-3.jsonl").read_text())["event"] == "abort_after_batch"
+    assert os.listdir(tmp_path) == ["ev-3.jsonl"]
