@@ -77,6 +77,10 @@ def check_cuda_home(f: Facts) -> List[Finding]:
         return [Finding("nvcc-missing", "problem", f"no nvcc at {f.cuda_home}/bin/nvcc (CUDA_HOME from "
                         f"{f.cuda_home_source})", "torch runs CUDA_HOME/bin/nvcc to compile; without it the "
                         "build stops with 'nvcc not found'", _fix_for_target(f))]
+    if not tk.release:
+        return [Finding("nvcc-unreadable", "problem", f"{tk.nvcc} --version did not print 'release X.Y'",
+                        "the toolkit's version cannot be compared with torch's; nvcc may be broken or a wrapper",
+                        [f"{tk.nvcc} --version   # should print 'Cuda compilation tools, release X.Y'"])]
     return []
 
 
