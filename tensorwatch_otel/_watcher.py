@@ -399,9 +399,11 @@ class Watcher:
         self._acts_seen.clear()
         if rec.frames:
             self._readback(rec)
-            self._finish(rec)
-            self._prev = rec
-            self._keep(rec)
+            try:
+                self._finish(rec)
+            finally:  # a batch that raised NonFiniteDetected still precedes the next ring
+                self._prev = rec
+                self._keep(rec)
         cfg = self.config
         if cfg.abort_after_batch is not None and self.batch_number > cfg.abort_after_batch:
             self._abort()
@@ -440,8 +442,8 @@ class Watcher:
         if rec.phase == "forward":
             # the ring spans batch boundaries, like the peer's deque (as many batches as fit)
             for prev in reversed(self._history):
-                if missing <= 0:
-                    break
+                if missing <= 0 or (self._compat and prev.batch_number in self.config.trace_batches):
+                    break  # (the peer's buffer starts empty after a traced batch: already printed)
                 if prev is not rec:
                     older = prev.materialize(max(0, len(prev.frames) - missing))
                     frames = older + frames
