@@ -75,7 +75,7 @@ def side_by_side(arch: str, n: int, inject_before: Optional[int] = None, dtype=t
 
 
 def _path(model, arch):
-    prefix = "inner." if isinstance(model, (M.KeywordOnly, M.LogLogits)) else ""
+    prefix = "inner." if hasattr(model, "inner") else ""
     return prefix + M.OVERFLOW_AT[arch]
 
 
@@ -180,6 +180,38 @@ def test_trace_with_abort():
     assert_same(peer, ours)
     assert "aborting after 3 batches" in str(ours[1])
     check_golden("gpt2_trace_0_2_abort_2", ours[0], peer[0])
+
+
+def test_detection_right_after_a_trace():
+    # the peer's buffer starts empty after a traced batch (its frames were printed already):
+    # a detection early in the next batch lists only that batch's frames, in ours too
+    peer, ours, _, _ = side_by_side("gpt2", 3, inject_before=1, trace_batch_nums=[0])
+    assert_same(peer, ours)
+    assert frames_listed(ours[0]) < 21
+
+
+class _Sample(torch.nn.Module):
+    """Samples the next token: torch.multinomial refuses the NaN probabilities an overflow makes."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, **kw):
+        logits = self.inner(input_ids=input_ids, **kw).logits[:, -1].float()
+        return torch.multinomial(torch.softmax(logits, -1), 1)
+
+
+def test_forward_failing_after_the_overflow():
+    # The peer raises inside the forward at the first bad module; ours checks when the root's
+    # forward ends, so a forward that fails later on its own reaches ours' check only through
+    # the always_call hook, where torch keeps the forward's own error (and warns about ours).
+    # The report printed is the same; the exception is the model's error, not a ValueError.
+    with pytest.warns(UserWarning, match="always_call"):
+        peer, ours, _, _ = side_by_side("gpt2", 1, inject_before=0, wrap=_Sample)
+    assert ours[0] == peer[0] and "Detected inf/nan during batch_number=0" in ours[0]
+    assert isinstance(peer[1], ValueError)
+    assert isinstance(ours[1], RuntimeError) and "probability tensor" in str(ours[1])
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
