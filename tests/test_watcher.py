@@ -783,3 +783,20 @@ def test_strict_raises_sink_errors():
     with watch(model, sinks=[BrokenSink()], strict=True):
         with pytest.raises(OSError, match="disk full"):
             model(torch.randn(2, 3))
+
+
+def test_ring_after_a_caught_detection_continues_from_that_batch():
+    """Training that catches NonFiniteDetected and goes on: the next ring still ends with the
+    frames that really came before it (the batch that raised), not an older batch."""
+    model = Chain(Blow())
+    w = watch(model, sinks=[Collect()], max_frames=6)
+    x = torch.randn(2, 3)
+    model(x)
+    model.bad.armed = True
+    for b in (1, 2):
+        with pytest.raises(NonFiniteDetected) as ei:
+            model(x)
+        assert ei.value.event.batch_number == b
+    assert [(f.module, f.batch_number) for f in ei.value.event.frames] == [
+        ("bad", 1), ("l2", 1), ("", 1), ("l0", 2), ("l1", 2), ("bad", 2)]
+    w.detach()
