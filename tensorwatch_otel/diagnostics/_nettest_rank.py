@@ -343,6 +343,8 @@ def run_rank(launch: Launch, opts: Options, faults: Faults, store: Any) -> RankS
     finally:
         st.duration_s = time.monotonic() - t0
         st.nccl_warnings = scan_nccl_log(st.nccl_log)
+        if st.nccl_log and not os.path.exists(st.nccl_log):
+            st.nccl_log = None  # NCCL never ran (gloo), so there is no log to point at
     return st
 
 
