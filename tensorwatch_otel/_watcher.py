@@ -136,6 +136,9 @@ class Watcher:
         self._attached = False
         self._root_depth = 0
         self._params_seen: Dict[torch.Tensor, tuple] = {}  # param -> (version, (mn, mx), dtype)
+        # Replaced parameters (functional_call, FSDP-style swaps, re-created weights) would stay
+        # alive as keys: past this size the cache is dropped at a batch end and simply refilled.
+        self._params_cap = 2 * sum(1 for _ in model.parameters()) + 64
         self._acts_seen: Dict[int, tuple] = {}  # id -> (weakref, version, (mn, mx), dtype)
         self._rec = _Record(0)
         self._prev: Optional[_Record] = None
@@ -397,6 +400,8 @@ class Watcher:
         self._rec = _Record(b + 1)
         self._active = self._attached and self._watches(b + 1)
         self._acts_seen.clear()
+        if len(self._params_seen) > self._params_cap:
+            self._params_seen.clear()
         if rec.frames:
             self._readback(rec)
             try:
