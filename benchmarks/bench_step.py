@@ -1,0 +1,156 @@
+"""Step-time overhead of the watcher on a T5-shaped training step, side by side in one process.
+
+Prints, per variant, the ratio of its step time to the unwatched step measured in the same
+round (median, min and max over rounds), including the peer (transformers.debug_utils).
+
+    python benchmarks/bench_step.py                 # the issue's figures (a few minutes on 2 cores)
+    python benchmarks/bench_step.py --quick         # a small model, seconds (smoke test)
+    python benchmarks/bench_step.py --variants watch,peer --rounds 7 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import contextlib
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+
+def build_model(quick: bool):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    if quick:
+        cfg = T5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                       num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+        shape = (4, 32)
+    else:  # the issue's shape: ~190 modules, d_model 256, 4+4 layers, batch 8x128
+        cfg = T5Config(vocab_size=32128, d_model=256, d_kv=32, d_ff=1024, num_layers=4, num_decoder_layers=4,
+                       num_heads=8, feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0)
+        shape = (8, 128)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(cfg)
+    model.train()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, cfg.vocab_size, shape, generator=gen)
+    labels = torch.randint(1, cfg.vocab_size, shape, generator=gen)
+    return model, ids, labels
+
+
+class Trainer:
+    """A model copy with its own AdamW: one full training step per call."""
+
+    def __init__(self, model, ids, labels):
+        self.model = model
+        self.ids, self.labels = ids, labels
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        out = self.model(input_ids=self.ids, labels=self.labels)
+        out.loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+
+def make_variants(base, ids, labels, names: List[str]) -> Dict[str, Callable[[int], List[float]]]:
+    """name -> run(n_steps) returning step times. Variants that hook share one model copy and
+    attach/detach around their segment; the peer cannot detach, so it gets its own copy."""
+    import tensorwatch_otel as tw
+
+    shared = Trainer(copy.deepcopy(base), ids, labels)
+    variants: Dict[str, Callable[[int], List[float]]] = {}
+
+    def plain(n):
+        return [shared.step() for _ in range(n)]
+
+    def watched(**kw):
+        def run(n):
+            sinks = kw.pop("_sinks", None)
+            with tw.watch(shared.model, sinks=sinks() if sinks else [], on_detect="report", **kw):
+                return [shared.step() for _ in range(n)]
+        return run
+
+    variants["unwatched"] = plain
+    if "watch" in names:
+        variants["watch"] = watched()
+    if "sampled" in names:
+        variants["sampled"] = watched(every_n_batches=10)
+    if "module" in names:
+        variants["module"] = watched(check="module")
+    if "peer" in names:
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        peer = Trainer(copy.deepcopy(base), ids, labels)
+        DebugUnderflowOverflow(peer.model)
+
+        def run_peer(n):
+            with contextlib.redirect_stdout(io.StringIO()):
+                return [peer.step() for _ in range(n)]
+        variants["peer"] = run_peer
+    return variants
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small model (smoke test)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant per round (default 3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
+    p.add_argument("--variants", default="watch,sampled,peer",
+                   help="comma list of watch,sampled,module,peer (default watch,sampled,peer)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    base, ids, labels = build_model(args.quick)
+    n_modules = sum(1 for _ in base.named_modules())
+    variants = make_variants(base, ids, labels, names)
+    print(f"model: T5-shaped, {n_modules} modules, batch {tuple(ids.shape)}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads", file=sys.stderr)
+    for name, run in variants.items():
+        run(args.warmup)
+    per_round: Dict[str, List[float]] = {n: [] for n in variants}
+    step_s: Dict[str, List[float]] = {n: [] for n in variants}
+    for r in range(args.rounds):
+        medians = {}
+        for name, run in variants.items():
+            times = run(args.steps)
+            step_s[name] += times
+            medians[name] = statistics.median(times)
+        for name in variants:
+            per_round[name].append(medians[name] / medians["unwatched"])
+        print(f"round {r + 1}/{args.rounds}: " + "  ".join(
+            f"{n} {medians[n] * 1000:.0f} ms" for n in variants), file=sys.stderr)
+    result = {"model_modules": n_modules, "batch": list(ids.shape), "rounds": args.rounds,
+              "steps_per_round": args.steps, "variants": {}}
+    print(f"\n{'variant':<10} {'ratio median':>12} {'min':>7} {'max':>7} {'step ms (median)':>17}")
+    for name in variants:
+        ratios = per_round[name]
+        med = statistics.median(ratios)
+        result["variants"][name] = {"ratio_median": med, "ratio_min": min(ratios), "ratio_max": max(ratios),
+                                    "ratios": ratios, "step_ms_median": statistics.median(step_s[name]) * 1000}
+        print(f"{name:<10} {med:>12.3f} {min(ratios):>7.3f} {max(ratios):>7.3f} "
+              f"{statistics.median(step_s[name]) * 1000:>17.0f}")
+    if "peer" in variants and "watch" in variants:
+        w, pr = result["variants"]["watch"]["ratio_median"], result["variants"]["peer"]["ratio_median"]
+        print(f"\npeer / watch step time: {pr / w:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
