@@ -139,3 +139,17 @@ def test_bad_options_exit_2_with_a_message(argv, message, tmp_path, capsys):
 def test_jsonl_that_is_a_directory_is_refused(tmp_path, capsys):
     assert main(["demo", "--jsonl", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_exports_the_detection_over_otlp(tmp_path):
+    from otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as receiver:
+        r = cli("demo", "--steps", "4", "--overflow-at-batch", "2", "--otlp-endpoint", receiver.http_endpoint,
+                "--jsonl", str(tmp_path / "e.jsonl"), "--quiet")
+        assert r.returncode == 3, r.stderr
+        spans = receiver.wait_for(lambda rc: [s for s in rc.spans() if s["name"] == "tensorwatch.nonfinite_detected"])
+    attrs = spans[0]["attributes"]
+    assert (attrs["tensorwatch.module.path"], attrs["tensorwatch.tensor"], attrs["tensorwatch.batch_number"]) == (
+        OVERFLOW_MODULE, "output", 2)

@@ -3,7 +3,6 @@ mixed precision on synthetic tokens, and the injected overflow."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator, Tuple
 
@@ -111,7 +110,7 @@ class Trainer:
         self.cfg = cfg
         self.model = TinyLM(cfg)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        self.scaler = _grad_scaler()
         self.data = batches(cfg, seed)
 
     def step(self) -> float:
@@ -120,9 +119,13 @@ class Trainer:
             logits = self.model(ids)
         loss = F.cross_entropy(logits.float().reshape(-1, self.cfg.vocab), targets.reshape(-1))
         self.opt.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        if self.scaler is None:
+            loss.backward()
+            self.opt.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
         return loss.item()
 
     def inject_overflow(self) -> str:
@@ -133,5 +136,9 @@ class Trainer:
         return OVERFLOW_MODULE
 
 
-def initial_loss(cfg: DemoConfig) -> float:
-    return math.log(cfg.vocab)
+def _grad_scaler():
+    """Loss scaling on the CPU (torch >= 2.3); older torch trains without it."""
+    try:
+        return torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    except (AttributeError, TypeError, RuntimeError):
+        return None

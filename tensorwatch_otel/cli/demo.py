@@ -4,7 +4,6 @@ injects a real fp16 overflow, and exports what the watcher saw (report, event lo
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -115,17 +114,6 @@ def _trace_batches(args) -> List[int]:
     return sorted(set(out))
 
 
-def _setup_logging() -> None:
-    # Sink failures (a taken port, an unreachable collector) are logged, never raised: show them.
-    log = logging.getLogger("tensorwatch_otel")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.WARNING)
-        log.propagate = False
-
-
 def _otel_sink(endpoint: str):
     """An OtelTelemetry sink exporting to `endpoint`, or None (with the reason on stderr)."""
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
@@ -151,7 +139,8 @@ def run(args) -> int:
             problem = str(exc)
     if problem is not None:
         return _fail(problem)
-    _setup_logging()
+    # Sink failures (a taken port, an unreachable collector) are logged by the "tensorwatch_otel"
+    # logger, never raised; without logging configured Python prints warnings and errors to stderr.
 
     import torch
 
