@@ -33,7 +33,8 @@ class DebugUnderflowOverflow:
                  trace_batch_nums: Optional[Iterable[int]] = None,
                  abort_after_batch_num: Optional[int] = None):
         config = WatchConfig.build(max_frames=max_frames_to_save, trace_batches=trace_batch_nums or (),
-                                   abort_after_batch=abort_after_batch_num)
+                                   abort_after_batch=abort_after_batch_num, on_detect="raise",
+                                   every_n_batches=1)
         self.model = model
         self.trace_batch_nums = list(trace_batch_nums or [])
         self.abort_after_batch_num = abort_after_batch_num

@@ -41,6 +41,7 @@ log = logging.getLogger("tensorwatch_otel")
 _MAX_PENDING = 2_000_000  # stat slots held before an early read-back (no root forward seen)
 _MAX_ITEMS = 256  # tensors looked at per container, so odd outputs stay bounded
 _MAX_DEPTH = 6
+_WEIGHT_REFRESH = 32  # batches between full weight re-measurements (see _end_batch)
 
 # Watchers alive in this process, for detect_overflow(); weak so a dropped watcher goes away.
 _ACTIVE: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
@@ -400,7 +401,9 @@ class Watcher:
         self._rec = _Record(b + 1)
         self._active = self._attached and self._watches(b + 1)
         self._acts_seen.clear()
-        if len(self._params_seen) > self._params_cap:
+        if len(self._params_seen) > self._params_cap or self.batch_number % _WEIGHT_REFRESH == 0:
+            # replaced parameters must not stay alive; and writes through `.data` do not move
+            # _version, so every weight is measured afresh now and then
             self._params_seen.clear()
         if rec.frames:
             self._readback(rec)
