@@ -7,6 +7,7 @@ bool, subclasses) are guarded here so the watcher never has to think about them.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Optional, Tuple, Union
 
 import torch
@@ -113,6 +114,8 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
     if isinstance(v, str):
         return v
     dt = v.dtype
+    if dt in _SCRATCH_DTYPES and v.device.type == "cpu" and v.is_contiguous():
+        return _abs_minmax_cpu(v)
     if dt is torch.uint8:
         a = v
     else:
@@ -126,3 +129,35 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
         # keep integers exact when stacked with float32 stats (float64 holds int up to 2**53)
         mn, mx = mn.double(), mx.double()
     return mn, mx
+
+
+# CPU: |x| goes into a small reused buffer, chunk by chunk, so it stays in cache and no large
+# buffer is allocated (a fresh multi-MB allocation costs page faults: 4x slower on logits).
+# On accelerators the caching allocator makes the plain abs() + aminmax() the cheaper path.
+_CHUNK = 1 << 18
+_SCRATCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_scratch = threading.local()
+
+
+def _abs_minmax_cpu(v: torch.Tensor) -> Pair:
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    buf = bufs.get(v.dtype)
+    if buf is None:
+        buf = bufs[v.dtype] = torch.empty(_CHUNK, dtype=v.dtype)
+    flat = (v.detach() if v.requires_grad else v).view(-1)
+    n = flat.numel()
+    if n <= _CHUNK:
+        b = buf[:n]
+        torch.abs(flat, out=b)
+        return torch.aminmax(b)
+    mins, maxs = [], []
+    for i in range(0, n, _CHUNK):
+        c = flat[i:i + _CHUNK]
+        b = buf[:c.numel()]
+        torch.abs(c, out=b)
+        mn, mx = torch.aminmax(b)
+        mins.append(mn)
+        maxs.append(mx)
+    return torch.stack(mins).min(), torch.stack(maxs).max()  # both propagate NaN
