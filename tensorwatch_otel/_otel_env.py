@@ -9,6 +9,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
@@ -19,6 +20,20 @@ PROTOCOLS = ("grpc", "http/protobuf")
 DEFAULT_PROTOCOL = "http/protobuf"
 #: Upper bound for flushing and shutting down the providers at interpreter exit.
 EXIT_TIMEOUT_S = 5.0
+
+#: A repeated exporter warning (collector down, retrying...) is let through once per this period.
+REPEAT_LOG_PERIOD_S = 300.0
+# The SDK modules that log one line per failed export attempt.
+_EXPORT_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.http._common",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    "opentelemetry.sdk._shared_internal",
+    "opentelemetry.sdk.metrics._internal.export",
+)
 
 _SIGNAL_ENDPOINT = {
     "traces": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -96,6 +111,7 @@ def configure_from_env(rank: int = 0) -> Optional[Tuple[Any, Any]]:
     its own thread; OTEL_BSP_* honoured), metrics through a PeriodicExportingMetricReader
     (OTEL_METRIC_EXPORT_INTERVAL honoured). Both shut down at interpreter exit, bounded by
     EXIT_TIMEOUT_S so a dead collector cannot hold the process. Providers are not made global.
+    The SDK's per-attempt export errors are let through once per REPEAT_LOG_PERIOD_S.
     Raises ValueError for an unsupported OTEL_EXPORTER_OTLP_PROTOCOL.
     """
     env = os.environ
@@ -132,7 +148,45 @@ def configure_from_env(rank: int = 0) -> Optional[Tuple[Any, Any]]:
 
     if to_shut:
         atexit.register(shutdown_bounded, to_shut, EXIT_TIMEOUT_S)
+        quiet_repeated_export_errors()
     return tracer_provider, meter_provider
+
+
+class RepeatFilter(logging.Filter):
+    """Lets a message (same logger, level and format string) through once per period, so a
+    collector that is down gives a log line now and then instead of one per export attempt."""
+
+    def __init__(self, period_s: float = REPEAT_LOG_PERIOD_S):
+        super().__init__()
+        self.period_s = period_s
+        self._last: dict = {}
+        self.suppressed = 0
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, str(record.msg))
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.period_s:
+                self.suppressed += 1
+                return False
+            self._last[key] = now
+        return True
+
+
+_repeat_filter: Optional[RepeatFilter] = None
+
+
+def quiet_repeated_export_errors() -> RepeatFilter:
+    """Installs (once) the RepeatFilter on the SDK's exporter loggers; returns it."""
+    global _repeat_filter
+    with _shut_lock:
+        if _repeat_filter is None:
+            _repeat_filter = RepeatFilter()
+            for name in _EXPORT_LOGGERS:
+                logging.getLogger(name).addFilter(_repeat_filter)
+        return _repeat_filter
 
 
 def run_bounded(fn: Callable[[], Any], timeout_s: float, name: str) -> bool:

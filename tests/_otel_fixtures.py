@@ -132,17 +132,23 @@ def median_step_s(step: Callable[[], None], n: int = 30, warmup: int = 5) -> flo
     return statistics.median(times)
 
 
-def interleaved_medians(a: Callable[[], None], b: Callable[[], None], rounds: int = 5, n: int = 10):
-    """Medians of step times of a and b measured in alternating rounds (fair under noise)."""
+def interleaved_medians(a: Callable[[], None], b: Callable[[], None], rounds: int = 60):
+    """(median step of a, median step of b, median of the per-round ratios a/b): a and b take
+    turns step by step (who goes first alternates), so load from other processes hits both
+    alike and each ratio compares two steps taken moments apart."""
     ta: List[float] = []
     tb: List[float] = []
+    ratios: List[float] = []
     for f in (a, b):
         for _ in range(3):
             f()
-    for _ in range(rounds):
-        for f, acc in ((a, ta), (b, tb)):
-            for _ in range(n):
-                t = time.perf_counter()
-                f()
-                acc.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb)
+    for i in range(rounds):
+        pair = {}
+        for name, f in ((("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))):
+            t = time.perf_counter()
+            f()
+            pair[name] = time.perf_counter() - t
+        ta.append(pair["a"])
+        tb.append(pair["b"])
+        ratios.append(pair["a"] / pair["b"])
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratios)

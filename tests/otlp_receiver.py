@@ -47,7 +47,8 @@ class OtlpReceiver:
         self._cond = threading.Condition()
         self.trace_requests: List[trace_service_pb2.ExportTraceServiceRequest] = []
         self.metric_requests: List[metrics_service_pb2.ExportMetricsServiceRequest] = []
-        self.calls: Dict[str, int] = {"grpc": 0, "http": 0}
+        self.calls: Dict[str, int] = {"grpc": 0, "http": 0}  # requests accepted
+        self.attempts: Dict[str, int] = {"grpc": 0, "http": 0}  # requests received, refused ones too
         self._grpc: Optional[grpc.Server] = None
         self._http: Optional[ThreadingHTTPServer] = None
         self.grpc_port = 0
@@ -64,8 +65,10 @@ class OtlpReceiver:
     def release(self) -> None:
         self._released.set()
 
-    def _gate(self) -> bool:
+    def _gate(self, transport: str) -> bool:
         """True to accept the request; stalls first in stall mode."""
+        with self._cond:
+            self.attempts[transport] += 1
         if self.mode == "stall":
             self._released.wait(self.stall_s)
         return self.mode != "refuse"
@@ -148,14 +151,14 @@ class OtlpReceiver:
 
         class Traces(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request, context):
-                if not receiver._gate():
+                if not receiver._gate("grpc"):
                     context.abort(grpc.StatusCode.UNAVAILABLE, "refused by test")
                 receiver._store("grpc", request)
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
             def Export(self, request, context):
-                if not receiver._gate():
+                if not receiver._gate("grpc"):
                     context.abort(grpc.StatusCode.UNAVAILABLE, "refused by test")
                 receiver._store("grpc", request)
                 return metrics_service_pb2.ExportMetricsServiceResponse()
@@ -180,7 +183,7 @@ class OtlpReceiver:
                 if route is None:
                     self.send_error(404)
                     return
-                if not receiver._gate():
+                if not receiver._gate("http"):
                     self.send_error(503, "refused by test")
                     return
                 if self.headers.get("Content-Encoding") == "gzip":
