@@ -206,9 +206,11 @@ class OtelTelemetry(Sink):
         self._closed = True
         if self._worker is not None:
             try:
-                self._queue.put_nowait((_STOP, None))
+                self._queue.put((_STOP, None), timeout=1.0)
             except queue.Full:
                 pass
+            # spans still queued reach the processor before the providers shut down
+            self._worker.join(2.0)
         if self._shutdown_on_close:
             providers = [p for p in (self._tracer_provider, self._meter_provider)
                          if callable(getattr(p, "shutdown", None))]
