@@ -14,7 +14,7 @@ import torch
 from _otel_fixtures import OverflowNet
 from otlp_receiver import OtlpReceiver
 from tensorwatch_otel._env_sinks import sinks_from_env
-from tensorwatch_otel._otel_env import configure_from_env
+from tensorwatch_otel._otel_env import configure_from_env, shutdown_bounded
 from tensorwatch_otel._version import __version__
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -95,11 +95,11 @@ def test_resource_rank_service_and_attributes(clean_env):
     assert res["service.name"] == "trainer"
     assert res["service.instance.id"] == "5"
     assert res["team"] == "ml" and res["deployment.environment"] == "test"
-    tp.shutdown(), mp.shutdown()
+    shutdown_bounded([tp, mp], 5)
     clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=node7-gpu5")
     tp, mp = configure_from_env(5)
     assert tp.resource.attributes["service.instance.id"] == "node7-gpu5"
-    tp.shutdown(), mp.shutdown()
+    shutdown_bounded([tp, mp], 5)
 
 
 def test_signal_switches(clean_env):
@@ -111,12 +111,12 @@ def test_signal_switches(clean_env):
     clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
     tp, mp = configure_from_env(0)
     assert isinstance(tp, TracerProvider) and isinstance(mp, NoOpMeterProvider)
-    tp.shutdown()
+    shutdown_bounded([tp], 5)
     clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     clean_env.setenv("OTEL_TRACES_EXPORTER", "none")
     tp, mp = configure_from_env(0)
     assert isinstance(tp, NoOpTracerProvider) and isinstance(mp, MeterProvider)
-    mp.shutdown()
+    shutdown_bounded([mp], 5)
 
 
 def _detection_spans(r):

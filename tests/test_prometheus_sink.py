@@ -175,18 +175,19 @@ def test_scrape_never_sees_half_a_batch(registry):
 
 def test_big_model_scrapes_fast(registry):
     """2,500 modules x 4 tensors (30,000 samples): the first scrape, which aggregates, and the
-    next ones stay under a second even on a loaded 2-core CI box (about 0.3 s when idle)."""
+    next ones take well under a second of CPU (about 0.3 s on an idle 2-core box). Measured as
+    this thread's CPU time, so other processes on a busy CI box do not fail it."""
     sink = PrometheusMetrics(registry=registry)
     sink.on_batch(batch(linear_frames(2500)))
-    t = time.perf_counter()
+    t = time.thread_time()
     text = generate_latest(registry)
-    first = time.perf_counter() - t
-    t = time.perf_counter()
+    first = time.thread_time() - t
+    t = time.thread_time()
     generate_latest(registry)
-    again = time.perf_counter() - t
+    again = time.thread_time() - t
     assert text.count(b"tensorwatch_tensor_abs_max{") == 10_000
-    assert first < 1.0, first
-    assert again < 1.0, again
+    assert first < 0.8, first
+    assert again < 0.8, again
     sink.close()
 
 
