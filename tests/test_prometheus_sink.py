@@ -400,3 +400,48 @@ def test_real_prometheus_scrapes_training_process(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_scrapes_during_real_training_are_consistent(registry):
+    """A thread scrapes as fast as it can while the watcher trains a real model: every scrape
+    parses, shows one batch (batches_total == batch_number + 1) and all modules of it."""
+    from tensorwatch_otel import watch
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    sink = PrometheusMetrics(registry=registry)
+    x = torch.randn(8, 16)
+    stop = threading.Event()
+    seen, errors = [], []
+
+    def scraper():
+        while not stop.is_set():
+            try:
+                p = scrape(registry)
+                if ("tensorwatch_batch_number", (("rank", "0"),)) in p:
+                    mods = {dict(k[1])["module"] for k in p if k[0] == "tensorwatch_tensor_abs_max"}
+                    seen.append((sample(p, "tensorwatch_batches_total", rank="0"),
+                                 sample(p, "tensorwatch_batch_number", rank="0"), len(mods)))
+            except Exception as exc:  # reported below; the test thread must see it
+                errors.append(repr(exc))
+
+    t = threading.Thread(target=scraper)
+    with watch(model, sinks=[sink]):
+        t.start()
+        try:
+            for _ in range(150):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+        finally:
+            stop.set()
+            t.join()
+    assert not errors, errors[:3]
+    assert len(seen) > 5
+    # every module that runs a forward (the ModuleList container does not)
+    n_modules = sum(1 for _, m in model.named_modules() if not isinstance(m, torch.nn.ModuleList))
+    for total, number, mods in seen:
+        assert total == number + 1
+        assert mods == n_modules
+    sink.close()
