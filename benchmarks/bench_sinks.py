@@ -196,15 +196,18 @@ def main(argv=None) -> int:
         run(args.warmup)
     per_round: Dict[str, List[float]] = {n: [] for n in variants}
     step_s: Dict[str, List[float]] = {n: [] for n in variants}
+    names = list(variants)
     for r in range(args.rounds):
         medians = {}
-        for name, run in variants.items():
+        # rotate who goes first: the first segment of a round pays for the previous teardown
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run = variants[name]
             times = run(args.steps)
             step_s[name] += times
             medians[name] = statistics.median(times)
         for name in variants:
             per_round[name].append(medians[name] / medians["unwatched"])
-        print(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{n} {medians[n] * 1000:.0f} ms" for n in variants),
+        print(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{n} {medians[n] * 1000:.0f} ms" for n in names),
               file=sys.stderr)
     result = {"model_modules": n_modules, "batch": list(ids.shape), "rounds": args.rounds,
               "scrape_interval_s": args.scrape_interval, "otel_interval_s": args.otel_interval,

@@ -115,23 +115,7 @@ class OverflowNet(nn.Module):
         return self.out(self.boom(self.inp(x)))
 
 
-def wide_model(n_modules: int, d: int = 4) -> nn.Module:
-    """A sequential model with n_modules Linear layers (plus the root)."""
-    return nn.Sequential(*[nn.Linear(d, d) for _ in range(n_modules)])
-
-
 # ---------------------------------------------------------------- timing
-def median_step_s(step: Callable[[], None], n: int = 30, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        step()
-    times: List[float] = []
-    for _ in range(n):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def interleaved_medians(a: Callable[[], None], b: Callable[[], None], rounds: int = 60):
     """(median step of a, median step of b, median of the per-round ratios a/b): a and b take
     turns step by step (who goes first alternates), so load from other processes hits both

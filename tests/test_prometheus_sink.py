@@ -16,8 +16,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from _otel_fixtures import (OverflowNet, TinyNet, batch, detection, frame, linear_frames, parse_prom,
-                            sample, stat, wide_model)
+from _otel_fixtures import TinyNet, batch, detection, frame, linear_frames, parse_prom, sample, stat
 from conftest import free_port
 from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
 
