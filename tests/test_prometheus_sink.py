@@ -371,7 +371,7 @@ def test_real_prometheus_scrapes_training_process(tmp_path):
 
     port = free_port()
     env = dict(os.environ, TENSORWATCH_PROMETHEUS_PORT=str(port), TENSORWATCH_PROMETHEUS_LINGER_SECONDS="60")
-    script = _TRAIN_SCRIPT.format(tests=os.path.dirname(__file__), overflow_at=60)
+    script = _TRAIN_SCRIPT.format(tests=os.path.dirname(__file__), overflow_at=100)
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -381,8 +381,9 @@ def test_real_prometheus_scrapes_training_process(tmp_path):
             labels = res[0]["metric"]
             assert labels["module_class"] == "Linear" and labels["rank"] == "0"
             assert labels["job"] == "tensorwatch"
-            ru = prom.query('tensorwatch_tensor_range_used_ratio{module="out",tensor="output"}')
-            assert ru and ru[0]["metric"]["dtype"] == "float32"
+            ru = prom.wait_for('last_over_time(tensorwatch_tensor_range_used_ratio{module="out",tensor="output"}[5m])',
+                               lambda r: len(r) == 1, timeout=10)
+            assert ru[0]["metric"]["dtype"] == "float32" and 0 < float(ru[0]["value"][1]) < 1e-30
             # the injected overflow: the process raises and dies; linger lets Prometheus see it
             res = prom.wait_for("tensorwatch_nonfinite_events_total", lambda r: len(r) == 1, timeout=30)
             m = res[0]["metric"]
