@@ -90,6 +90,9 @@ def _metric_exporter(protocol: str):
     return OTLPMetricExporter()
 
 
+DEFAULT_SERVICE_NAME = "tensorwatch-otel"  # when neither OTEL_SERVICE_NAME nor the attributes name one
+
+
 def make_resource(rank: int):
     """The SDK resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, SDK defaults) plus the rank
     as ``service.instance.id`` unless the user already set one."""
@@ -97,9 +100,14 @@ def make_resource(rank: int):
 
     # Recent SDKs put a random UUID in service.instance.id; the rank is the useful identity of
     # a training process, but an id the user gave in OTEL_RESOURCE_ATTRIBUTES wins.
-    if "service.instance.id" in OTELResourceDetector().detect().attributes:
-        return Resource.create({})
-    return Resource.create({"service.instance.id": str(rank)})
+    detected = OTELResourceDetector().detect().attributes
+    attrs = {}
+    if "service.instance.id" not in detected:
+        attrs["service.instance.id"] = str(rank)
+    if "service.name" not in detected:
+        # the SDK would say unknown_service; the shipped Jaeger links look for this name
+        attrs["service.name"] = DEFAULT_SERVICE_NAME
+    return Resource.create(attrs)
 
 
 def configure_from_env(rank: int = 0) -> Optional[Tuple[Any, Any]]:

@@ -102,6 +102,18 @@ def test_resource_rank_service_and_attributes(clean_env):
     shutdown_bounded([tp, mp], 5)
 
 
+def test_service_name_defaults_to_the_package_not_unknown_service(clean_env):
+    # the shipped Jaeger links and dashboard look for service "tensorwatch-otel"
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    tp, mp = configure_from_env(0)
+    assert tp.resource.attributes["service.name"] == "tensorwatch-otel"
+    shutdown_bounded([tp, mp], 5)
+    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-attrs")
+    tp, mp = configure_from_env(0)
+    assert tp.resource.attributes["service.name"] == "from-attrs"
+    shutdown_bounded([tp, mp], 5)
+
+
 def test_signal_switches(clean_env):
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider

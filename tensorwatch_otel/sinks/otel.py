@@ -125,15 +125,15 @@ class OtelTelemetry(Sink):
         self._nonfinite = meter.create_counter(
             "tensorwatch.nonfinite.events", unit="{event}",
             description="inf/nan detections, attributed to the first module and tensor where one appeared")
-        meter.create_observable_gauge("tensorwatch.tensor.abs_max", [self._observe_abs_max], unit="1",
+        meter.create_observable_gauge("tensorwatch.tensor.abs_max", [self._observe_abs_max], unit="",
                                       description="Largest absolute value of the tensor in the last watched batch")
-        meter.create_observable_gauge("tensorwatch.tensor.abs_min", [self._observe_abs_min], unit="1",
+        meter.create_observable_gauge("tensorwatch.tensor.abs_min", [self._observe_abs_min], unit="",
                                       description="Smallest absolute value of the tensor in the last watched batch")
         meter.create_observable_gauge("tensorwatch.tensor.range_used", [self._observe_range_used], unit="1",
                                       description="abs max divided by the largest finite value of the tensor's dtype")
         meter.create_observable_counter("tensorwatch.batches", [self._observe_batches], unit="{batch}",
                                         description="Watched batches")
-        meter.create_observable_gauge("tensorwatch.batch_number", [self._observe_batch_number], unit="1",
+        meter.create_observable_gauge("tensorwatch.batch_number", [self._observe_batch_number], unit="",
                                       description="Number of the last watched batch (0-based)")
 
         self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=_QUEUE_SIZE)
