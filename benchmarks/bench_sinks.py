@@ -29,7 +29,7 @@ from typing import Callable, Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import Trainer, build_model  # noqa: E402
+from bench_step import Trainer, build_model, run_rounds  # noqa: E402
 
 
 class _Scraper:
@@ -194,32 +194,9 @@ def main(argv=None) -> int:
           file=sys.stderr)
     for run in variants.values():
         run(args.warmup)
-    per_round: Dict[str, List[float]] = {n: [] for n in variants}
-    step_s: Dict[str, List[float]] = {n: [] for n in variants}
-    names = list(variants)
-    for r in range(args.rounds):
-        medians = {}
-        # rotate who goes first: the first segment of a round pays for the previous teardown
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            run = variants[name]
-            times = run(args.steps)
-            step_s[name] += times
-            medians[name] = statistics.median(times)
-        for name in variants:
-            per_round[name].append(medians[name] / medians["unwatched"])
-        print(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{n} {medians[n] * 1000:.0f} ms" for n in names),
-              file=sys.stderr)
     result = {"model_modules": n_modules, "batch": list(ids.shape), "rounds": args.rounds,
               "scrape_interval_s": args.scrape_interval, "otel_interval_s": args.otel_interval,
-              "big_model_scrape": big, "variants": {}}
-    print(f"\n{'variant':<13} {'ratio median':>12} {'min':>7} {'max':>7} {'step ms (median)':>17}")
-    for name in variants:
-        ratios = per_round[name]
-        med = statistics.median(ratios)
-        result["variants"][name] = {"ratio_median": med, "ratio_min": min(ratios), "ratio_max": max(ratios),
-                                    "ratios": ratios, "step_ms_median": statistics.median(step_s[name]) * 1000}
-        print(f"{name:<13} {med:>12.3f} {min(ratios):>7.3f} {max(ratios):>7.3f} "
-              f"{statistics.median(step_s[name]) * 1000:>17.0f}")
+              "big_model_scrape": big, "variants": run_rounds(variants, args.rounds, args.steps)}
     w = result["variants"]["watch"]["ratio_median"]
     for name in ("prometheus", "otel_metrics"):
         print(f"{name} / watch: {result['variants'][name]['ratio_median'] / w:.3f}x")

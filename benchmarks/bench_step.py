@@ -98,6 +98,36 @@ def make_variants(base, ids, labels, names: List[str]) -> Dict[str, Callable[[in
     return variants
 
 
+def run_rounds(variants: Dict[str, Callable[[int], List[float]]], rounds: int, steps: int) -> Dict[str, dict]:
+    """Interleaved rounds; per variant the ratio of its median step to the unwatched one of the
+    same round (median, min, max over rounds). Prints progress to stderr and a table to stdout."""
+    per_round: Dict[str, List[float]] = {n: [] for n in variants}
+    step_s: Dict[str, List[float]] = {n: [] for n in variants}
+    order = list(variants)
+    for r in range(rounds):
+        medians = {}
+        # Rotate the order each round, and drop each segment's first step: switching between
+        # model copies (the peer has its own) costs the next step its caches, whoever runs it.
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            times = variants[name](steps + 1)[1:]
+            step_s[name] += times
+            medians[name] = statistics.median(times)
+        for name in variants:
+            per_round[name].append(medians[name] / medians["unwatched"])
+        print(f"round {r + 1}/{rounds}: " + "  ".join(
+            f"{n} {medians[n] * 1000:.0f} ms" for n in order), file=sys.stderr)
+    out: Dict[str, dict] = {}
+    print(f"\n{'variant':<13} {'ratio median':>12} {'min':>7} {'max':>7} {'step ms (median)':>17}")
+    for name in variants:
+        ratios = per_round[name]
+        med = statistics.median(ratios)
+        out[name] = {"ratio_median": med, "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "ratios": ratios, "step_ms_median": statistics.median(step_s[name]) * 1000}
+        print(f"{name:<13} {med:>12.3f} {min(ratios):>7.3f} {max(ratios):>7.3f} "
+              f"{out[name]['step_ms_median']:>17.0f}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small model (smoke test)")
@@ -121,31 +151,9 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     for name, run in variants.items():
         run(args.warmup)
-    per_round: Dict[str, List[float]] = {n: [] for n in variants}
-    step_s: Dict[str, List[float]] = {n: [] for n in variants}
-    order = list(variants)
-    for r in range(args.rounds):
-        medians = {}
-        # Rotate the order each round, and drop each segment's first step: switching between
-        # model copies (the peer has its own) costs the next step its caches, whoever runs it.
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            times = variants[name](args.steps + 1)[1:]
-            step_s[name] += times
-            medians[name] = statistics.median(times)
-        for name in variants:
-            per_round[name].append(medians[name] / medians["unwatched"])
-        print(f"round {r + 1}/{args.rounds}: " + "  ".join(
-            f"{n} {medians[n] * 1000:.0f} ms" for n in order), file=sys.stderr)
     result = {"model_modules": n_modules, "batch": list(ids.shape), "rounds": args.rounds,
-              "steps_per_round": args.steps, "variants": {}}
-    print(f"\n{'variant':<10} {'ratio median':>12} {'min':>7} {'max':>7} {'step ms (median)':>17}")
-    for name in variants:
-        ratios = per_round[name]
-        med = statistics.median(ratios)
-        result["variants"][name] = {"ratio_median": med, "ratio_min": min(ratios), "ratio_max": max(ratios),
-                                    "ratios": ratios, "step_ms_median": statistics.median(step_s[name]) * 1000}
-        print(f"{name:<10} {med:>12.3f} {min(ratios):>7.3f} {max(ratios):>7.3f} "
-              f"{statistics.median(step_s[name]) * 1000:>17.0f}")
+              "steps_per_round": args.steps,
+              "variants": run_rounds(variants, args.rounds, args.steps)}
     if "peer" in variants and "watch" in variants:
         w, pr = result["variants"]["watch"]["ratio_median"], result["variants"]["peer"]["ratio_median"]
         print(f"\npeer / watch step time: {pr / w:.2f}x")
