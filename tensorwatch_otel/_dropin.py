@@ -14,7 +14,7 @@ import torch
 
 from ._config import WatchConfig
 from ._events import BatchTraceEvent, OverflowCheckEvent, TensorStat
-from ._report import render_trace
+from ._report import print_overflow_check, render_trace
 from ._stats import dtype_name, measure
 from ._watcher import _ACTIVE, Watcher, _env_sinks, current_rank
 from .sinks.text import TextReport
@@ -167,10 +167,7 @@ def detect_overflow(var: torch.Tensor, ctx: str) -> bool:
         with torch.no_grad():
             flags = torch.stack([torch.isnan(var).any(), torch.isinf(var).any()]).tolist()
         has_nan, has_inf = bool(flags[0]), bool(flags[1])
-    if has_nan:
-        print(f"{ctx} has nans")
-    if has_inf:
-        print(f"{ctx} has infs")
+    print_overflow_check(ctx, has_nan, has_inf)
     detected = has_nan or has_inf
     if detected and len(_ACTIVE):
         kind = ",".join(k for k, on in (("inf", has_inf), ("nan", has_nan)) if on)

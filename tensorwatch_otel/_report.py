@@ -82,3 +82,11 @@ def summary_line(event: NonFiniteEvent) -> str:
     where = event.module or "(root)"
     return (f"tensorwatch_otel: {event.kind} in {where} {event.module_class} {event.tensor} "
             f"during batch_number={event.batch_number} (rank {event.rank})\n")
+
+
+def print_overflow_check(ctx: str, has_nan: bool, has_inf: bool) -> None:
+    """detect_overflow's output, as the peer prints it (stdout, one line per kind)."""
+    if has_nan:
+        print(f"{ctx} has nans")
+    if has_inf:
+        print(f"{ctx} has infs")
