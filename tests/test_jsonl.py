@@ -30,7 +30,8 @@ from tensorwatch_otel import (
     watch,
 )
 from tensorwatch_otel import _codec
-from tensorwatch_otel.sinks import JsonlLog, Sink
+from tensorwatch_otel.sinks import JsonlLog
+from _collect import Collect
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -97,14 +98,6 @@ class Net(nn.Module):
 
     def forward(self, x, mask=None):
         return {"logits": self.out(self.bad(self.lin(x))), "none": None}
-
-
-class Collect(Sink):
-    def __init__(self):
-        self.events = []
-
-    def on_event(self, event):
-        self.events.append(event)
 
 
 def _run_all_events(path):

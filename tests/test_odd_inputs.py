@@ -14,21 +14,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from tensorwatch_otel import NonFiniteEvent, watch
-from tensorwatch_otel.sinks import Sink
-
-
-class Collect(Sink):
-    wants_batches = True
-
-    def __init__(self):
-        self.batches = []
-        self.events = []
-
-    def on_batch(self, stats):
-        self.batches.append(stats)
-
-    def on_event(self, event):
-        self.events.append(event)
+from _collect import Collect
 
 
 class Echo(nn.Module):

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensorwatch_otel import watch
-from tensorwatch_otel.sinks import Sink
+from _collect import Collect
 
 aten = torch.ops.aten
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -37,16 +37,6 @@ class SyncCounter(TorchDispatchMode):
             if dst.device.type == "cpu" and src.device.type != "cpu":
                 self.cpu_copies += 1
         return func(*args, **kwargs)
-
-
-class Collect(Sink):
-    wants_batches = True
-
-    def __init__(self):
-        self.batches = []
-
-    def on_batch(self, stats):
-        self.batches.append(stats)
 
 
 class Small(nn.Module):

@@ -23,25 +23,7 @@ from tensorwatch_otel import (
     watch,
 )
 from tensorwatch_otel.sinks import Sink
-
-
-class Collect(Sink):
-    """A real sink that keeps everything it is given."""
-
-    wants_batches = True
-
-    def __init__(self):
-        self.batches = []
-        self.events = []
-
-    def on_batch(self, stats):
-        self.batches.append(stats)
-
-    def on_event(self, event):
-        self.events.append(event)
-
-    def of(self, cls):
-        return [e for e in self.events if isinstance(e, cls)]
+from _collect import Collect
 
 
 def amm(t):
