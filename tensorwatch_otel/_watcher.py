@@ -142,7 +142,6 @@ class Watcher:
         self._params_cap = 2 * sum(1 for _ in model.parameters()) + 64
         self._acts_seen: Dict[int, tuple] = {}  # id -> (weakref, version, (mn, mx), dtype)
         self._rec = _Record(0)
-        self._prev: Optional[_Record] = None
         # finished batches, newest last, kept while the newer ones hold fewer than max_frames frames
         self._history: List[_Record] = []
         self._grad_rec: Optional[_Record] = None
@@ -410,7 +409,6 @@ class Watcher:
             try:
                 self._finish(rec)
             finally:  # a batch that raised NonFiniteDetected still precedes the next ring
-                self._prev = rec
                 self._keep(rec)
         cfg = self.config
         if cfg.abort_after_batch is not None and self.batch_number > cfg.abort_after_batch:
