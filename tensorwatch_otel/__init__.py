@@ -5,8 +5,8 @@ Imports torch only; exporters (prometheus_client, opentelemetry) load when a sin
 
 from __future__ import annotations
 
-from ._dropin import DebugUnderflowOverflow, detect_overflow
-from ._events import (
+from .integrations.debug_utils import DebugUnderflowOverflow, detect_overflow
+from .core.events import (
     AbortAfterBatchEvent,
     BatchStats,
     BatchTraceEvent,
@@ -16,7 +16,9 @@ from ._events import (
     TensorStat,
 )
 from ._version import __version__
-from ._watcher import AbortAfterBatch, NonFiniteDetected, Watcher, watch
+from ._watch import watch
+from .core.errors import AbortAfterBatch, NonFiniteDetected
+from .core.watcher import Watcher
 
 __all__ = [
     "watch",

@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-from tensorwatch_otel._events import BatchStats, Frame, NonFiniteEvent, TensorStat
+from tensorwatch_otel.core.events import BatchStats, Frame, NonFiniteEvent, TensorStat
 
 FP16_MAX = 65504.0
 

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from tensorwatch_otel import NonFiniteEvent
-from tensorwatch_otel._codec import read_events
-from tensorwatch_otel._report import render_detection
+from tensorwatch_otel.report.codec import read_events
+from tensorwatch_otel.report.text import render_detection
 from tensorwatch_otel.cli import main
 from tensorwatch_otel.cli._demo_model import OVERFLOW_MODULE
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from tensorwatch_otel import BatchTraceEvent, Frame, NonFiniteDetected, TensorStat, watch
-from tensorwatch_otel._codec import read_events
-from tensorwatch_otel._diff import align, change, diff_frames
-from tensorwatch_otel._report import render_detection, render_trace
+from tensorwatch_otel.report.codec import read_events
+from tensorwatch_otel.report.diff import align, change, diff_frames
+from tensorwatch_otel.report.text import render_detection, render_trace
 from tensorwatch_otel.cli import main
 from tensorwatch_otel.sinks import JsonlLog
 

@@ -13,8 +13,8 @@ import torch
 
 from _otel_fixtures import OverflowNet
 from otlp_receiver import OtlpReceiver
-from tensorwatch_otel._env_sinks import sinks_from_env
-from tensorwatch_otel._otel_env import configure_from_env, shutdown_bounded
+from tensorwatch_otel.sinks.from_env import sinks_from_env
+from tensorwatch_otel.sinks.otel_env import configure_from_env, shutdown_bounded
 from tensorwatch_otel._version import __version__
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -29,7 +29,7 @@ from tensorwatch_otel import (
     TensorStat,
     watch,
 )
-from tensorwatch_otel import _codec
+from tensorwatch_otel.report import codec as _codec
 from tensorwatch_otel.sinks import JsonlLog
 from _collect import Collect
 

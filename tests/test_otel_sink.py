@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from _otel_fixtures import OverflowNet, TinyNet, batch, detection, frame, linear_frames, stat
-from tensorwatch_otel._events import BatchTraceEvent
+from tensorwatch_otel.core.events import BatchTraceEvent
 from tensorwatch_otel._version import __version__
 from tensorwatch_otel.sinks.otel import OtelTelemetry
 

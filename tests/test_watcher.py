@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 import tensorwatch_otel
-import tensorwatch_otel._watcher as watcher_mod
+import tensorwatch_otel.core.recorder as watcher_mod
+import tensorwatch_otel.core.watcher as watcher_core
 from tensorwatch_otel import (
     AbortAfterBatch,
     AbortAfterBatchEvent,
@@ -413,7 +414,7 @@ def test_detach_removes_every_hook_and_is_idempotent():
     w.detach()
     model(torch.randn(2, 3))
     assert w.batch_number == 1
-    assert w not in watcher_mod._ACTIVE
+    assert w not in watcher_core.ACTIVE
 
 
 def test_context_manager_detaches_even_on_exception():
@@ -800,13 +801,13 @@ def test_replaced_parameters_are_not_kept_alive():
         model(torch.ones(1, 8))
         assert stats_of(sink.batches[-1].frames[0])["weight"] == amm(model.weight)
     gc.collect()
-    assert sum(r() is not None for r in old) <= w._params_cap + 1  # bounded, not 200
+    assert sum(r() is not None for r in old) <= w._recorder.params_cap + 1  # bounded, not 200
     params = {"weight": torch.randn(8, 8), "bias": torch.randn(8)}
     for _ in range(40):
         params = {k: v * 1.01 for k, v in params.items()}
         torch.func.functional_call(model, params, (torch.ones(1, 8),))
         assert stats_of(sink.batches[-1].frames[0])["weight"] == amm(params["weight"])
-    assert len(w._params_seen) <= w._params_cap + 2
+    assert len(w._recorder.params_seen) <= w._recorder.params_cap + 2
     w.detach()
 
 

@@ -118,7 +118,7 @@ def _otel_sink(endpoint: str):
     """An OtelTelemetry sink exporting to `endpoint`, or None (with the reason on stderr)."""
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
     try:
-        from .._otel_env import configure_from_env
+        from ..sinks.otel_env import configure_from_env
         from ..sinks import OtelTelemetry
     except (ImportError, AttributeError) as exc:
         print(f"demo: OpenTelemetry export unavailable ({exc}); going on without it", file=sys.stderr)
@@ -242,7 +242,7 @@ def _serve(args, prom) -> None:
 
 def _detection_report():
     """A TextReport for detections only: traced batches go to the event log (see `report`)."""
-    from .._events import BatchTraceEvent
+    from ..core.events import BatchTraceEvent
     from ..sinks import TextReport
 
     class DetectionReport(TextReport):

@@ -39,7 +39,7 @@ EXIT_USAGE = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .._diff import DEFAULT_FLOOR, DEFAULT_THRESHOLD, STATS
+    from ..report.diff import DEFAULT_FLOOR, DEFAULT_THRESHOLD, STATS
 
     parser.add_argument("a", metavar="EVENTS_A.jsonl:BATCH", help="the reference batch (e.g. the last good one)")
     parser.add_argument("b", metavar="EVENTS_B.jsonl:BATCH", help="the batch to compare with it")
@@ -73,7 +73,7 @@ def parse_spec(spec: str) -> Tuple[str, Optional[int]]:
 
 def load_trace(spec: str, rank: Optional[int]):
     """The BatchTraceEvent named by `spec` ('events.jsonl:150')."""
-    from .._events import BatchTraceEvent
+    from ..core.events import BatchTraceEvent
     from .report import InputError, load_events
 
     path, batch = parse_spec(spec)
@@ -120,7 +120,7 @@ def _fail(msg: str) -> int:
 
 
 def run(args) -> int:
-    from .._diff import diff_frames
+    from ..report.diff import diff_frames
 
     if not (args.threshold >= 0 and math.isfinite(args.threshold)):
         return _fail(f"--threshold {args.threshold}: expected a number of decades >= 0")
@@ -141,7 +141,7 @@ def run(args) -> int:
 
 def render(result, side_a, side_b, context: int) -> str:
     """The diff command's text output."""
-    from .._diff import TABLE_HEADER, context_pairs, first_nonfinite, render_pair
+    from ..report.diff import TABLE_HEADER, context_pairs, first_nonfinite, render_pair
 
     (path_a, ta), (path_b, tb) = side_a, side_b
     out = [f"A: {path_a} batch {ta.batch_number} (rank {ta.rank}): {len(ta.frames)} frames",
@@ -206,7 +206,7 @@ def _fmt_change(v) -> str:
 
 
 def _fmt_move(t, stat: str) -> str:
-    from .._diff import _num
+    from ..report.diff import _num
 
     def pick(s):
         if stat == "min" or (stat == "both" and (t.min_change or 0) > (t.max_change or 0)):

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_events(path: str) -> list:
     """Every event of `path`; InputError with a one-line message for anything unusable."""
-    from .._codec import read_events
+    from ..report.codec import read_events
 
     try:
         return read_events(path)
@@ -66,8 +66,8 @@ class InputError(Exception):
 
 def render_event(event) -> str:
     """The text for one event, as the TextReport sink and the peer print it."""
-    from .._events import AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent
-    from .._report import render_detection, render_trace
+    from ..core.events import AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent
+    from ..report.text import render_detection, render_trace
 
     if isinstance(event, NonFiniteEvent):
         return render_detection(event)

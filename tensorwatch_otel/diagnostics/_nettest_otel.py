@@ -18,7 +18,7 @@ FLUSH_TIMEOUT_S = 5.0
 def export_rank(state: Dict[str, Any]) -> bool:
     """Exports this rank's result; True when something was exported."""
     try:
-        from .. import _otel_env
+        from ..sinks import otel_env as _otel_env
     except ImportError:
         log.debug("tensorwatch_otel._otel_env unavailable: no OTLP export")
         return False

@@ -7,7 +7,7 @@ import fnmatch
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .._events import BatchStats, label_for_module
+from ..core.events import BatchStats, label_for_module
 
 Patterns = Optional[Union[str, Sequence[str]]]
 Key = Tuple[str, str]  # (module label, tensor)

@@ -6,8 +6,8 @@ import os
 import threading
 from typing import Optional
 
-from .._codec import to_line
-from .._events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent
+from ..report.codec import to_line
+from ..core.events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent
 from ._base import Sink
 
 _DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent)

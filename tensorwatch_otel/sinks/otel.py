@@ -17,16 +17,16 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Status, StatusCode
 
-from .._events import (AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Event, Frame, NonFiniteEvent,
+from ..core.events import (AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Event, Frame, NonFiniteEvent,
                        OverflowCheckEvent, label_for_module)
-from .._otel_env import shutdown_bounded
+from .otel_env import shutdown_bounded
 from .._version import __version__
 from ._aggregate import ModuleFilter, Patterns, aggregate
 from ._base import Sink
 
 __all__ = ["OtelTelemetry", "SCOPE", "DEFAULT_MAX_SERIES"]
 
-log = logging.getLogger("tensorwatch_otel")
+log = logging.getLogger(__name__)
 
 SCOPE = "tensorwatch_otel"
 #: One under the metrics SDK's default cardinality limit (2000), so no statistic ends up in
@@ -82,7 +82,7 @@ def frame_attributes(fr: Frame, index: int) -> Dict[str, Any]:
 
 def _render_detection(event: NonFiniteEvent) -> str:
     try:
-        from .._report import render_detection
+        from ..report.text import render_detection
     except ImportError:  # pragma: no cover - the report module ships with the package
         return f"Detected inf/nan during batch_number={event.batch_number}"
     return render_detection(event)

@@ -17,13 +17,13 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .._events import BatchStats, Event, NonFiniteEvent, label_for_module
+from ..core.events import BatchStats, Event, NonFiniteEvent, label_for_module
 from ._aggregate import Key, ModuleFilter, Patterns, aggregate
 from ._base import Sink
 
 __all__ = ["PrometheusMetrics", "DEFAULT_MAX_SERIES", "DEFAULT_LINGER_S"]
 
-log = logging.getLogger("tensorwatch_otel")
+log = logging.getLogger(__name__)
 
 #: Most (module, tensor) pairs exported per gauge; beyond it pairs are dropped and counted.
 DEFAULT_MAX_SERIES = 10_000

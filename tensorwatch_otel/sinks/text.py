@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, TextIO
 
-from .._events import BatchTraceEvent, NonFiniteEvent
-from .._report import render_detection, render_trace, summary_line
+from ..core.events import BatchTraceEvent, NonFiniteEvent
+from ..report.text import render_detection, render_trace, summary_line
 from ._base import Sink
 
 

@@ -12,12 +12,18 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from ._config import WatchConfig
-from ._events import BatchTraceEvent, OverflowCheckEvent, TensorStat
-from ._report import print_overflow_check, render_trace
-from ._stats import dtype_name, measure
-from ._watcher import _ACTIVE, Watcher, _env_sinks, current_rank
-from .sinks.text import TextReport
+from .._watch import env_sinks
+from ..core import naming
+from ..core.behaviour import Behaviour
+from ..core.config import WatchConfig
+from ..core.events import NOTE_NONE, NOTE_NOT_TENSOR, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent, TensorStat
+from ..core.rank import current_rank
+from ..core.record import ModuleInfo, Record
+from ..core.recorder import FrameRecorder
+from ..core.stats import dtype_name, measure
+from ..core.watcher import ACTIVE, Watcher
+from ..report.text import print_overflow_check, render_trace
+from ..sinks.text import TextReport
 
 
 class DebugUnderflowOverflow:
@@ -39,8 +45,8 @@ class DebugUnderflowOverflow:
         self.trace_batch_nums = list(trace_batch_nums or [])
         self.abort_after_batch_num = abort_after_batch_num
         self._flags = _TraceFlags(model, config.trace_batches) if config.trace_batches else None
-        sinks = [_PeerTextReport(self._flags)] + _env_sinks()
-        self._watcher = Watcher(model, sinks, config, owned_sinks=sinks, _compat=True)
+        sinks = [_PeerTextReport(self._flags)] + env_sinks()
+        self._watcher = Watcher(model, sinks, config, owned_sinks=sinks, behaviour=PeerBehaviour())
         if self._flags is not None:
             self._flags.watcher = self._watcher
 
@@ -59,6 +65,50 @@ class DebugUnderflowOverflow:
 
     def __exit__(self, *exc) -> None:
         self.detach()
+
+
+class PeerBehaviour(Behaviour):
+    """The peer's view and words: positional inputs only (non-tensors noted), outputs as a
+    tensor, a tuple or one nested tuple level; traced batches are not checked, and a detection
+    ring starts after the last traced batch (the peer's buffer restarts once it printed)."""
+
+    detect_in_traced_batches = False
+    outermost_call_ends_batch = False
+
+    def record(self, recorder: FrameRecorder, rec: Record, info: ModuleInfo, args, kwargs, output) -> None:
+        items: list = []
+        start = len(rec.dtypes)
+        recorder.params(rec, info, items)
+        for i, a in enumerate(args):
+            self._leaf(recorder, rec, a, naming.input_name(i), items)
+        if isinstance(output, tuple):
+            for i, x in enumerate(output):
+                if isinstance(x, tuple):
+                    for j, y in enumerate(x):
+                        self._leaf(recorder, rec, y, naming.output_nested(i, j), items)
+                else:
+                    self._leaf(recorder, rec, x, naming.output_name(i), items)
+        else:
+            self._leaf(recorder, rec, output, "output", items)
+        rec.frames.append((info, items, start))
+
+    @staticmethod
+    def _leaf(recorder: FrameRecorder, rec: Record, x, name: str, items: list) -> None:
+        if isinstance(x, torch.Tensor):
+            recorder.tensor(rec, x, name, items)
+        else:
+            items.append((name, NOTE_NONE if x is None else NOTE_NOT_TENSOR))
+
+    def ring_stops_at(self, rec: Record, trace_batches) -> bool:
+        return rec.batch_number in trace_batches
+
+    def detection_message(self, event: NonFiniteEvent) -> str:
+        return ("DebugUnderflowOverflow: inf/nan detected, aborting as there is no point running further. "
+                "Please scroll up above this traceback to see the activation values prior to this event.")
+
+    def abort_message(self, batches_done: int, abort_after_batch: int) -> str:
+        return (f"DebugUnderflowOverflow: aborting after {batches_done} batches due to"
+                f" `abort_after_batch_num={abort_after_batch}` arg")
 
 
 class _TraceFlags:
@@ -169,7 +219,7 @@ def detect_overflow(var: torch.Tensor, ctx: str) -> bool:
         has_nan, has_inf = bool(flags[0]), bool(flags[1])
     print_overflow_check(ctx, has_nan, has_inf)
     detected = has_nan or has_inf
-    if detected and len(_ACTIVE):
+    if detected and len(ACTIVE):
         kind = ",".join(k for k, on in (("inf", has_inf), ("nan", has_nan)) if on)
         with torch.no_grad():
             r = measure(var)
@@ -178,7 +228,7 @@ def detect_overflow(var: torch.Tensor, ctx: str) -> bool:
         else:
             mn, mx = torch.stack(list(r)).tolist()
             stat = TensorStat(ctx, mn, mx, dtype_name(var.dtype))
-        for w in list(_ACTIVE):
+        for w in list(ACTIVE):
             event = OverflowCheckEvent(w.batch_number, current_rank(), ctx, kind, stat, time.time())
-            w._overflow_check(event)
+            w.overflow_check(event)
     return detected

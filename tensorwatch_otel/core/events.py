@@ -96,6 +96,16 @@ class NonFiniteEvent:
     frames: Tuple[Frame, ...]
     time: float  # seconds since the epoch
     event: str = field(default="nonfinite_detected", init=False)
+    #: the rank that detected first (this event's own rank outside multi-rank runs)
+    first_rank: Optional[int] = None
+    #: "forward", "backward" or "optimizer": where the frames come from
+    phase: str = "forward"
+    #: path of the captured inputs of the batch (capture_dir), when one was written
+    capture: Optional[str] = None
+
+    def __post_init__(self):
+        if self.first_rank is None:
+            object.__setattr__(self, "first_rank", self.rank)
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,37 @@ class AbortAfterBatchEvent:
 
 
 @dataclass(frozen=True)
+class SkippedStepEvent:
+    """An optimizer step that did not happen while the gradients held inf/nan (a GradScaler
+    skip, or any loop that reset the gradients without calling optimizer.step()). Not a
+    detection: the bad values were never consumed."""
+
+    batch_number: int  # the batch whose backward produced the gradients
+    rank: int
+    streak: int  # consecutive skipped steps, this one included
+    scale: Optional[float]  # the GradScaler's scale after the skip, when one is known
+    module: str  # where the first non-finite gradient was ("" when unknown)
+    module_class: str
+    tensor: str
+    kind: str
+    time: float
+    event: str = field(default="optimizer_step_skipped", init=False)
+
+
+@dataclass(frozen=True)
+class SkipStreakEvent:
+    """`max_skipped_steps` optimizer steps in a row were skipped: the loss scale is collapsing
+    or the gradients are non-finite on every step. Raised as an alert of its own."""
+
+    batch_number: int
+    rank: int
+    streak: int
+    scale: Optional[float]
+    time: float
+    event: str = field(default="skipped_steps_streak", init=False)
+
+
+@dataclass(frozen=True)
 class OverflowCheckEvent:
     """A detect_overflow(var, ctx) call that found inf/nan in an intermediate tensor."""
 
@@ -132,7 +173,8 @@ class OverflowCheckEvent:
     event: str = field(default="overflow_check", init=False)
 
 
-Event = Union[NonFiniteEvent, BatchTraceEvent, AbortAfterBatchEvent, OverflowCheckEvent]
+Event = Union[NonFiniteEvent, BatchTraceEvent, AbortAfterBatchEvent, OverflowCheckEvent, SkippedStepEvent,
+              SkipStreakEvent]
 
 
 @dataclass(frozen=True)
@@ -155,13 +197,18 @@ class BatchStats:
     the sink, typically on its own thread (a scrape, a metric collection). Immutable once built.
     """
 
-    __slots__ = ("batch_number", "rank", "time", "_frames")
+    __slots__ = ("batch_number", "rank", "time", "_frames", "grad_scale", "steps_skipped")
 
-    def __init__(self, batch_number: int, rank: int, time: float, frames: Tuple[Frame, ...] | "_LazyFrames"):
+    def __init__(self, batch_number: int, rank: int, time: float, frames: Tuple[Frame, ...] | "_LazyFrames",
+                 grad_scale: Optional[float] = None, steps_skipped: int = 0):
         self.batch_number = batch_number
         self.rank = rank
         self.time = time
         self._frames = frames
+        #: the GradScaler's scale at the end of this batch, when a scaler is known
+        self.grad_scale = grad_scale
+        #: optimizer steps skipped so far in this run (see SkippedStepEvent)
+        self.steps_skipped = steps_skipped
 
     @property
     def frames(self) -> Tuple[Frame, ...]:

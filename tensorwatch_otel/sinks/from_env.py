@@ -9,9 +9,10 @@ import logging
 import os
 from typing import List, Optional
 
-from .sinks._base import Sink
+from ..core.ports import Sink
+from ..core.rank import current_rank
 
-log = logging.getLogger("tensorwatch_otel")
+log = logging.getLogger(__name__)
 
 ENV_PROMETHEUS_PORT = "TENSORWATCH_PROMETHEUS_PORT"
 ENV_PROMETHEUS_ADDR = "TENSORWATCH_PROMETHEUS_ADDR"
@@ -32,12 +33,6 @@ def _prometheus_port() -> Optional[int]:
     return port
 
 
-def _rank() -> int:
-    from ._watcher import current_rank
-
-    return current_rank()
-
-
 def sinks_from_env() -> List[Sink]:
     """PrometheusMetrics when TENSORWATCH_PROMETHEUS_PORT is set (bound to
     TENSORWATCH_PROMETHEUS_ADDR, default 127.0.0.1), JsonlLog when TENSORWATCH_JSONL is set,
@@ -46,25 +41,25 @@ def sinks_from_env() -> List[Sink]:
     sinks: List[Sink] = []
     port = _prometheus_port()
     if port is not None:
-        from .sinks.prometheus import PrometheusMetrics
+        from .prometheus import PrometheusMetrics
 
         addr = os.environ.get(ENV_PROMETHEUS_ADDR, "").strip() or "127.0.0.1"
         sinks.append(PrometheusMetrics(port=port, addr=addr))
 
     path = os.environ.get(ENV_JSONL, "").strip()
     if path:
-        from .sinks.jsonl import JsonlLog
+        from .jsonl import JsonlLog
 
         sinks.append(JsonlLog(path))
 
-    from ._otel_env import otlp_configured, sdk_disabled
+    from .otel_env import otlp_configured, sdk_disabled
 
     if otlp_configured() and not sdk_disabled():
-        from ._otel_env import configure_from_env
+        from .otel_env import configure_from_env
 
-        providers = configure_from_env(_rank())
+        providers = configure_from_env(current_rank())
         if providers is not None:
-            from .sinks.otel import OtelTelemetry
+            from .otel import OtelTelemetry
 
             tracer_provider, meter_provider = providers
             sinks.append(OtelTelemetry(tracer_provider, meter_provider, shutdown_on_close=True))

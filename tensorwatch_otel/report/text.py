@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence
 
-from ._events import BatchTraceEvent, Frame, NonFiniteEvent, TensorStat
+from ..core.events import BatchTraceEvent, Frame, NonFiniteEvent, TensorStat
 
 PREFIX = " " * 17
 HEADER = f"{'abs min':8} {'abs max':8} metadata"

@@ -12,9 +12,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ._events import NOTE_EMPTY, NOTE_NO_DATA
+from .events import NOTE_EMPTY, NOTE_NO_DATA
 
-log = logging.getLogger("tensorwatch_otel")
+log = logging.getLogger(__name__)
 
 Pair = Tuple[torch.Tensor, torch.Tensor]  # (abs_min, abs_max) as 0-d device tensors
 

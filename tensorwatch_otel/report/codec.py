@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any, Dict, List, Optional
 
-from ._events import (
+from ..core.events import (
     AbortAfterBatchEvent,
     BatchTraceEvent,
     Event,

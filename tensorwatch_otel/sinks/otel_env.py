@@ -13,7 +13,7 @@ import time
 import weakref
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
-log = logging.getLogger("tensorwatch_otel")
+log = logging.getLogger(__name__)
 
 #: Protocols the OTLP exporters speak; the OpenTelemetry specification's default is http/protobuf.
 PROTOCOLS = ("grpc", "http/protobuf")

@@ -1,0 +1,52 @@
+"""watch(): a core Watcher composed with the sinks the caller names, or with the text report
+plus what the environment configures."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from .core.config import WatchConfig
+from .core.ports import Sink
+from .core.watcher import Watcher
+
+
+def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max_frames: int = 21,
+          trace_batches: Sequence[int] = (), abort_after_batch: Optional[int] = None,
+          every_n_batches: int = 1, gradients: bool = False, include=None, exclude=None,
+          on_detect: str = "raise", check: str = "batch", strict: bool = False,
+          flush_timeout_s: float = 5.0) -> Watcher:
+    """Watch every module of `model` for inf/nan and export per-module abs min/max.
+
+    Statistics stay on the device and come back in one transfer per batch (`check="batch"`);
+    `check="module"` reads back after every module call (exact and immediate, slower).
+    `sinks=None` means a TextReport plus what the environment configures
+    (TENSORWATCH_PROMETHEUS_PORT, TENSORWATCH_JSONL, OTEL_EXPORTER_OTLP_*).
+    """
+    config = WatchConfig.build(max_frames=max_frames, trace_batches=trace_batches,
+                               abort_after_batch=abort_after_batch, every_n_batches=every_n_batches,
+                               gradients=gradients, include=include, exclude=exclude,
+                               on_detect=on_detect, check=check, flush_timeout_s=flush_timeout_s,
+                               strict=strict)
+    owned: List[Sink] = []
+    if sinks is None:
+        from .sinks.text import TextReport
+
+        owned = [TextReport()] + env_sinks()
+        sinks = owned
+    else:
+        sinks = list(sinks)
+        for s in sinks:
+            if not isinstance(s, Sink) and not (hasattr(s, "on_event") and hasattr(s, "on_batch")):
+                raise TypeError(f"sinks: {s!r} is not a sink (see tensorwatch_otel.sinks)")
+    return Watcher(model, sinks, config, owned_sinks=owned)
+
+
+def env_sinks() -> List[Sink]:
+    """The sinks the environment configures (TENSORWATCH_*, OTEL_*)."""
+    try:
+        from .sinks.from_env import sinks_from_env
+    except ImportError:  # exporters not installed in this build
+        return []
+    return list(sinks_from_env())

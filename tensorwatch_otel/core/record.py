@@ -1,0 +1,125 @@
+"""Batch records and the ring: one record per batch (device statistics in call order, read
+back in one transfer), and the history of finished records the detection ring reaches into."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .events import Frame, TensorStat
+from .stats import DTYPE_MAX, dtype_name
+
+
+class ModuleInfo:
+    """What a hook knows of its module: path, class name, the live parameter dict."""
+
+    __slots__ = ("path", "cls", "params", "kw_names", "is_root", "recorded")
+
+    def __init__(self, path: str, module: torch.nn.Module, is_root: bool, recorded: bool):
+        self.path = path
+        self.cls = type(module).__name__
+        self.params = module._parameters  # live dict: a replaced parameter is seen at once
+        self.kw_names: Dict[str, str] = {}
+        self.is_root = is_root
+        self.recorded = recorded
+
+
+class Record:
+    """One batch (or one phase of it): device stats in call order, and per frame
+    (info, items, first tensor index). `items` holds a tensor name (str) per measured tensor,
+    or a (name, note) pair for a value without statistics."""
+
+    __slots__ = ("batch_number", "stats", "dtypes", "frames", "host", "phase", "detected", "header")
+
+    def __init__(self, batch_number: int, phase: str = "forward", header: bool = True):
+        self.batch_number = batch_number
+        self.stats: List[torch.Tensor] = []  # abs_min, abs_max, abs_min, ... (0-d, on device)
+        self.dtypes: List[torch.dtype] = []  # one per measured tensor
+        self.frames: List[tuple] = []  # (info, items, first tensor index)
+        self.host: List[float] = []
+        self.phase = phase
+        self.detected = False  # one detection per record (check="module" checks every frame)
+        self.header = header and phase == "forward"  # its first frame starts a batch in the report
+
+    def readback(self) -> None:
+        """Bring the not yet read stats to the host: one transfer."""
+        stats = self.stats
+        have = len(self.host)
+        if have >= len(stats):
+            return
+        pending = stats[have:] if have else stats
+        try:
+            stacked = torch.stack(pending)
+        except RuntimeError:  # stats on several devices (a model split over GPUs)
+            stacked = torch.stack([s.to("cpu") for s in pending])
+        self.host += stacked.to("cpu", copy=True).tolist()
+
+    def materialize(self, lo: int = 0, hi: Optional[int] = None) -> Tuple[Frame, ...]:
+        host, dtypes = self.host, self.dtypes
+        out = []
+        frames = self.frames
+        hi = len(frames) if hi is None else hi
+        for idx in range(lo, hi):
+            info, items, k = frames[idx]
+            stats = []
+            for it in items:
+                if it.__class__ is str:
+                    mn, mx, dt = host[2 * k], host[2 * k + 1], dtypes[k]
+                    k += 1
+                    top = DTYPE_MAX.get(dt)
+                    used = mx / top if top and mx == mx else None
+                    stats.append(TensorStat(it, mn, mx, dtype_name(dt), "", used))
+                else:
+                    stats.append(TensorStat(it[0], None, None, "", it[1]))
+            out.append(Frame(info.path, info.cls, tuple(stats), self.batch_number,
+                             batch_start=(idx == 0 and self.header), phase=self.phase))
+        return tuple(out)
+
+    def first_nonfinite_frame(self, first_frame: int) -> Optional[int]:
+        """Index of the first frame at or after `first_frame` holding inf/nan (host stats)."""
+        if first_frame < 0 or first_frame >= len(self.frames):
+            return None
+        start = self.frames[first_frame][2] * 2
+        host = self.host
+        if math.isfinite(sum(host[start:])):
+            return None
+        bad = next((i for i in range(start, len(host)) if not math.isfinite(host[i])), None)
+        if bad is None:
+            return None  # the sum overflowed; every value is finite
+        starts = [f[2] for f in self.frames]
+        return bisect.bisect_right(starts, bad // 2) - 1
+
+
+class History:
+    """Finished forward records, newest last, kept while the newer ones hold fewer than
+    `max_frames` frames: exactly what a ring of `max_frames` frames can reach back into."""
+
+    def __init__(self, max_frames: int):
+        self.max_frames = max_frames
+        self.records: List[Record] = []
+
+    def keep(self, rec: Record) -> None:
+        hist = self.records
+        hist.append(rec)
+        total = sum(len(r.frames) for r in hist)
+        while len(hist) > 1 and total - len(hist[0].frames) >= self.max_frames:
+            total -= len(hist.pop(0).frames)
+
+    def ring(self, rec: Record, fi: int, stop: Callable[[Record], bool]) -> Tuple[Frame, ...]:
+        """The last max_frames frames ending with frame `fi` of `rec`, oldest first; forward
+        rings reach back across batches until `stop(record)` says the buffer started there."""
+        n = self.max_frames
+        frames = rec.materialize(max(0, fi + 1 - n), fi + 1)
+        missing = n - len(frames)
+        if rec.phase == "forward":
+            for prev in reversed(self.records):
+                if missing <= 0 or stop(prev):
+                    break
+                if prev is not rec:
+                    older = prev.materialize(max(0, len(prev.frames) - missing))
+                    frames = older + frames
+                    missing -= len(older)
+        return frames
