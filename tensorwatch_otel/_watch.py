@@ -16,19 +16,27 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
           trace_batches: Sequence[int] = (), abort_after_batch: Optional[int] = None,
           every_n_batches: int = 1, gradients: bool = False, include=None, exclude=None,
           on_detect: str = "raise", check: str = "batch", strict: bool = False,
-          flush_timeout_s: float = 5.0) -> Watcher:
+          flush_timeout_s: float = 5.0, optimizer_state: bool = False, capture_dir=None,
+          grad_scaler=None, max_skipped_steps: Optional[int] = None,
+          rerun_on_detect: bool = False) -> Watcher:
     """Watch every module of `model` for inf/nan and export per-module abs min/max.
 
     Statistics stay on the device and come back in one transfer per batch (`check="batch"`);
     `check="module"` reads back after every module call (exact and immediate, slower).
     `sinks=None` means a TextReport plus what the environment configures
     (TENSORWATCH_PROMETHEUS_PORT, TENSORWATCH_JSONL, OTEL_EXPORTER_OTLP_*).
+
+    `gradients=True` also watches parameter gradients: a non-finite gradient is a detection
+    only when an optimizer step consumes it; a step skipped instead (torch.amp.GradScaler) is
+    counted as a skipped step, and `max_skipped_steps` skips in a row raise an alert event.
+    `grad_scaler` (a torch.amp.GradScaler) exports its scale and counts its skips.
     """
     config = WatchConfig.build(max_frames=max_frames, trace_batches=trace_batches,
                                abort_after_batch=abort_after_batch, every_n_batches=every_n_batches,
                                gradients=gradients, include=include, exclude=exclude,
                                on_detect=on_detect, check=check, flush_timeout_s=flush_timeout_s,
-                               strict=strict)
+                               strict=strict, optimizer_state=optimizer_state, capture_dir=capture_dir,
+                               max_skipped_steps=max_skipped_steps, rerun_on_detect=rerun_on_detect)
     owned: List[Sink] = []
     if sinks is None:
         from .sinks.text import TextReport
@@ -40,7 +48,7 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
         for s in sinks:
             if not isinstance(s, Sink) and not (hasattr(s, "on_event") and hasattr(s, "on_batch")):
                 raise TypeError(f"sinks: {s!r} is not a sink (see tensorwatch_otel.sinks)")
-    return Watcher(model, sinks, config, owned_sinks=owned)
+    return Watcher(model, sinks, config, owned_sinks=owned, grad_scaler=grad_scaler)
 
 
 def env_sinks() -> List[Sink]:

@@ -66,11 +66,16 @@ class WatchConfig:
     check: str = "batch"
     flush_timeout_s: float = 5.0
     strict: bool = False
+    optimizer_state: bool = False
+    capture_dir: Optional[str] = None
+    max_skipped_steps: int = 20
+    rerun_on_detect: bool = False
 
     @classmethod
     def build(cls, *, max_frames=None, trace_batches=(), abort_after_batch=None, every_n_batches=None,
               gradients=False, include=None, exclude=None, on_detect=None, check="batch",
-              flush_timeout_s=5.0, strict=False) -> "WatchConfig":
+              flush_timeout_s=5.0, strict=False, optimizer_state=False, capture_dir=None,
+              max_skipped_steps=None, rerun_on_detect=False) -> "WatchConfig":
         max_frames = _int_option("max_frames", max_frames, 1, ENV_MAX_FRAMES) if max_frames is not None or \
             os.environ.get(ENV_MAX_FRAMES) else 21
         every = _int_option("every_n_batches", every_n_batches, 1, ENV_EVERY_N_BATCHES) \
@@ -96,9 +101,19 @@ class WatchConfig:
             raise ConfigError(f"check={check!r}: expected one of {', '.join(CHECK)}")
         if not isinstance(gradients, bool):
             raise ConfigError(f"gradients={gradients!r}: expected True or False")
+        for name, flag in (("optimizer_state", optimizer_state), ("rerun_on_detect", rerun_on_detect)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name}={flag!r}: expected True or False")
+        if capture_dir is not None:
+            capture_dir = os.fspath(capture_dir)
+            if os.path.exists(capture_dir) and not os.path.isdir(capture_dir):
+                raise ConfigError(f"capture_dir={capture_dir!r}: exists and is not a directory")
+        max_skipped = 20 if max_skipped_steps is None else _int_option("max_skipped_steps", max_skipped_steps, 1)
         if not (isinstance(flush_timeout_s, (int, float)) and flush_timeout_s >= 0):
             raise ConfigError(f"flush_timeout_s={flush_timeout_s!r}: expected a number of seconds >= 0")
         return cls(max_frames=max_frames, trace_batches=traced, abort_after_batch=abort_after_batch,
                    every_n_batches=every, gradients=gradients, include=_patterns("include", include),
                    exclude=_patterns("exclude", exclude), on_detect=on_detect, check=check,
-                   flush_timeout_s=float(flush_timeout_s), strict=bool(strict))
+                   flush_timeout_s=float(flush_timeout_s), strict=bool(strict),
+                   optimizer_state=optimizer_state, capture_dir=capture_dir, max_skipped_steps=max_skipped,
+                   rerun_on_detect=rerun_on_detect)

@@ -40,7 +40,8 @@ class Watcher:
     """Hooks on every (included) module of `model`; see `watch()`. A context manager."""
 
     def __init__(self, model: torch.nn.Module, sinks: Sequence[Sink], config: WatchConfig,
-                 owned_sinks: Sequence[Sink] = (), behaviour: Optional[Behaviour] = None):
+                 owned_sinks: Sequence[Sink] = (), behaviour: Optional[Behaviour] = None,
+                 grad_scaler=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -58,6 +59,7 @@ class Watcher:
         self._rec = Record(0)
         self._history = History(config.max_frames)
         self._grad_rec: Optional[Record] = None
+        self.grad_scaler = grad_scaler
         self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
