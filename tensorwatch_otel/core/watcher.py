@@ -29,6 +29,7 @@ from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
+from .backward import BackwardRecorder, producer_frame
 from .capture import BatchCapture
 from .optim_state import OptimizerStateReader
 from .steps import PendingGradients, ScaleReader, StepTracker
@@ -64,8 +65,9 @@ class Watcher:
         self._recorder = FrameRecorder(model)
         self._rec = Record(0)
         self._history = History(config.max_frames)
-        self._grad_rec: Optional[Record] = None
-        self._grad_owners: List[torch.Tensor] = []
+        self._backward = BackwardRecorder(lambda: max(self.batch_number - 1, 0),
+                                          lambda: self._attached and self._watches(max(self.batch_number - 1, 0)),
+                                          self._backward_done, self._hook_failed)
         self.grad_scaler = grad_scaler
         self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
         self._pending: Optional[PendingGradients] = None  # non-finite gradients no step consumed yet
@@ -76,6 +78,7 @@ class Watcher:
         self._compile_warned = False
         self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
         self._owners: Dict[int, Tuple[ModuleInfo, str]] = {}  # id(param) -> (module, name)
+        self._grad_acts = config.gradients
         self._capture = BatchCapture(config.capture_dir, current_rank()) if config.capture_dir else None
         self._active = self._watches(0)
         self._failed_hooks = 0
@@ -127,13 +130,13 @@ class Watcher:
                 for name, p in module.named_parameters(recurse=False):
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(
-                            self._make_grad_hook(info, name + ".grad")))
+                            self._backward.param_hook(info, name + ".grad")))
         if self._compiled and cfg.gradients:
             for info, module in self._weight_infos:
                 for name, p in module.named_parameters(recurse=False):
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(
-                            self._make_grad_hook(info, name + ".grad")))
+                            self._backward.param_hook(info, name + ".grad")))
         self._optim_state = OptimizerStateReader(self._owners) if cfg.optimizer_state else None
         self._steps = StepTracker(inner, self._before_step, self._after_step)
         self._handles.extend(self._steps.handles)
@@ -216,6 +219,8 @@ class Watcher:
                                 for winfo, _ in self._weight_infos:
                                     recorder.weights_frame(rec, winfo)
                             record(recorder, rec, info, args, kwargs, output)
+                        if self._grad_acts and torch.is_grad_enabled():
+                            self._backward.hook_activations(info, args, output)
                     except Exception as exc:  # a frame we cannot take must not stop training
                         self._hook_failed(info, exc)
                     if self.config.check == "module":
@@ -361,40 +366,18 @@ class Watcher:
         raise AbortAfterBatch(self.behaviour.abort_message(self.batch_number, cfg.abort_after_batch))
 
     # ---------------------------------------------------------------- gradients and steps
-    def _make_grad_hook(self, info: ModuleInfo, name: str):
-        def hook(p):
-            if not self._attached or not self._watches(max(self.batch_number - 1, 0)):
-                return
-            g = p.grad
-            if g is None:
-                return
-            rec = self._grad_rec
-            if rec is None:
-                rec = self._grad_rec = Record(max(self.batch_number - 1, 0), phase="backward")
-                self._grad_owners = []
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            try:
-                with torch.no_grad():
-                    self._recorder.one(rec, info, g, name)
-                self._grad_owners.append(p)
-            except Exception as exc:
-                self._hook_failed(info, exc)
-        return hook
-
-    def _end_backward(self) -> None:
-        rec, self._grad_rec = self._grad_rec, None
-        owners, self._grad_owners = self._grad_owners, []
-        if rec is None or not rec.frames:
-            return
+    def _backward_done(self, rec: Record, owners: List[Optional[torch.Tensor]], gids: List[int]) -> None:
         rec.readback()
         fi = rec.first_nonfinite_frame(0)
+        if fi is not None:
+            fi = producer_frame(rec, fi, gids)
         if self._pending is not None and (fi is None or self._pending.was_reset(by_version=False)):
             self._skipped()  # the bad gradients were reset (set to None, or finite now): no step took them
         if fi is None:
             return
         # Not a detection yet: only a step that consumes these gradients makes one; a step
         # skipped instead (GradScaler) is counted as such.
-        self._pending = PendingGradients(rec, fi, owners[fi:fi + 1])
+        self._pending = PendingGradients(rec, fi, [p for p in owners[fi:] if p is not None][:1])
 
     def _before_step(self) -> None:
         pending, self._pending = self._pending, None
