@@ -370,7 +370,10 @@ class Watcher:
         rec.readback()
         fi = rec.first_nonfinite_frame(0)
         if fi is not None:
-            fi = producer_frame(rec, fi, gids)
+            j = producer_frame(rec, fi, gids)
+            if j != fi:  # one gradient, two names: keep the producer's frame only
+                del rec.frames[fi], owners[fi]
+                fi = j - 1
         if self._pending is not None and (fi is None or self._pending.was_reset(by_version=False)):
             self._skipped()  # the bad gradients were reset (set to None, or finite now): no step took them
         if fi is None:
