@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tensorwatch_otel import Frame, NonFiniteEvent, TensorStat
+from tensorwatch_otel import BatchTraceEvent, Frame, NonFiniteEvent, TensorStat
 from tensorwatch_otel.cli import main
 from tensorwatch_otel.cli.diff import load_trace
 from tensorwatch_otel.report.codec import read_events
@@ -152,6 +152,24 @@ def test_diff_picture_overlays_both_batches_and_marks_the_first_divergence(demo_
     assert list(_line(ax_chg, "threshold").get_ydata()) == [1.0, 1.0]
     assert list(_line(ax, "B inf").get_xdata())[0] == first + 3  # fc1 weight, bias, input[0], output
     assert f"first divergence in {BAD}" in _title(fig)
+
+
+def test_diff_picture_shades_a_module_call_of_one_side_and_draws_each_sides_inf_once():
+    def frame(module, out):
+        return Frame(module, "Linear", (TensorStat("weight", 1e-3, 0.5, "float16"),
+                                        TensorStat("output", 1e-3, out, "float16")), 3)
+
+    a = (frame("l0", 2.0), frame("l1", 3.0), frame("l2", 4.0))
+    b = (frame("l0", 2.0), frame("l1", 3.0), frame("extra", 5.0), frame("l2", math.inf))
+    result = diff_frames(a, b, stat="both")
+    fig = plot_diff(result, ("a.jsonl", BatchTraceEvent(3, 0, a, 0.0)), ("b.jsonl", BatchTraceEvent(3, 0, b, 0.0)))
+    ax = fig.axes[0]
+    assert [p.get_x() + 0.5 for p in ax.patches if p.get_gid() == "mismatch"] == [4]  # the extra call's 2 tensors
+    assert list(_line(ax, "B inf").get_xdata()) == [7]  # once, though abs min and abs max are both drawn
+    _same(_line(ax, "A:abs_min").get_ydata(), [1e-3] * 4 + [None] * 2 + [1e-3] * 2)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert len(legend) == len(set(legend)) and "module call in one batch only, or other tensors" in legend
+    assert "1 mismatched" in _title(fig)
 
 
 def _frames_with_phases():

@@ -71,10 +71,6 @@ def drawable(v: Optional[float]) -> float:
     return v if v is not None and math.isfinite(v) and v > 0 else math.nan
 
 
-def _kind(v: Optional[float]) -> str:
-    return "" if v is None or math.isfinite(v) else ("nan" if v != v else "inf")
-
-
 def _phases(frames: Sequence[Frame]) -> str:
     counts: dict = {}
     for f in frames:
@@ -167,13 +163,15 @@ def plot_diff(result, side_a: Tuple[str, BatchTraceEvent], side_b: Tuple[str, Ba
     dtypes = [s.dtype for _, t in rows for s in (t.a, t.b) if plotted(s)]
     limits = d.limit_lines(ax, dtypes)
     d.log_axis(ax, [v for *_, ys in series for v in ys], limits)
-    for name, stat, color, ys in series:
+    for k, (name, stat, color, ys) in enumerate(series):
         main = stat == "abs_max"
         ax.plot(xs, [drawable(v) for v in ys], color=color, lw=1.2 if main else 0.8, ls="-" if main else "--",
                 marker="o" if main else ".", ms=4 if name == "A" else 3, alpha=0.85, zorder=4,
                 gid=f"{name}:{stat}", label=f"{name} {stat.replace('_', ' ')}")
-        d.edge_markers(ax, [(x, _kind(v)) for x, v in zip(xs, ys) if _kind(v)], color, prefix=f"{name} ",
-                       size=10 if name == "A" else 7)
+        if k + 1 == len(series) or series[k + 1][0] != name:  # once per side: where the tensor is inf/nan
+            side = [getattr(t, name.lower()) for _, t in rows]
+            d.edge_markers(ax, [(x, s.kind) for x, s in zip(xs, side) if plotted(s) and s.kind], color,
+                           prefix=f"{name} ", size=10 if name == "A" else 7)
     starts, label = [], "module call in one batch only, or other tensors"
     for x, (n, _) in enumerate(rows):
         if x == 0 or rows[x - 1][0] != n:
@@ -227,7 +225,7 @@ def _change_panel(ax, rows, result):
                 transform=ax.get_xaxis_transform(), clip_on=False, gid="change_inf",
                 label="infinite change (finite against inf/nan)")
     ax.axhline(result.threshold, color="0.2", lw=1, ls="--", gid="threshold",
-               label=f"threshold {result.threshold:g} decades")
+               label=f"threshold: a change of {result.threshold:g} (x{10 ** result.threshold:.3g})")
     ax.set_ylabel("change |log10(B/A)|\nin decades")
     ax.grid(True, axis="y", color="0.9", lw=0.6)
 
