@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _plot_help() -> str:
     from ._plot import PLOT_HELP
 
-    return PLOT_HELP + ". Draws both batches on their aligned frames and the change per tensor, the first divergence marked."
+    return PLOT_HELP + (". Draws both batches on their aligned frames and the change per tensor, the first "
+                        "divergence marked.")
 
 
 class _InputError(Exception):

@@ -214,7 +214,8 @@ def mark(ax, x: int, n: int, text: str, color: str, gid: str):
     ax.axvline(x, color=color, lw=1.5, alpha=0.8, zorder=2, gid=gid)
     left = x > n / 2
     ax.annotate(text, xy=(x, 0.9), xycoords=("data", "axes fraction"), xytext=(-6 if left else 6, 0),
-                textcoords="offset points", ha="right" if left else "left", va="top", color=color, fontsize=9, fontweight="bold",
+                textcoords="offset points", ha="right" if left else "left", va="top", color=color, fontsize=9,
+                fontweight="bold",
                 bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": color, "alpha": 0.95}, zorder=7)
 
 
