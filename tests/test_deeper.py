@@ -158,3 +158,44 @@ def test_activation_gradients_finite_run_is_quiet_and_hooks_do_not_pile_up():
             opt.step()
             opt.zero_grad()
     assert sink.of(NonFiniteEvent) == []
+
+
+class Flaky(nn.Module):
+    """Overflows only while `fault` is set: a transient (device-like) fault, not a numeric one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fault = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.fault:
+            self.fault = False  # gone on the next call, like a flipped bit
+            y = y * float("inf")
+        return y
+
+
+def test_rerun_tells_numbers_from_a_transient_fault():
+    torch.manual_seed(0)
+    model = nn.Sequential(Flaky(), nn.Dropout(0.3), nn.Linear(4, 2))
+    with watch(model, sinks=[Collect()], rerun_on_detect=True):
+        model(torch.randn(2, 4))
+        model[0].fault = True
+        with pytest.raises(NonFiniteDetected) as ei:
+            model(torch.randn(2, 4))
+    ev = ei.value.event
+    assert ev.module == "0.lin" or ev.module == "0"
+    assert ev.reproduced is False and ev.host
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3), nn.Linear(4, 2))
+    bn = nn.BatchNorm1d(2)
+    model.append(bn)
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("inf")
+    with watch(model, sinks=[Collect()], rerun_on_detect=True) as w:
+        with pytest.raises(NonFiniteDetected) as ei:
+            model(torch.randn(3, 4))
+        assert w.batch_number == 1  # the replay is no batch of its own
+    ev = ei.value.event
+    assert (ev.module, ev.tensor, ev.reproduced) == ("0", "weight", True)

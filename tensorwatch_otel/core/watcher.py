@@ -31,6 +31,7 @@ from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
 from .backward import BackwardRecorder, producer_frame
 from .capture import BatchCapture
+from .rerun import host, rerun_batch
 from .optim_state import OptimizerStateReader
 from .steps import PendingGradients, ScaleReader, StepTracker
 
@@ -79,7 +80,9 @@ class Watcher:
         self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
         self._owners: Dict[int, Tuple[ModuleInfo, str]] = {}  # id(param) -> (module, name)
         self._grad_acts = config.gradients
-        self._capture = BatchCapture(config.capture_dir, current_rank()) if config.capture_dir else None
+        self._capture = BatchCapture(config.capture_dir or "", current_rank()) \
+            if config.capture_dir or config.rerun_on_detect else None
+        self._replaying = False
         self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
@@ -206,6 +209,8 @@ class Watcher:
         compiling = torch.compiler.is_compiling
 
         def hook(module, args, kwargs, output):
+            if self._replaying:
+                return
             if compiling():
                 self._compiled_away()
                 return
@@ -237,7 +242,7 @@ class Watcher:
         return hook
 
     def _pre_hook(self, module, args):
-        if torch.compiler.is_compiling():
+        if self._replaying or torch.compiler.is_compiling():
             return
         if self._depth == 0:  # an outermost call starts
             if torch.is_grad_enabled():
@@ -253,6 +258,11 @@ class Watcher:
     def _capture_hook(self, module, args, kwargs):
         if self._depth == 0 and not torch.compiler.is_compiling():
             self._capture.hold(self.batch_number, args, kwargs)  # references only
+
+    def _probe(self, model: torch.nn.Module, sink: Sink) -> "Watcher":
+        """A silent watcher that checks every module as it returns (for the re-run)."""
+        return Watcher(model, [sink], WatchConfig.build(check="module", on_detect="report", max_frames=1,
+                                                        every_n_batches=1))
 
     def _compiled_away(self) -> None:
         if not self._compile_warned and not self._compiled:
@@ -344,12 +354,22 @@ class Watcher:
         frames = self._ring(rec, fi)
         last = frames[-1]
         first = last.first_nonfinite()
-        capture = self._capture.write(rec.batch_number) if self._capture is not None else None
+        capture = self._capture.write(rec.batch_number) if self._capture is not None and self.config.capture_dir \
+            else None
+        reproduced = None
+        if self.config.rerun_on_detect and rec.phase == "forward" and self._capture is not None:
+            self._replaying = True
+            try:
+                reproduced = rerun_batch(self.model, self._capture, NonFiniteEvent(
+                    rec.batch_number, 0, last.module, last.module_class, first.name if first else "", "",
+                    (), 0.0), self._probe)
+            finally:
+                self._replaying = False
         event = NonFiniteEvent(
             batch_number=rec.batch_number, rank=current_rank(), module=last.module,
             module_class=last.module_class, tensor=first.name if first else "",
             kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time(), phase=rec.phase,
-            capture=capture)
+            capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None)
         self.detections += 1
         self._fanout.on_event(event)
         if self.config.on_detect == "raise":
