@@ -145,6 +145,8 @@ class Watcher:
         self._handles.extend(self._steps.handles)
         self._attached = True
         ACTIVE.add(self)
+        if getattr(root, "_compiled_call_impl", None) is not None:
+            self._compiled_away()  # model.compile() in place: even the root's hooks run in the graph
         if self._compiled:
             log.warning(
                 "tensorwatch_otel: %s is compiled with torch.compile: module hooks do not run inside "
@@ -268,8 +270,8 @@ class Watcher:
         if not self._compile_warned and not self._compiled:
             self._compile_warned = True
             log.warning(
-                "tensorwatch_otel: the watched model is being compiled by torch.compile after watch(): "
-                "module hooks are compiled away and nothing inside the compiled graph is watched. "
+                "tensorwatch_otel: the watched model runs under torch.compile (compiled after watch(), or "
+                "in place with model.compile()): its hooks are compiled away and nothing of it is watched. "
                 "Call watch() on the compiled module (watch(torch.compile(model))) to watch its "
                 "inputs, outputs and every weight.")
 
