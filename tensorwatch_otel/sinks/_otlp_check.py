@@ -99,7 +99,7 @@ def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as s:
             s.settimeout(timeout_s)
-            s.sendall(b"GET / HTTP/1.1\r\nHost: " + host.encode("idna", "replace") + b"\r\nConnection: close\r\n\r\n")
+            s.sendall(b"GET / HTTP/1.1\r\nHost: " + host.encode("ascii", "replace") + b"\r\nConnection: close\r\n\r\n")
             data = b""
             deadline = time.monotonic() + timeout_s
             while len(data) < 9 and time.monotonic() < deadline:
