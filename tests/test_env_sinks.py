@@ -475,3 +475,28 @@ def test_application_with_a_tracer_provider_only_gets_our_metrics_pipeline_not_a
         assert {m["resource"]["service.name"] for m in points} == {"tw-own"}
     assert [s for s in out["spans"] if s[0] == "tensorwatch.nonfinite_detected"] == \
         [["tensorwatch.nonfinite_detected", "app-svc"]]
+
+
+def test_documented_endpoints_match_the_collectors_protocol_per_port():
+    # every OTEL_EXPORTER_OTLP_ENDPOINT the deploy docs give, resolved as a run would, must speak
+    # the protocol the shipped collector serves on that port
+    import re
+
+    import yaml
+    from tensorwatch_otel.sinks._otlp_check import resolve
+
+    root = os.path.dirname(TESTS)
+    with open(os.path.join(root, "deploy", "otel-collector", "config.yaml"), encoding="utf-8") as fh:
+        receivers = yaml.safe_load(fh)["receivers"]["otlp"]["protocols"]
+    served = {int(receivers["grpc"]["endpoint"].rsplit(":", 1)[1]): "grpc",
+              int(receivers["http"]["endpoint"].rsplit(":", 1)[1]): "http/protobuf"}
+    found = []
+    for doc in ("deploy/README.md", "deploy/docker-compose.yaml", "deploy/otel-collector/config.yaml",
+                "README.md", "docs/telemetry.md"):
+        with open(os.path.join(root, doc), encoding="utf-8") as fh:
+            for url in re.findall(r"OTEL_EXPORTER_OTLP_ENDPOINT=(http://[A-Za-z0-9.:_-]+)", fh.read()):
+                t = resolve("traces", {"OTEL_EXPORTER_OTLP_ENDPOINT": url})
+                if t.port in served:
+                    found.append(doc)
+                    assert t.protocol == served[t.port], (doc, url)
+    assert "deploy/README.md" in found
