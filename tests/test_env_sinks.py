@@ -500,3 +500,43 @@ def test_documented_endpoints_match_the_collectors_protocol_per_port():
                     found.append(doc)
                     assert t.protocol == served[t.port], (doc, url)
     assert "deploy/README.md" in found
+
+
+_INSTRUMENTED_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from _otel_fixtures import OverflowNet
+    from tensorwatch_otel import NonFiniteDetected, watch
+    torch.manual_seed(0)
+    model = OverflowNet()
+    x = torch.randn(2, 8)
+    with watch(model, max_frames=6) as w:  # sinks=None, no OpenTelemetry code in the script
+        print("SINKS", [type(s).__name__ for s in w.sinks])
+        model(x)
+        model.boom.factor = 1e39
+        try:
+            model(x)
+        except NonFiniteDetected:
+            print("RAISED")
+""")
+
+
+@pytest.mark.slow
+def test_opentelemetry_instrument_run_exports_once_under_the_applications_resource():
+    pytest.importorskip("opentelemetry.distro")
+    with OtlpReceiver() as r:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TENSORWATCH_"))}
+        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=r.http_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                   OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="otlp", OTEL_LOGS_EXPORTER="none",
+                   OTEL_SERVICE_NAME="instrumented-app", OTEL_RESOURCE_ATTRIBUTES="service.instance.id=app-7")
+        proc = subprocess.run(["opentelemetry-instrument", sys.executable, "-c", _INSTRUMENTED_SCRIPT.format(tests=TESTS)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "RAISED" in proc.stdout and "'OtelTelemetry'" in proc.stdout
+        [span] = _detection_spans(r)
+        points = r.wait_for(lambda rr: [m for m in rr.metrics() if m["name"].startswith("tensorwatch.")])
+        resources = {(x["resource"]["service.name"], x["resource"]["service.instance.id"]) for x in [span] + points}
+        assert resources == {("instrumented-app", "app-7")}
+        # the resource opentelemetry-instrument built (it adds telemetry.auto.version), not ours
+        assert "tensorwatch.rank" not in span["resource"]
+        assert all("telemetry.auto.version" in x["resource"] for x in [span] + points)

@@ -74,8 +74,11 @@ def otel_sink_from_env() -> Optional[Sink]:
     if (app_tp is None or app_mp is None) and otlp_configured():
         try:
             own = configure_from_env(current_rank(), traces=app_tp is None, metrics=app_mp is None)
-        except ValueError as exc:
+        except ValueError as exc:  # OtlpConfigError: the message names the variable
             log.error("tensorwatch_otel: %s; OTLP export from tensorwatch_otel is off for this run", exc)
+        except Exception as exc:  # an exporter that cannot be built must not stop the run
+            log.error("tensorwatch_otel: setting up OTLP export failed (%s: %s); OTLP export from "
+                      "tensorwatch_otel is off for this run", type(exc).__name__, exc)
     if app_tp is None and app_mp is None and own is None:
         return None
     from opentelemetry.metrics import NoOpMeterProvider

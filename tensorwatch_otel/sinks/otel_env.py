@@ -166,37 +166,37 @@ def configure_from_env(rank: int = 0, *, traces: bool = True,
     tracer_provider: Any = NoOpTracerProvider()
     meter_provider: Any = NoOpMeterProvider()
     to_shut: List[Any] = []
+    try:
+        if "traces" in targets:
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    if "traces" in targets:
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            t = targets["traces"]
+            exporter = checked_span_exporter(_span_exporter(t.protocol), MismatchCheck(t))
+            tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+            to_shut.append(tracer_provider)
+            # BatchSpanProcessor reads OTEL_BSP_MAX_QUEUE_SIZE (default 2048) and drops when full.
+            tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+            _log_protocol(t)
 
-        t = targets["traces"]
-        exporter = checked_span_exporter(_span_exporter(t.protocol), MismatchCheck(t))
-        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        # BatchSpanProcessor reads OTEL_BSP_MAX_QUEUE_SIZE (default 2048) and drops when full.
-        tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-        to_shut.append(tracer_provider)
-        _log_protocol(t)
+        if "metrics" in targets:
+            from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-    if "metrics" in targets:
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
-        t = targets["metrics"]
-        exporter = checked_metric_exporter(_metric_exporter(t.protocol), MismatchCheck(t))
-        reader = PeriodicExportingMetricReader(exporter)
-        meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
-        to_shut.append(meter_provider)
-        _log_protocol(t)
+            t = targets["metrics"]
+            exporter = checked_metric_exporter(_metric_exporter(t.protocol), MismatchCheck(t))
+            reader = PeriodicExportingMetricReader(exporter)
+            meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
+            to_shut.append(meter_provider)
+            _log_protocol(t)
+    except Exception:
+        shutdown_bounded(to_shut, EXIT_TIMEOUT_S)  # no half-built pipeline stays behind
+        raise
 
     if to_shut:
         atexit.register(shutdown_bounded, to_shut, EXIT_TIMEOUT_S)
         quiet_repeated_export_errors()
     return tracer_provider, meter_provider
-
-
-_told_grpc_by_port: set = set()
 
 
 def _log_protocol(t: Target) -> None:
