@@ -540,3 +540,21 @@ def test_opentelemetry_instrument_run_exports_once_under_the_applications_resour
         # the resource opentelemetry-instrument built (it adds telemetry.auto.version), not ours
         assert "tensorwatch.rank" not in span["resource"]
         assert all("telemetry.auto.version" in x["resource"] for x in [span] + points)
+
+
+def test_pipeline_that_fails_half_way_is_taken_down_and_logged(clean_env, caplog):
+    from tensorwatch_otel import watch
+
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    clean_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "-5")  # the SDK refuses it after the tracer provider exists
+    with pytest.raises(ValueError):
+        configure_from_env(0)
+    threads_before = {t.name for t in threading.enumerate()}
+    caplog.set_level(logging.WARNING, logger="tensorwatch_otel")
+    model = torch.nn.Linear(4, 4)
+    with watch(model) as w:
+        assert [type(s).__name__ for s in w.sinks] == ["TextReport"]
+        model(torch.randn(2, 4))
+    [line] = [r.getMessage() for r in caplog.records if r.name.startswith("tensorwatch_otel")]
+    assert "setting up OTLP export failed (ValueError" in line and "off for this run" in line
+    assert not {t.name for t in threading.enumerate()} - threads_before

@@ -65,7 +65,7 @@ def otel_sink_from_env() -> Optional[Sink]:
     neither exists. The application's providers are never shut down here, and nothing is
     exported twice. A bad OTEL_* value gives one error line naming the variable and no OTLP
     pipeline of ours (never an exception into training)."""
-    from .otel_env import application_providers, configure_from_env, otlp_configured, sdk_disabled
+    from .otel_env import OtlpConfigError, application_providers, configure_from_env, otlp_configured, sdk_disabled
 
     if sdk_disabled():
         return None
@@ -74,7 +74,7 @@ def otel_sink_from_env() -> Optional[Sink]:
     if (app_tp is None or app_mp is None) and otlp_configured():
         try:
             own = configure_from_env(current_rank(), traces=app_tp is None, metrics=app_mp is None)
-        except ValueError as exc:  # OtlpConfigError: the message names the variable
+        except OtlpConfigError as exc:  # the message names the variable
             log.error("tensorwatch_otel: %s; OTLP export from tensorwatch_otel is off for this run", exc)
         except Exception as exc:  # an exporter that cannot be built must not stop the run
             log.error("tensorwatch_otel: setting up OTLP export failed (%s: %s); OTLP export from "

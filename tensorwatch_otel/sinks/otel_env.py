@@ -199,6 +199,9 @@ def configure_from_env(rank: int = 0, *, traces: bool = True,
     return tracer_provider, meter_provider
 
 
+_told_grpc_by_port: set = set()
+
+
 def _log_protocol(t: Target) -> None:
     if t.protocol_var is None and t.protocol == "grpc" and t.endpoint not in _told_grpc_by_port:
         _told_grpc_by_port.add(t.endpoint)
