@@ -18,6 +18,10 @@ ENV_EVERY_N_BATCHES = "TENSORWATCH_EVERY_N_BATCHES"
 ENV_MAX_FRAMES = "TENSORWATCH_MAX_FRAMES"
 ENV_ON_DETECT = "TENSORWATCH_ON_DETECT"
 
+#: Most frames the ring buffer may keep (max_frames). The watcher keeps whole batch records
+#: until they cover the ring, so an unbounded value would keep every batch of the run.
+MAX_FRAMES_LIMIT = 100_000
+
 
 class ConfigError(ValueError):
     """An invalid option; the message names the option and the valid range."""
@@ -76,8 +80,13 @@ class WatchConfig:
               gradients=False, include=None, exclude=None, on_detect=None, check="batch",
               flush_timeout_s=5.0, strict=False, optimizer_state=False, capture_dir=None,
               max_skipped_steps=None, rerun_on_detect=False) -> "WatchConfig":
+        max_frames_arg = max_frames
         max_frames = _int_option("max_frames", max_frames, 1, ENV_MAX_FRAMES) if max_frames is not None or \
             os.environ.get(ENV_MAX_FRAMES) else 21
+        if max_frames > MAX_FRAMES_LIMIT:
+            name = "max_frames" if max_frames_arg is not None else ENV_MAX_FRAMES
+            raise ConfigError(f"{name}={max_frames!r}: expected an integer from 1 to {MAX_FRAMES_LIMIT} "
+                              "(frames kept in the ring buffer)")
         every = _int_option("every_n_batches", every_n_batches, 1, ENV_EVERY_N_BATCHES) \
             if every_n_batches is not None or os.environ.get(ENV_EVERY_N_BATCHES) else 1
         if trace_batches is None:
