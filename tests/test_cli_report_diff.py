@@ -3,6 +3,7 @@ change rules of `_diff`, and the commands' error paths."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from tensorwatch_otel import BatchTraceEvent, Frame, NonFiniteDetected, TensorStat, watch
-from tensorwatch_otel.report.codec import read_events
+from tensorwatch_otel.report.codec import from_dict, read_events
 from tensorwatch_otel.report.diff import align, change, diff_frames
 from tensorwatch_otel.report.text import render_detection, render_trace
 from tensorwatch_otel.cli import main
@@ -349,13 +350,21 @@ def test_report_a_log_cut_off_and_then_appended_to(tmp_path, capsys, real_log):
     first_run = trace + detection[: len(detection) // 2]
     code, out, err = _report(capsys, tmp_path, first_run + trace + detection)
     assert code == 0
-    assert out.count("*** Starting batch number=3 ***") == 2 and out.count("Detected inf/nan") == 1
     _, whole, _ = _report(capsys, tmp_path, trace + detection)
-    assert out.endswith(whole)
+    assert out == render_trace(read_events_of(trace)) + whole  # run 1's trace, then all of run 2
     assert "skipped 1 line that is not a valid event: line 2" in err and "line 2: not JSON" in err
+    assert "the event a restarted run appended to it was read" in err
+    # the cut-off line on a line of its own (the restarted run began with a newline)
+    code, out, err = _report(capsys, tmp_path, first_run + "\n" + trace + detection)
+    assert code == 0 and out == render_trace(read_events_of(trace)) + whole
+    assert "line 2: not JSON" in err and "was read" not in err
     # cut off at the very end: the same note
     code, out, err = _report(capsys, tmp_path, first_run)
     assert code == 0 and "Detected" not in out and "line 2: not JSON" in err
+
+
+def read_events_of(line):
+    return from_dict(json.loads(line))
 
 
 def test_report_too_many_bad_lines_are_counted_not_all_listed(tmp_path, capsys, real_log):

@@ -228,8 +228,29 @@ def load_log(path: str) -> EventLog:
         except UnknownEvent as exc:
             log.unknown.append((n, exc.kind))
         except (ValueError, RecursionError) as exc:  # LineError, JSONDecodeError, deep nesting
-            log.invalid.append((n, _why(exc)))
+            why = _why(exc)
+            if _recover(log, n, line):
+                why += "; the event a restarted run appended to it was read"
+            log.invalid.append((n, why))
     return log
+
+
+_LINE_START = '{"time":'  # every line to_line writes starts so
+
+
+def _recover(log: EventLog, n: int, line: str) -> bool:
+    """A line cut off by a crash runs into the first line a restarted run appended: read that
+    one from where it starts. True when it was an event (of any type)."""
+    start = line.find(_LINE_START, 1)
+    if start < 0:
+        return False
+    try:
+        log.events.append(from_dict(json.loads(line[start:])))
+    except UnknownEvent as exc:
+        log.unknown.append((n, exc.kind))
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def read_events(path: str) -> List[Event]:
