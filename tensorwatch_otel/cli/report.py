@@ -28,7 +28,7 @@ examples:
 EXIT_OK = 0
 EXIT_USAGE = 2
 
-EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check")
+EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check", "stopped_by_rank")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,13 +66,16 @@ class InputError(Exception):
 
 def render_event(event) -> str:
     """The text for one event, as the TextReport sink and the peer print it."""
-    from ..core.events import AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent
-    from ..report.text import render_detection, render_trace
+    from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent,
+                               StoppedByRankEvent)
+    from ..report.text import render_detection, render_trace, stopped_line
 
     if isinstance(event, NonFiniteEvent):
         return render_detection(event)
     if isinstance(event, BatchTraceEvent):
         return render_trace(event)
+    if isinstance(event, StoppedByRankEvent):
+        return stopped_line(event)
     if isinstance(event, AbortAfterBatchEvent):
         return f"aborting after batch_number={event.batch_number} (abort_after_batch)\n"
     if isinstance(event, OverflowCheckEvent):

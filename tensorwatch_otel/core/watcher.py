@@ -21,6 +21,7 @@ import torch
 from .behaviour import Behaviour
 from .config import WatchConfig
 from .errors import AbortAfterBatch, NonFiniteDetected
+from .fleet import FleetStop, register_step_hook
 from .events import AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Frame, NonFiniteEvent, merge_kinds
 from .ports import Sink, SinkFanout
 from .rank import current_rank
@@ -63,6 +64,7 @@ class Watcher:
         self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
+        self._fleet = FleetStop(self._record_durable, lambda: self.batch_number)
         self._attach()
 
     # ---------------------------------------------------------------- lifetime
@@ -87,6 +89,7 @@ class Watcher:
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(
                             self._make_grad_hook(info, name + ".grad")))
+        self._handles.append(register_step_hook(self._fleet))
         self._attached = True
         ACTIVE.add(self)
 
@@ -122,6 +125,8 @@ class Watcher:
 
     def __exit__(self, *exc) -> None:
         self.detach()
+        if exc[0] is None:
+            self._fleet.at_exit()  # a detection held for the ranks' stop point is raised now
 
     @property
     def sinks(self) -> List[Sink]:
@@ -172,6 +177,12 @@ class Watcher:
         return hook
 
     def _root_pre_hook(self, module, args):
+        if self._root_depth == 0:
+            try:  # multi-rank: the stop published by a rank may be raised here
+                self._fleet.at_batch_start()
+            except NonFiniteDetected:
+                self._active = False  # the batch never runs: the always-called hook records nothing
+                raise
         self._root_depth += 1
 
     def _hook_failed(self, info: ModuleInfo, exc: Exception) -> None:
@@ -236,13 +247,18 @@ class Watcher:
             batch_number=rec.batch_number, rank=current_rank(), module=last.module,
             module_class=last.module_class, tensor=first.name if first else "",
             kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time())
+        raising = self.config.on_detect == "raise"
+        if raising and self._fleet.active():
+            event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
         self.detections += 1
         self._fanout.on_event(event)
-        if self.config.on_detect == "raise":
+        if raising:
             self._fanout.flush(self.config.flush_timeout_s)
             # drop what the aborted batch left behind so a caught exception leaves a clean state
             self._recorder.acts_seen.clear()
-            raise NonFiniteDetected(self.behaviour.detection_message(event), event)
+            exc = NonFiniteDetected(self.behaviour.detection_message(event), event)
+            if not self._fleet.defer(exc):  # multi-rank: raised at the ranks' common stop point
+                raise exc
 
     def _abort(self) -> None:
         cfg = self.config
@@ -276,6 +292,10 @@ class Watcher:
             return
         rec.readback()
         self._check(rec, 0)
+
+    def _record_durable(self, event) -> None:
+        self._fanout.on_event(event)
+        self._fanout.flush(self.config.flush_timeout_s)
 
     # ---------------------------------------------------------------- detect_overflow
     def overflow_check(self, event) -> None:

@@ -14,6 +14,7 @@ from ..core.events import (
     Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
+    StoppedByRankEvent,
     TensorStat,
 )
 
@@ -65,7 +66,10 @@ def to_dict(event: Event) -> Dict[str, Any]:
                          "module": "", "module_class": "", "tensor": "", "kind": "", "frames": []}
     if isinstance(event, NonFiniteEvent):
         d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
-                 frames=[_frame(f) for f in event.frames])
+                 frames=[_frame(f) for f in event.frames], first_rank=event.first_rank)
+    elif isinstance(event, StoppedByRankEvent):
+        d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
+                 first_rank=event.first_rank, stopped_at_batch=event.stopped_at_batch)
     elif isinstance(event, BatchTraceEvent):
         d["frames"] = [_frame(f) for f in event.frames]
     elif isinstance(event, OverflowCheckEvent):
@@ -100,7 +104,14 @@ def from_dict(d: Dict[str, Any]) -> Event:
         raise ValueError(f"malformed frames: {type(exc).__name__}: {exc}") from None
     if kind == "nonfinite_detected":
         return NonFiniteEvent(b, rank, d.get("module", ""), d.get("module_class", ""), d.get("tensor", ""),
-                              d.get("kind", ""), frames, ts)
+                              d.get("kind", ""), frames, ts, first_rank=_opt_int(d.get("first_rank")))
+    if kind == "stopped_by_rank":
+        try:
+            first = int(d["first_rank"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("stopped_by_rank without an integer first_rank") from None
+        return StoppedByRankEvent(b, rank, first, d.get("module", ""), d.get("module_class", ""),
+                                  d.get("tensor", ""), d.get("kind", ""), ts, _opt_int(d.get("stopped_at_batch")))
     if kind == "batch_trace":
         return BatchTraceEvent(b, rank, frames, ts)
     if kind == "abort_after_batch":
@@ -109,6 +120,10 @@ def from_dict(d: Dict[str, Any]) -> Event:
         stat = frames[0].tensors[0] if frames and frames[0].tensors else TensorStat(d.get("tensor", ""), None, None)
         return OverflowCheckEvent(b, rank, d.get("tensor", ""), d.get("kind", ""), stat, ts)
     raise ValueError(f"unknown event type {kind!r}")
+
+
+def _opt_int(v) -> Optional[int]:
+    return None if v is None else int(v)
 
 
 def read_events(path: str) -> List[Event]:

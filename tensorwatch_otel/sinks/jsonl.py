@@ -7,10 +7,10 @@ import threading
 from typing import Optional
 
 from ..report.codec import to_line
-from ..core.events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent
+from ..core.events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent, StoppedByRankEvent
 from ._base import Sink
 
-_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent)
+_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent, StoppedByRankEvent)
 
 
 class JsonlLog(Sink):
