@@ -45,12 +45,16 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--linger", type=float, default=0.0, help="seconds the stopped process stays alive")
     ap.add_argument("--inject", default="input", choices=("input", "shard"))
+    ap.add_argument("--trace", type=int, action="append", default=[], help="batches to trace")
+    ap.add_argument("--watch-first", action="store_true", help="watch() before fully_shard()")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     bad = {int(r) for r in args.bad.split(",") if r}
     torch.manual_seed(0)
     net = Net()
+    sinks = [JsonlLog(os.path.join(args.out, "events-{rank}.jsonl")), TextReport(stream=sys.stderr)]
+    watcher = watch(net, sinks=sinks, trace_batches=args.trace) if args.watch_first else None
     if args.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -63,10 +67,9 @@ def main() -> int:
     else:
         model = net
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    sinks = [JsonlLog(os.path.join(args.out, "events-{rank}.jsonl")), TextReport(stream=sys.stderr)]
-    result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0}
+    result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0, "local_abs_max": {}}
     gen = torch.Generator().manual_seed(100 + rank)
-    watcher = watch(net, sinks=sinks)
+    watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace)
     try:
         with watcher:
             for b in range(args.batches):
@@ -77,6 +80,10 @@ def main() -> int:
                             net.layers[0].weight.to_local()[0, 0] = float("inf")
                     else:
                         x[0, 0] = float("inf")
+                if b in args.trace:  # what this rank holds of each weight, to compare with the trace
+                    result["local_abs_max"][str(b)] = {
+                        n: float((p.to_local() if hasattr(p, "to_local") else p).detach().abs().max())
+                        for n, p in net.named_parameters()}
                 if args.mode == "eval":
                     with torch.no_grad():
                         y = model(x)

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .events import Frame, TensorStat
+from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
 
 
@@ -20,7 +21,7 @@ class ModuleInfo:
 
     def __init__(self, path: str, module: torch.nn.Module, is_root: bool, recorded: bool):
         self.path = path
-        self.cls = type(module).__name__
+        self.cls = module_class_name(module)
         self.params = module._parameters  # live dict: a replaced parameter is seen at once
         self.kw_names: Dict[str, str] = {}
         self.is_root = is_root
