@@ -12,8 +12,8 @@ HELP = "render a JSON lines event log as the text report"
 DESCRIPTION = """\
 Renders the events of a JSON lines log (written by the JsonlLog sink, TENSORWATCH_JSONL or
 `tensorwatch-otel demo`) as the text report, in file order: each inf/nan detection as the
-full report with its last frames, each traced batch as its frames, aborts and
-detect_overflow() findings as one line each. A truncated last line (a process killed
+full report with its last frames, each traced batch as its frames, aborts,
+detect_overflow() findings and ranks stopped by another rank's detection as one line each. A truncated last line (a process killed
 mid-write) is skipped.
 
 Exit status: 0 rendered (also when nothing matched; a note goes to stderr),
