@@ -152,3 +152,17 @@ def test_single_process_raises_at_once(tmp_path):
             model(x)
         assert info.value.event.first_rank == 0 and info.value.event.rank == 0
         assert w._fleet.polls == 0
+
+
+def test_report_command_renders_a_stopped_rank(tmp_path, capsys):
+    from tensorwatch_otel.cli import main
+    from tensorwatch_otel.sinks import JsonlLog
+
+    ev = StoppedByRankEvent(batch_number=7, rank=3, first_rank=1, module="", module_class="Net",
+                            tensor="output", kind="nan", time=1_800_000_000.0, stopped_at_batch=8)
+    log = JsonlLog(str(tmp_path / "ev.jsonl"))
+    log.on_event(ev)
+    log.close()
+    assert main(["report", str(tmp_path / "ev.jsonl"), "--event", "stopped_by_rank"]) == 0
+    assert capsys.readouterr().out == ("tensorwatch_otel: rank 3 stopped at batch_number=8: rank 1 detected nan "
+                                       "in (root) Net output during batch_number=7\n")
