@@ -107,11 +107,14 @@ def test_two_ranks_detect_in_the_same_step_the_first_publisher_wins(tmp_path):
 
 
 @pytest.mark.slow
-def test_loop_without_optimizer_step_stops_at_the_next_batch_start(tmp_path):
+@pytest.mark.parametrize("batches", [6, 3], ids=["next-batch", "last-batch"])
+def test_loop_without_optimizer_step_stops_at_the_next_batch_start(tmp_path, batches):
     """Evaluation with an all-reduce per batch: no optimizer step, so every rank stops when the
-    next batch starts, after the detection batch's collective."""
+    next batch starts, after the detection batch's collective; when the detection batch is the
+    last one, when the watcher's with-block ends."""
     at = 2
-    proc, results, _ = launch(tmp_path, 3, "--mode", "eval", "--bad", "1", "--at", str(at), "--linger", "0")
+    proc, results, _ = launch(tmp_path, 3, "--mode", "eval", "--bad", "1", "--at", str(at), "--linger", "0",
+                              "--batches", str(batches))
     for r, res in results.items():
         assert res["stopped"] and res["first_rank"] == 1, res
         assert res["batches_done"] == at + 1  # batch `at` ran to its end, all-reduce included

@@ -34,6 +34,7 @@ import torch
 
 from .errors import NonFiniteDetected
 from .events import NonFiniteEvent, StoppedByRankEvent
+from .rank import current_rank
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,9 @@ class FleetStop:
         Returns `event` unchanged when the store cannot be used (the caller raises at once)."""
         if self._first is not None:  # a later detection of this rank, or one after another rank's
             return _with_first(event, self._first["rank"])
-        mine = {"rank": event.rank, "batch_number": event.batch_number, "phase": event.phase,
+        # where the frames came from: a gradient record's frames say "backward"
+        phase = event.frames[-1].phase if event.phase == "forward" and event.frames else event.phase
+        mine = {"rank": event.rank, "batch_number": event.batch_number, "phase": phase,
                 "module": event.module, "module_class": event.module_class, "tensor": event.tensor,
                 "kind": event.kind, "time": event.time}
         payload = json.dumps(mine, separators=(",", ":"))
@@ -116,9 +119,14 @@ class FleetStop:
         self._at_safe_point(self._batch_number(), 1)
 
     def at_exit(self) -> None:
-        """The watcher's with-block ends: a detection still held is raised now."""
-        if self._pending is not None and not self._done:
+        """The watcher's with-block ended: a detection still held is raised now, and so is a
+        stop another rank published (the loop ended before its stop point)."""
+        if self._done:
+            return
+        if self._pending is not None:
             self._raise(self._pending)
+        if self._first is not None or (not self._failed and _dist() is not None and self._poll() is not None):
+            self._stop(self._first, self._batch_number())
 
     def _at_safe_point(self, batch: int, after: int) -> None:
         if self._done or self._failed:
@@ -135,8 +143,12 @@ class FleetStop:
             return
         if self._pending is not None:
             self._raise(self._pending)
+        self._stop(first, batch)
+
+    def _stop(self, first: dict, batch: int) -> None:
+        """Raise the stop another rank published, after recording it."""
         event = StoppedByRankEvent(
-            batch_number=first["batch_number"], rank=torch.distributed.get_rank(), first_rank=first["rank"],
+            batch_number=first["batch_number"], rank=current_rank(), first_rank=first["rank"],
             module=first["module"], module_class=first["module_class"], tensor=first["tensor"],
             kind=first["kind"], time=time.time(), stopped_at_batch=batch)
         self._emit(event)

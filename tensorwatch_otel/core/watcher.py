@@ -124,9 +124,11 @@ class Watcher:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.detach()
-        if exc[0] is None:
-            self._fleet.at_exit()  # a detection held for the ranks' stop point is raised now
+        try:
+            if exc[0] is None:
+                self._fleet.at_exit()  # multi-rank: a stop held for a later stop point is raised now
+        finally:
+            self.detach()
 
     @property
     def sinks(self) -> List[Sink]:
