@@ -44,7 +44,8 @@ def main() -> int:
     ap.add_argument("--at", type=int, default=4)
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--linger", type=float, default=0.0, help="seconds the stopped process stays alive")
-    ap.add_argument("--inject", default="input", choices=("input", "shard"))
+    ap.add_argument("--inject", default="input", choices=("input", "shard", "grad"))
+    ap.add_argument("--gradients", action="store_true", help="watch(gradients=True)")
     ap.add_argument("--trace", type=int, action="append", default=[], help="batches to trace")
     ap.add_argument("--watch-first", action="store_true", help="watch() before fully_shard()")
     args = ap.parse_args()
@@ -54,7 +55,7 @@ def main() -> int:
     torch.manual_seed(0)
     net = Net()
     sinks = [JsonlLog(os.path.join(args.out, "events-{rank}.jsonl")), TextReport(stream=sys.stderr)]
-    watcher = watch(net, sinks=sinks, trace_batches=args.trace) if args.watch_first else None
+    watcher = watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients) if args.watch_first else None
     if args.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -69,7 +70,7 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0, "local_abs_max": {}}
     gen = torch.Generator().manual_seed(100 + rank)
-    watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace)
+    watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients)
     try:
         with watcher:
             for b in range(args.batches):
@@ -78,7 +79,7 @@ def main() -> int:
                     if args.inject == "shard":
                         with torch.no_grad():
                             net.layers[0].weight.to_local()[0, 0] = float("inf")
-                    else:
+                    elif args.inject == "input":
                         x[0, 0] = float("inf")
                 if b in args.trace:  # what this rank holds of each weight, to compare with the trace
                     result["local_abs_max"][str(b)] = {
@@ -91,6 +92,8 @@ def main() -> int:
                         dist.all_reduce(total)  # a collective per batch, as a metric would
                 else:
                     loss = model(x).pow(2).mean()
+                    if rank in bad and b == args.at and args.inject == "grad":
+                        loss = loss * float("inf")  # the model's forward stays finite, its gradients do not
                     opt.zero_grad()
                     loss.backward()
                     opt.step()

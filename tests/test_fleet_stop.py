@@ -123,6 +123,23 @@ def test_loop_without_optimizer_step_stops_at_the_next_batch_start(tmp_path, bat
 
 
 @pytest.mark.slow
+def test_gradient_detection_stops_every_rank_one_step_later(tmp_path):
+    """gradients=True, rank 2's gradients turn inf in batch 3 (its forward stays finite): the
+    detection comes at the end of its backward, after the all-reduce the other ranks may already
+    have left, so the common stop point is the next batch's optimizer step. Nobody hangs."""
+    at = 3
+    proc, results, _ = launch(tmp_path, 3, "--mode", "ddp", "--inject", "grad", "--gradients", "--bad", "2",
+                              "--at", str(at), "--linger", "0")
+    det = results[2]
+    assert det["event"] == "nonfinite_detected" and det["batch_number"] == at and det["tensor"].endswith(".grad")
+    first = [d for d in raw_lines(tmp_path, 2) if d["event"] == "nonfinite_detected"][0]
+    assert first["frames"][-1]["phase"] == "backward"
+    for res in results.values():
+        assert res["stopped"] and res["first_rank"] == 2, res
+        assert res["batches_done"] == at + 1  # stopped at the optimizer step of batch at + 1
+
+
+@pytest.mark.slow
 def test_no_detection_no_stop(tmp_path):
     proc, results, _ = launch(tmp_path, 2, "--mode", "ddp", "--batches", "6")
     assert proc.returncode == 0, proc.stderr[-4000:]
