@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -187,17 +186,3 @@ def _with_first(event: NonFiniteEvent, first_rank: int) -> NonFiniteEvent:
     import dataclasses
 
     return dataclasses.replace(event, first_rank=first_rank)
-
-
-def register_step_hook(fleet: FleetStop):
-    """A global optimizer-step pre-hook calling `fleet.at_optimizer_step()`; returns its handle.
-    It holds the fleet weakly, so a watcher dropped without detach() still goes away."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    ref = weakref.ref(fleet)
-
-    def hook(optimizer, args, kwargs):
-        f = ref()
-        if f is not None:
-            f.at_optimizer_step()
-    return register_optimizer_step_pre_hook(hook)
