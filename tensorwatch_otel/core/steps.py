@@ -55,7 +55,8 @@ class PendingGradients:
 class StepTracker:
     """Registers the global step hooks and tells the watcher which steps concern its model."""
 
-    def __init__(self, model: torch.nn.Module, on_pre_step: Callable[[], None], on_post_step: Callable[[], None]):
+    def __init__(self, model: torch.nn.Module, on_pre_step: Callable[[], None],
+                 on_post_step: Callable[[torch.optim.Optimizer], None]):
         self._param_ids = {id(p) for p in model.parameters()}
         self._mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[int, bool]]" = weakref.WeakKeyDictionary()
         self._on_pre = on_pre_step
@@ -83,7 +84,7 @@ class StepTracker:
     def _post(self, optimizer, args, kwargs) -> None:
         if self._concerns(optimizer):
             self.steps += 1
-            self._on_post()
+            self._on_post(optimizer)
 
     def remove(self) -> None:
         for h in self.handles:

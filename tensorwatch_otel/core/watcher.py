@@ -30,6 +30,8 @@ from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
+from .capture import BatchCapture
+from .optim_state import OptimizerStateReader
 from .steps import PendingGradients, ScaleReader, StepTracker
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ class Watcher:
         self._compiled = False
         self._compile_warned = False
         self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
+        self._owners: Dict[int, Tuple[ModuleInfo, str]] = {}  # id(param) -> (module, name)
+        self._capture = BatchCapture(config.capture_dir, current_rank()) if config.capture_dir else None
         self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
@@ -109,6 +113,10 @@ class Watcher:
                 if not self._included(upath):
                     continue
                 info = ModuleInfo(upath, module, False, True)
+            for pname, p in module.named_parameters(recurse=False):
+                self._owners.setdefault(id(p), (info, pname))
+            if is_root and self._capture is not None:
+                self._handles.append(module.register_forward_pre_hook(self._capture_hook, with_kwargs=True))
             if self._compiled and not is_root:
                 # compiled away: hooks inside the graph do not run; weights are read at the root
                 if info.params:
@@ -128,6 +136,7 @@ class Watcher:
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(
                             self._make_grad_hook(info, name + ".grad")))
+        self._optim_state = OptimizerStateReader(self._owners) if cfg.optimizer_state else None
         self._steps = StepTracker(inner, self._before_step, self._after_step)
         self._handles.extend(self._steps.handles)
         self._attached = True
@@ -247,6 +256,10 @@ class Watcher:
                 self._skipped()  # the bad gradients were reset (or the scaler backed off) without a step
         self._depth += 1
 
+    def _capture_hook(self, module, args, kwargs):
+        if self._depth == 0 and not torch.compiler.is_compiling():
+            self._capture.hold(self.batch_number, args, kwargs)  # references only
+
     def _compiled_away(self) -> None:
         if not self._compile_warned and not self._compiled:
             self._compile_warned = True
@@ -337,10 +350,12 @@ class Watcher:
         frames = self._ring(rec, fi)
         last = frames[-1]
         first = last.first_nonfinite()
+        capture = self._capture.write(rec.batch_number) if self._capture is not None else None
         event = NonFiniteEvent(
             batch_number=rec.batch_number, rank=current_rank(), module=last.module,
             module_class=last.module_class, tensor=first.name if first else "",
-            kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time(), phase=rec.phase)
+            kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time(), phase=rec.phase,
+            capture=capture)
         raising = self.config.on_detect == "raise"
         if raising and self._fleet.active():
             event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
@@ -404,9 +419,14 @@ class Watcher:
             self._detected(pending.record, pending.frame)
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
 
-    def _after_step(self) -> None:
+    def _after_step(self, optimizer) -> None:
         self._recorder.invalidate_weights()  # any optimizer, fused ones included
         self._skip_streak = 0
+        if self._optim_state is not None and self._attached and self._watches(max(self.batch_number - 1, 0)):
+            rec = self._optim_state.record(optimizer, max(self.batch_number - 1, 0))
+            if rec.frames:
+                rec.readback()  # one transfer per step
+                self._check(rec, 0)
 
     def _skipped(self) -> None:
         pending, self._pending = self._pending, None
