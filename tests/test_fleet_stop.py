@@ -134,8 +134,12 @@ def test_gradient_detection_stops_every_rank_one_step_later(tmp_path):
     assert det["event"] == "nonfinite_detected" and det["batch_number"] == at and det["tensor"].endswith(".grad")
     first = [d for d in raw_lines(tmp_path, 2) if d["event"] == "nonfinite_detected"][0]
     assert first["frames"][-1]["phase"] == "backward"
+    # The step of batch `at` consumed the gradients, so every rank also sees the nan weights in
+    # the next forward; whoever published first is first_rank, and all ranks agree on it.
+    firsts = {res["first_rank"] for res in results.values()}
+    assert len(firsts) == 1, results
     for res in results.values():
-        assert res["stopped"] and res["first_rank"] == 2, res
+        assert res["stopped"], res
         assert res["batches_done"] == at + 1  # stopped at the optimizer step of batch at + 1
 
 
