@@ -8,8 +8,8 @@ error that says nothing about the inf. So under torch.distributed (world size > 
 compare-and-set on the store key `tensorwatch_otel/fleet_stop`, and keeps taking part in the
 step. Every rank then raises at the first safe point at or after the *target batch*:
 
-- the optimizer step (a pre-hook on `torch.optim.Optimizer.step`) that would consume the values of
-  a batch >= target, or
+- the optimizer step that would consume the values of a batch >= target (the watcher's global
+  optimizer-step pre-hook, for any optimizer holding the model's parameters), or
 - the start of a batch > target (loops without a `torch.optim` step: evaluation, a GradScaler
   that skipped the step, hand-written updates).
 
@@ -24,6 +24,7 @@ optimizer step ran since the last one (a round trip to the store's server); no c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -183,6 +184,4 @@ def _store():
 
 
 def _with_first(event: NonFiniteEvent, first_rank: int) -> NonFiniteEvent:
-    import dataclasses
-
     return dataclasses.replace(event, first_rank=first_rank)
