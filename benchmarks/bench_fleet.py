@@ -57,7 +57,7 @@ def main() -> None:
     polls = w._fleet.polls
     for rnd in range(args.rounds):
         for v in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
-            w._fleet._failed = v == "off"  # off: no store check at all
+            w._fleet._stops = v == "on"  # off: no store check at all
             times[v].append(steps(args.steps))
     polls = w._fleet.polls - polls
     if dist.get_rank() == 0:

@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--linger", type=float, default=0.0, help="seconds the stopped process stays alive")
     ap.add_argument("--inject", default="input", choices=("input", "shard", "grad"))
     ap.add_argument("--gradients", action="store_true", help="watch(gradients=True)")
+    ap.add_argument("--on-detect", default="raise", choices=("raise", "report"))
     ap.add_argument("--trace", type=int, action="append", default=[], help="batches to trace")
     ap.add_argument("--watch-first", action="store_true", help="watch() before fully_shard()")
     args = ap.parse_args()
@@ -55,7 +56,8 @@ def main() -> int:
     torch.manual_seed(0)
     net = Net()
     sinks = [JsonlLog(os.path.join(args.out, "events-{rank}.jsonl")), TextReport(stream=sys.stderr)]
-    watcher = watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients) if args.watch_first else None
+    watcher = watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients,
+                    on_detect=args.on_detect) if args.watch_first else None
     if args.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -70,7 +72,8 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0, "local_abs_max": {}}
     gen = torch.Generator().manual_seed(100 + rank)
-    watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients)
+    watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients,
+                                on_detect=args.on_detect)
     try:
         with watcher:
             for b in range(args.batches):
@@ -104,6 +107,7 @@ def main() -> int:
                       module=ev.module, module_class=ev.module_class, tensor=ev.tensor, kind=ev.kind,
                       batch_number=ev.batch_number, stopped_at_batch=getattr(ev, "stopped_at_batch", None),
                       message=str(exc))
+    result["polls"] = watcher._fleet.polls
     result["param_names"] = [n for n, _ in net.named_parameters()]
     result["module_classes"] = sorted({type(m).__name__ for m in net.modules()})
     path = os.path.join(args.out, f"result-{rank}.json")

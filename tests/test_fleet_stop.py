@@ -144,10 +144,28 @@ def test_gradient_detection_stops_every_rank_one_step_later(tmp_path):
 
 
 @pytest.mark.slow
+def test_report_mode_stops_nobody_and_names_the_first_rank(tmp_path):
+    """on_detect="report": training goes on everywhere, nothing is checked per step, and the
+    detections still carry the rank that detected first."""
+    at, batches = 2, 5
+    proc, results, _ = launch(tmp_path, 3, "--mode", "ddp", "--bad", "2", "--at", str(at), "--batches", str(batches),
+                              "--on-detect", "report")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r, res in results.items():
+        assert not res.get("stopped") and res["batches_done"] == batches and res["polls"] == 0, res
+        events = events_of(tmp_path, r)
+        assert all(e.event == "nonfinite_detected" and e.first_rank == 2 for e in events), events
+    first = events_of(tmp_path, 2)[0]
+    assert (first.batch_number, first.module, first.tensor) == (at, "layers.0", "input[0]")
+
+
+@pytest.mark.slow
 def test_no_detection_no_stop(tmp_path):
     proc, results, _ = launch(tmp_path, 2, "--mode", "ddp", "--batches", "6")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(not res.get("stopped") and res["batches_done"] == 6 for res in results.values())
+    # one store check per optimizer step, plus the first batch's start (no step seen yet) and the end
+    assert all(res["polls"] == 6 + 2 for res in results.values())
 
 
 def test_stopped_by_rank_event_round_trips_and_renders():

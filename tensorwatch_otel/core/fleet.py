@@ -60,21 +60,24 @@ class FleetStop:
     """One watcher's part in stopping the ranks together.
 
     `emit(event)` records an event durably (the watcher's sinks, flushed); `batch_number()` is
-    the watcher's batch counter.
+    the watcher's batch counter. With `stops=False` (on_detect="report") detections are still
+    published, for their first_rank, but nothing is checked per batch and nobody stops.
     """
 
-    def __init__(self, emit: Callable[[object], None], batch_number: Callable[[], int]):
+    def __init__(self, emit: Callable[[object], None], batch_number: Callable[[], int], stops: bool = True):
         self._emit = emit
         self._batch_number = batch_number
         self._pending: Optional[NonFiniteDetected] = None  # own detection, raised at the stop point
         self._first: Optional[dict] = None  # the published record (first rank's), once known
         self._done = False  # this watcher has raised its stop
+        self._stops = stops
         self._failed = False  # the store failed once: back to raising at once
         self._stepped = False  # an optimizer step was polled since the last batch start
         self.polls = 0  # store checks made (for tests and measurements)
 
     # ------------------------------------------------------------------ the detecting rank
     def active(self) -> bool:
+        """Detections are published: a multi-rank run with a usable store."""
         return not self._failed and not self._done and _dist() is not None
 
     def publish(self, event: NonFiniteEvent) -> NonFiniteEvent:
@@ -98,7 +101,7 @@ class FleetStop:
 
     def defer(self, exc: NonFiniteDetected) -> bool:
         """Hold `exc` until the stop point; False when it must be raised now."""
-        if self._first is None or self._failed:
+        if self._first is None or self._failed or not self._stops:
             return False
         if self._pending is None:
             self._pending = exc
@@ -121,7 +124,7 @@ class FleetStop:
     def at_exit(self) -> None:
         """The watcher's with-block ended: a detection still held is raised now, and so is a
         stop another rank published (the loop ended before its stop point)."""
-        if self._done:
+        if self._done or not self._stops:
             return
         if self._pending is not None:
             self._raise(self._pending)
@@ -129,7 +132,7 @@ class FleetStop:
             self._stop(self._first, self._batch_number())
 
     def _at_safe_point(self, batch: int, after: int) -> None:
-        if self._done or self._failed:
+        if self._done or self._failed or not self._stops:
             return
         first = self._first
         if first is None:

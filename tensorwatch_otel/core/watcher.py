@@ -81,7 +81,7 @@ class Watcher:
         self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
-        self._fleet = FleetStop(self._record_durable, lambda: self.batch_number)
+        self._fleet = FleetStop(self._record_durable, lambda: self.batch_number, config.on_detect == "raise")
         self._attach()
 
     # ---------------------------------------------------------------- lifetime
@@ -357,7 +357,7 @@ class Watcher:
             kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time(), phase=rec.phase,
             capture=capture)
         raising = self.config.on_detect == "raise"
-        if raising and self._fleet.active():
+        if self._fleet.active():
             event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
         self.detections += 1
         self._fanout.on_event(event)
