@@ -13,6 +13,7 @@ from .core.events import (
     Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
+    StoppedByRankEvent,
     TensorStat,
 )
 from ._version import __version__
@@ -35,6 +36,7 @@ __all__ = [
     "BatchTraceEvent",
     "AbortAfterBatchEvent",
     "OverflowCheckEvent",
+    "StoppedByRankEvent",
     "load_capture",
     "__version__",
 ]

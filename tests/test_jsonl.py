@@ -43,7 +43,10 @@ SCHEMA = {
     "additionalProperties": False,
     "properties": {
         "time": {"type": "string"},
-        "event": {"enum": ["nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check"]},
+        "event": {"enum": ["nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check",
+                           "stopped_by_rank"]},
+        "first_rank": {"type": "integer"},  # detections and stops (second wave)
+        "stopped_at_batch": {"type": ["integer", "null"]},  # stopped_by_rank
         "batch_number": {"type": "integer"},
         "rank": {"type": "integer"},
         "module": {"type": "string"},

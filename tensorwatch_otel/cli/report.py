@@ -14,10 +14,11 @@ HELP = "render a JSON lines event log as the text report"
 DESCRIPTION = """\
 Renders the events of a JSON lines log (written by the JsonlLog sink, TENSORWATCH_JSONL or
 `tensorwatch-otel demo`) as the text report, in file order: each inf/nan detection as the
-full report with its last frames, each traced batch as its frames, aborts and
-detect_overflow() findings as one line each. Lines that are no valid event (a line cut off
-when a process died mid-write, with or without a restarted run appending after it) and events
-of types this version does not render are skipped; stderr names each skipped line.
+full report with its last frames, each traced batch as its frames, aborts,
+detect_overflow() findings and ranks stopped by another rank's detection as one line each.
+Lines that are no valid event (a line cut off when a process died mid-write, with or without a
+restarted run appending after it) and events of types this version does not render are
+skipped; stderr names each skipped line.
 
 Exit status: 0 the file is an event log and every event that matched was rendered (also when
 nothing matched, the file is empty or lines were skipped; notes go to stderr), 2 the file is
@@ -81,13 +82,16 @@ class InputError(Exception):
 
 def render_event(event) -> str:
     """The text for one event, as the TextReport sink and the peer print it."""
-    from ..core.events import AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent
-    from ..report.text import render_detection, render_trace
+    from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent,
+                               StoppedByRankEvent)
+    from ..report.text import render_detection, render_trace, stopped_line
 
     if isinstance(event, NonFiniteEvent):
         return render_detection(event)
     if isinstance(event, BatchTraceEvent):
         return render_trace(event)
+    if isinstance(event, StoppedByRankEvent):
+        return stopped_line(event)
     if isinstance(event, AbortAfterBatchEvent):
         return f"aborting after batch_number={event.batch_number} (abort_after_batch)\n"
     if isinstance(event, OverflowCheckEvent):

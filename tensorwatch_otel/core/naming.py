@@ -76,3 +76,14 @@ def dataclass_fields(obj) -> Tuple[str, ...]:
             not isinstance(obj, type) else ()
         _dataclass_fields[tp] = names
     return names
+
+
+def module_class_name(module) -> str:
+    """The class name users wrote: FSDP2's fully_shard() swaps a module's class for a generated
+    `FSDP<Name>` subclass, which is skipped here (`FSDPLinear` reports as `Linear`)."""
+    cls = type(module)
+    if cls.__module__.startswith("torch.distributed.fsdp"):
+        for base in cls.__mro__[1:]:
+            if not base.__module__.startswith("torch.distributed.fsdp"):
+                return base.__name__
+    return cls.__name__

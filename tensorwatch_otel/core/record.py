@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .events import Frame, TensorStat
+from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
 
 
@@ -21,7 +22,7 @@ class ModuleInfo:
     def __init__(self, path: str, module: torch.nn.Module, is_root: bool, recorded: bool,
                  cls: Optional[str] = None, params: Optional[dict] = None):
         self.path = path
-        self.cls = cls or type(module).__name__
+        self.cls = cls or module_class_name(module)
         # live dict: a replaced parameter is seen at once
         self.params = module._parameters if params is None else params
         self.kw_names: Dict[str, str] = {}

@@ -25,6 +25,7 @@ from .config import WatchConfig
 from .errors import AbortAfterBatch, NonFiniteDetected
 from .events import (AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Frame, NonFiniteEvent, SkippedStepEvent,
                      SkipStreakEvent, merge_kinds)
+from .fleet import FleetStop
 from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
@@ -86,6 +87,7 @@ class Watcher:
         self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
+        self._fleet = FleetStop(self._record_durable, lambda: self.batch_number, config.on_detect == "raise")
         self._attach()
 
     # ---------------------------------------------------------------- lifetime
@@ -106,7 +108,7 @@ class Watcher:
             is_root = module is root
             if is_root:
                 # the wrapper is what the user calls; it stands for the user's model
-                info = ModuleInfo("", module, True, self._included(""), cls=type(inner).__name__,
+                info = ModuleInfo("", module, True, self._included(""), cls=naming.module_class_name(inner),
                                   params=inner._parameters)
             else:
                 if wrapped and (module is inner or not path.startswith(prefix + ".")):
@@ -188,7 +190,11 @@ class Watcher:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.detach()
+        try:
+            if exc[0] is None:
+                self._fleet.at_exit()  # multi-rank: a stop held for a later stop point is raised now
+        finally:
+            self.detach()
 
     @property
     def sinks(self) -> List[Sink]:
@@ -247,6 +253,11 @@ class Watcher:
         if self._replaying or torch.compiler.is_compiling():
             return
         if self._depth == 0:  # an outermost call starts
+            try:  # multi-rank: the stop published by a rank may be raised here
+                self._fleet.at_batch_start()
+            except NonFiniteDetected:
+                self._active = False  # the call never runs: the always-called hook records nothing
+                raise
             if torch.is_grad_enabled():
                 # Training batches always measure live weights (fused optimizers, `.data` writes
                 # and in-place casts move no _version); no-grad batches (eval, generate) reuse
@@ -372,13 +383,18 @@ class Watcher:
             module_class=last.module_class, tensor=first.name if first else "",
             kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time(), phase=rec.phase,
             capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None)
+        raising = self.config.on_detect == "raise"
+        if self._fleet.active():
+            event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
         self.detections += 1
         self._fanout.on_event(event)
-        if self.config.on_detect == "raise":
+        if raising:
             self._fanout.flush(self.config.flush_timeout_s)
             # drop what the aborted batch left behind so a caught exception leaves a clean state
             self._recorder.acts_seen.clear()
-            raise NonFiniteDetected(self.behaviour.detection_message(event), event)
+            exc = NonFiniteDetected(self.behaviour.detection_message(event), event)
+            if not self._fleet.defer(exc):  # multi-rank: raised at the ranks' common stop point
+                raise exc
 
     def _abort(self) -> None:
         cfg = self.config
@@ -409,6 +425,7 @@ class Watcher:
         if pending is not None:
             self._skip_streak = 0
             self._detected(pending.record, pending.frame)
+        self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
 
     def _after_step(self, optimizer) -> None:
         self._recorder.invalidate_weights()  # any optimizer, fused ones included
@@ -441,6 +458,10 @@ class Watcher:
                         "the loss scale is collapsing or every step overflows", self._skip_streak,
                         f", loss scale {scale:g}" if scale is not None else "")
             self._fanout.on_event(SkipStreakEvent(batch, rank, self._skip_streak, scale, now))
+
+    def _record_durable(self, event) -> None:
+        self._fanout.on_event(event)
+        self._fanout.flush(self.config.flush_timeout_s)
 
     # ---------------------------------------------------------------- detect_overflow
     def overflow_check(self, event) -> None:

@@ -15,6 +15,7 @@ from ..core.events import (
     Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
+    StoppedByRankEvent,
     TensorStat,
 )
 
@@ -58,7 +59,10 @@ def to_dict(event: Event) -> Dict[str, Any]:
                          "module": "", "module_class": "", "tensor": "", "kind": "", "frames": []}
     if isinstance(event, NonFiniteEvent):
         d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
-                 frames=[_frame(f) for f in event.frames])
+                 frames=[_frame(f) for f in event.frames], first_rank=event.first_rank)
+    elif isinstance(event, StoppedByRankEvent):
+        d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
+                 first_rank=event.first_rank, stopped_at_batch=event.stopped_at_batch)
     elif isinstance(event, BatchTraceEvent):
         d["frames"] = [_frame(f) for f in event.frames]
     elif isinstance(event, OverflowCheckEvent):
@@ -120,7 +124,7 @@ def _frame_from(d: Dict[str, Any], batch_number: int) -> Frame:
 
 #: The event types this version reads; a well-formed line of another type (written by a newer
 #: version) is an UnknownEvent line, skipped with a note rather than an error.
-EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check")
+EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check", "stopped_by_rank")
 
 
 class UnknownEvent(ValueError):
@@ -153,13 +157,28 @@ def from_dict(d: Dict[str, Any]) -> Event:
     frames = tuple(_frame_from(f, b) for f in frames_in)
     if kind == "nonfinite_detected":
         return NonFiniteEvent(b, rank, _str(d, "module"), _str(d, "module_class"), _str(d, "tensor"),
-                              _str(d, "kind"), frames, ts)
+                              _str(d, "kind"), frames, ts, first_rank=_opt_int(d.get("first_rank")))
+    if kind == "stopped_by_rank":
+        try:
+            first = int(d["first_rank"])
+        except (KeyError, TypeError, ValueError):
+            raise LineError("stopped_by_rank without an integer first_rank") from None
+        return StoppedByRankEvent(b, rank, first, _str(d, "module"), _str(d, "module_class"),
+                                  _str(d, "tensor"), _str(d, "kind"), ts, _opt_int(d.get("stopped_at_batch")))
     if kind == "batch_trace":
         return BatchTraceEvent(b, rank, frames, ts)
     if kind == "abort_after_batch":
         return AbortAfterBatchEvent(b, rank, ts)
     stat = frames[0].tensors[0] if frames and frames[0].tensors else TensorStat(_str(d, "tensor"), None, None)
     return OverflowCheckEvent(b, rank, _str(d, "tensor"), _str(d, "kind"), stat, ts)
+
+
+def _opt_int(v) -> Optional[int]:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise LineError(f"not an integer: {v!r}")
+    return v
 
 
 @dataclass

@@ -8,11 +8,11 @@ import threading
 from typing import Optional
 
 from ..report.codec import to_line
-from ..core.events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent
+from ..core.events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent, StoppedByRankEvent
 from ..core.rank import current_rank
 from ._base import Sink
 
-_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent)
+_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent, StoppedByRankEvent)
 
 
 def _check_writable(path: str) -> None:
