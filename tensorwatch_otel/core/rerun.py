@@ -66,5 +66,19 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, event: NonFiniteEven
     return found is not None and (found.module, found.tensor) == (event.module, event.tensor)
 
 
+def replay_would_block(model: torch.nn.Module) -> bool:
+    """A replay on one rank of a sharded model (FSDP) waits in collectives the other ranks
+    never join: such models are not re-run."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) or hasattr(m, "_get_fsdp_state")
+           for m in model.modules()):
+        log.warning("tensorwatch_otel: rerun_on_detect skipped: the model is sharded (FSDP) over several "
+                    "ranks, and a replay on this rank alone would wait for the others")
+        return True
+    return False
+
+
 def host() -> str:
     return socket.gethostname()

@@ -16,6 +16,9 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+import time
+
+from .events import SkippedStepEvent, SkipStreakEvent, merge_kinds
 from .record import Record
 
 log = logging.getLogger(__name__)
@@ -126,3 +129,34 @@ class ScaleReader:
         if prev is not None and value is not None and value < prev:
             return 1
         return 0
+
+
+class SkipCounter:
+    """Skipped steps: the total, the streak, and the events they make."""
+
+    def __init__(self, max_streak: int):
+        self.max_streak = max_streak
+        self.total = 0
+        self.streak = 0
+
+    def step_taken(self) -> None:
+        self.streak = 0
+
+    def skipped(self, pending: Optional[PendingGradients], batch: int, rank: int, scale: Optional[float]) -> list:
+        self.total += 1
+        self.streak += 1
+        module = module_class = tensor = kind = ""
+        if pending is not None:
+            frame = pending.record.materialize(pending.frame, pending.frame + 1)[0]
+            first = frame.first_nonfinite()
+            module, module_class, kind = frame.module, frame.module_class, merge_kinds(frame.kind)
+            tensor = first.name if first else ""
+            batch = pending.record.batch_number
+        now = time.time()
+        events: list = [SkippedStepEvent(batch, rank, self.streak, scale, module, module_class, tensor, kind, now)]
+        if self.streak == self.max_streak:
+            log.warning("tensorwatch_otel: %d optimizer steps in a row were skipped (non-finite gradients%s): "
+                        "the loss scale is collapsing or every step overflows", self.streak,
+                        f", loss scale {scale:g}" if scale is not None else "")
+            events.append(SkipStreakEvent(batch, rank, self.streak, scale, now))
+        return events

@@ -10,7 +10,6 @@ submodule call. The sinks are given to it (the port in core/ports.py): the core 
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import threading
 import time
@@ -23,8 +22,7 @@ from . import naming
 from .behaviour import Behaviour
 from .config import WatchConfig
 from .errors import AbortAfterBatch, NonFiniteDetected
-from .events import (AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Frame, NonFiniteEvent, SkippedStepEvent,
-                     SkipStreakEvent, merge_kinds)
+from .events import AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Frame, NonFiniteEvent, merge_kinds
 from .fleet import FleetStop
 from .ports import Sink, SinkFanout
 from .rank import current_rank
@@ -32,9 +30,9 @@ from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
 from .backward import BackwardRecorder, producer_frame
 from .capture import BatchCapture
-from .rerun import host, rerun_batch
-from .optim_state import OptimizerStateReader
-from .steps import PendingGradients, ScaleReader, StepTracker
+from .rerun import host, replay_would_block, rerun_batch
+from .attach import place_hooks
+from .steps import PendingGradients, ScaleReader, SkipCounter
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +71,9 @@ class Watcher:
         self.grad_scaler = grad_scaler
         self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
         self._pending: Optional[PendingGradients] = None  # non-finite gradients no step consumed yet
-        self.steps_skipped = 0
-        self._skip_streak = 0
-        self._steps: Optional[StepTracker] = None
+        self._skips = SkipCounter(config.max_skipped_steps)
+        self._steps = None  # the StepTracker (core/attach.py)
+        self._optim_state = None
         self._compiled = False
         self._compile_warned = False
         self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
@@ -92,62 +90,10 @@ class Watcher:
 
     # ---------------------------------------------------------------- lifetime
     def _attach(self) -> None:
-        cfg = self.config
-        root = self.model
-        inner = naming.unwrap_root(root)
-        wrapped = inner is not root
-        prefix = ""
-        if wrapped:
-            prefix = next((p for p, m in root.named_modules() if m is inner), "")
-            self._compiled = any(type(m).__name__ == "OptimizedModule" for m in root.modules())
-        seen = set()
-        for path, module in root.named_modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            is_root = module is root
-            if is_root:
-                # the wrapper is what the user calls; it stands for the user's model
-                info = ModuleInfo("", module, True, self._included(""), cls=naming.module_class_name(inner),
-                                  params=inner._parameters)
-            else:
-                if wrapped and (module is inner or not path.startswith(prefix + ".")):
-                    continue
-                if type(module).__name__ in naming.INNER_WRAPPERS:
-                    continue
-                upath = naming.user_path(path[len(prefix) + 1:] if wrapped else path)
-                if not self._included(upath):
-                    continue
-                info = ModuleInfo(upath, module, False, True)
-            for pname, p in module.named_parameters(recurse=False):
-                self._owners.setdefault(id(p), (info, pname))
-            if is_root and self._capture is not None:
-                self._handles.append(module.register_forward_pre_hook(self._capture_hook, with_kwargs=True))
-            if self._compiled and not is_root:
-                # compiled away: hooks inside the graph do not run; weights are read at the root
-                if info.params:
-                    self._weight_infos.append((info, module))
-                continue
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook))
-            self._handles.append(module.register_forward_hook(
-                self._make_hook(info), with_kwargs=True, always_call=True))
-            if cfg.gradients and info.recorded:
-                for name, p in module.named_parameters(recurse=False):
-                    if p.requires_grad:
-                        self._handles.append(p.register_post_accumulate_grad_hook(
-                            self._backward.param_hook(info, name + ".grad")))
-        if self._compiled and cfg.gradients:
-            for info, module in self._weight_infos:
-                for name, p in module.named_parameters(recurse=False):
-                    if p.requires_grad:
-                        self._handles.append(p.register_post_accumulate_grad_hook(
-                            self._backward.param_hook(info, name + ".grad")))
-        self._optim_state = OptimizerStateReader(self._owners) if cfg.optimizer_state else None
-        self._steps = StepTracker(inner, self._before_step, self._after_step)
-        self._handles.extend(self._steps.handles)
+        place_hooks(self)
         self._attached = True
         ACTIVE.add(self)
-        if getattr(root, "_compiled_call_impl", None) is not None:
+        if getattr(self.model, "_compiled_call_impl", None) is not None:
             self._compiled_away()  # model.compile() in place: even the root's hooks run in the graph
         if self._compiled:
             log.warning(
@@ -155,14 +101,8 @@ class Watcher:
                 "compiled graphs, so each batch records the compiled call's inputs and outputs and "
                 "the weights of every module%s; an inf/nan born inside the graph is reported at the "
                 "model's output. Watch the model before compiling it only to debug in eager mode.",
-                type(inner).__name__, " and their gradients" if cfg.gradients else "")
-
-    def _included(self, path: str) -> bool:
-        cfg = self.config
-        label = path or "(root)"
-        if cfg.include and not any(fnmatch.fnmatchcase(label, p) for p in cfg.include):
-            return False
-        return not any(fnmatch.fnmatchcase(label, p) for p in cfg.exclude)
+                naming.module_class_name(naming.unwrap_root(self.model)),
+                " and their gradients" if self.config.gradients else "")
 
     def detach(self) -> None:
         """Remove every hook, flush the sinks and close those the watcher created. Idempotent."""
@@ -370,10 +310,11 @@ class Watcher:
         capture = self._capture.write(rec.batch_number) if self._capture is not None and self.config.capture_dir \
             else None
         reproduced = None
-        if self.config.rerun_on_detect and rec.phase == "forward" and self._capture is not None:
+        if self.config.rerun_on_detect and rec.phase == "forward" and self._capture is not None \
+                and not replay_would_block(self.model):
             self._replaying = True
-            try:
-                reproduced = rerun_batch(self.model, self._capture, NonFiniteEvent(
+            try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
+                reproduced = rerun_batch(naming.unwrap_root(self.model), self._capture, NonFiniteEvent(
                     rec.batch_number, 0, last.module, last.module_class, first.name if first else "", "",
                     (), 0.0), self._probe)
             finally:
@@ -423,13 +364,13 @@ class Watcher:
     def _before_step(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._skip_streak = 0
+            self._skips.step_taken()
             self._detected(pending.record, pending.frame)
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
 
     def _after_step(self, optimizer) -> None:
         self._recorder.invalidate_weights()  # any optimizer, fused ones included
-        self._skip_streak = 0
+        self._skips.step_taken()
         if self._optim_state is not None and self._attached and self._watches(max(self.batch_number - 1, 0)):
             rec = self._optim_state.record(optimizer, max(self.batch_number - 1, 0))
             if rec.frames:
@@ -438,26 +379,14 @@ class Watcher:
 
     def _skipped(self) -> None:
         pending, self._pending = self._pending, None
-        self.steps_skipped += 1
-        self._skip_streak += 1
-        rank = current_rank()
         scale = self._scale.last if self._scale is not None else None
-        module = module_class = tensor = kind = ""
-        batch = max(self.batch_number - 1, 0)
-        if pending is not None:
-            frame = pending.record.materialize(pending.frame, pending.frame + 1)[0]
-            first = frame.first_nonfinite()
-            module, module_class, kind = frame.module, frame.module_class, merge_kinds(frame.kind)
-            tensor = first.name if first else ""
-            batch = pending.record.batch_number
-        now = time.time()
-        self._fanout.on_event(SkippedStepEvent(batch, rank, self._skip_streak, scale, module, module_class,
-                                               tensor, kind, now))
-        if self._skip_streak == self.config.max_skipped_steps:
-            log.warning("tensorwatch_otel: %d optimizer steps in a row were skipped (non-finite gradients%s): "
-                        "the loss scale is collapsing or every step overflows", self._skip_streak,
-                        f", loss scale {scale:g}" if scale is not None else "")
-            self._fanout.on_event(SkipStreakEvent(batch, rank, self._skip_streak, scale, now))
+        for event in self._skips.skipped(pending, max(self.batch_number - 1, 0), current_rank(), scale):
+            self._fanout.on_event(event)
+
+    @property
+    def steps_skipped(self) -> int:
+        """Optimizer steps skipped so far (non-finite gradients no step consumed)."""
+        return self._skips.total
 
     def _record_durable(self, event) -> None:
         self._fanout.on_event(event)
