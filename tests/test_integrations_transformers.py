@@ -1,0 +1,201 @@
+"""transformers: TensorwatchCallback on a real Trainer training a tiny GPT-2 built from a config
+(no downloads) on CPU: every forward watched, an injected inf named by the user's module path and
+leaving train() as NonFiniteDetected after the sinks recorded it, no hook left afterwards."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from _collect import Collect  # noqa: E402
+from _hooks import remaining_hooks  # noqa: E402
+from tensorwatch_otel import NonFiniteDetected  # noqa: E402
+from tensorwatch_otel.core.config import ConfigError  # noqa: E402
+from tensorwatch_otel.core.events import NonFiniteEvent  # noqa: E402
+from tensorwatch_otel.integrations.transformers import TensorwatchCallback  # noqa: E402
+from tensorwatch_otel.sinks import JsonlLog  # noqa: E402
+
+VOCAB = 64
+BAD = "transformer.h.1.mlp.c_fc"  # the module whose weight a test sets to inf
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, 8), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def trainer_for(model, tmp_path, callbacks=(), eval_dataset=None, **args) -> Trainer:
+    defaults = dict(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=4,
+                    per_device_eval_batch_size=4, report_to="none", save_strategy="no", use_cpu=True,
+                    disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0, seed=0)
+    defaults.update(args)
+    return Trainer(model=model, args=TrainingArguments(**defaults), train_dataset=Tokens(32),
+                   eval_dataset=eval_dataset, callbacks=list(callbacks))
+
+
+class Probe(TrainerCallback):
+    """Records, at each step end, how many hooks the model carries; sets a weight to inf when
+    told (at the end of step `poison_after`, or at the beginning of step `poison_at`)."""
+
+    def __init__(self, poison_at=None, poison_after=None):
+        self.poison_at = poison_at
+        self.poison_after = poison_after
+        self.hooks_during = []
+
+    def _poison(self, model):
+        with torch.no_grad():  # an in-place write the watcher sees (the version counter moves)
+            model.get_submodule(BAD).weight.fill_(math.inf)
+
+    def on_step_begin(self, args, state, control, model=None, **kw):
+        if state.global_step == self.poison_at:
+            self._poison(model)
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.hooks_during.append(sum(remaining_hooks(model).values()))
+        if state.global_step == self.poison_after:
+            self._poison(model)
+
+
+def test_clean_run_watches_every_forward_and_leaves_no_hook(tmp_path):
+    model = tiny_gpt2()
+    assert remaining_hooks(model) == {}
+    sink = Collect()
+    cb = TensorwatchCallback(sinks=[sink])
+    probe = Probe()
+    out = trainer_for(model, tmp_path, [cb, probe], gradient_accumulation_steps=2).train()
+    assert out.global_step == 6
+    # every micro-batch forward is a batch: 6 optimizer steps x 2 accumulated forwards
+    assert [b.batch_number for b in sink.batches] == list(range(12))
+    assert sink.events == []
+    modules = {f.module for f in sink.batches[-1].frames}
+    assert {"", "transformer", BAD, "lm_head", "transformer.h.0.attn"} <= modules  # user's paths
+    assert all(n > 0 for n in probe.hooks_during) and len(probe.hooks_during) == 6
+    assert remaining_hooks(model) == {}
+    assert cb.watcher is None
+
+
+def test_injected_inf_is_named_recorded_and_leaves_train_as_nonfinite(tmp_path):
+    model = tiny_gpt2()
+    sink = Collect()
+    log = tmp_path / "events.jsonl"
+    cb = TensorwatchCallback(sinks=[sink, JsonlLog(str(log))], max_frames=5)
+    trainer = trainer_for(model, tmp_path, [cb, Probe(poison_at=3)])
+    with pytest.raises(NonFiniteDetected) as info:
+        trainer.train()
+    event = info.value.event
+    assert (event.module, event.module_class, event.tensor) == (BAD, "Conv1D", "weight")
+    assert "inf" in event.kind.split(",")  # the inf weight (its output may hold nan too)
+    assert event.batch_number == 3  # steps 0, 1, 2 were clean
+    assert len(event.frames) == 5 and event.frames[-1].module == BAD
+    assert sink.of(NonFiniteEvent) == [event]
+    # recorded durably before train() raised
+    [line] = [json.loads(x) for x in log.read_text().splitlines()]
+    assert (line["event"], line["module"], line["batch_number"]) == ("nonfinite_detected", BAD, 3)
+    assert remaining_hooks(model) == {}
+    assert cb.watcher is None
+
+
+def test_eval_forwards_inside_train_are_watched_batches(tmp_path):
+    model = tiny_gpt2()
+    sink = Collect()
+    cb = TensorwatchCallback(sinks=[sink])
+    # evaluation after steps 2, 4, 6, two eval forwards each (8 examples, batches of 4)
+    trainer_for(model, tmp_path, [cb], eval_dataset=Tokens(8, seed=1), eval_strategy="steps",
+                eval_steps=2).train()
+    assert len(sink.batches) == 6 + 3 * 2
+    assert remaining_hooks(model) == {}
+
+    model = tiny_gpt2()
+    sink = Collect()
+    cb = TensorwatchCallback(sinks=[sink])
+    trainer = trainer_for(model, tmp_path, [cb, Probe(poison_after=2)], eval_dataset=Tokens(8, seed=1),
+                          eval_strategy="steps", eval_steps=2)
+    with pytest.raises(NonFiniteDetected) as info:
+        trainer.train()
+    # the first forward after step 2 is the evaluation's: batch 2 (two training forwards before it)
+    assert info.value.event.batch_number == 2 and info.value.event.module == BAD
+    assert remaining_hooks(model) == {}
+
+
+def test_on_detect_report_goes_on_and_detaches_at_train_end(tmp_path):
+    model = tiny_gpt2()
+    sink = Collect()
+    cb = TensorwatchCallback(sinks=[sink], on_detect="report")
+    trainer_for(model, tmp_path, [cb, Probe(poison_at=4)], max_steps=6).train()
+    events = sink.of(NonFiniteEvent)
+    assert events and events[0].batch_number == 4 and events[0].module == BAD
+    assert remaining_hooks(model) == {}
+
+
+def test_added_later_and_trained_twice(tmp_path):
+    model = tiny_gpt2()
+    sink = Collect()
+    cb = TensorwatchCallback(sinks=[sink])
+    trainer = trainer_for(model, tmp_path, max_steps=2)
+    trainer.add_callback(cb)
+    trainer.train()
+    assert remaining_hooks(model) == {} and len(sink.batches) == 2
+    # the second train() is guarded even for a callback added after construction: a raise
+    # leaves no hook behind
+    Probe(poison_at=0)._poison(model)
+    with pytest.raises(NonFiniteDetected):
+        trainer.train()
+    assert remaining_hooks(model) == {}
+
+
+def test_other_exceptions_leave_no_hook(tmp_path):
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                raise RuntimeError("data pipeline broke")
+
+    model = tiny_gpt2()
+    cb = TensorwatchCallback(sinks=[Collect()])
+    with pytest.raises(RuntimeError, match="data pipeline broke"):
+        trainer_for(model, tmp_path, [cb, Boom()]).train()
+    assert remaining_hooks(model) == {} and cb.watcher is None
+
+
+def test_options_are_checked_when_the_callback_is_built():
+    with pytest.raises(ConfigError, match="on_detect"):
+        TensorwatchCallback(on_detect="sometimes")
+    with pytest.raises(TypeError, match="bogus"):
+        TensorwatchCallback(bogus=1)
+    assert isinstance(TensorwatchCallback(), TrainerCallback)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 GradScaler training needs a GPU")
+def test_fp16_trainer_scaler_is_given_to_the_watcher(tmp_path):
+    seen = []
+
+    class Look(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            seen.append(cb.watcher.grad_scaler)
+
+    model = tiny_gpt2()
+    cb = TensorwatchCallback(sinks=[Collect()])
+    trainer = trainer_for(model, tmp_path, [cb, Look()], use_cpu=False, fp16=True, max_steps=2)
+    trainer.train()
+    assert seen and seen[0] is not None and seen[0] is trainer.accelerator.scaler
+    assert remaining_hooks(model) == {}
