@@ -1,0 +1,232 @@
+"""Zero code: an OpenTelemetry instrumentor, so `opentelemetry-instrument python train.py` watches
+every transformers and Lightning Trainer's model through the application's OpenTelemetry providers.
+
+Declared as entry point `tensorwatch_otel` in the `opentelemetry_instrumentor` group; turned off by
+`OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=tensorwatch_otel`. The frameworks are patched when the
+application imports them (post-import hooks), never imported here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Callable, Collection, Dict, List, Optional
+
+import wrapt
+from opentelemetry.instrumentation.dependencies import DependencyConflict, get_dependency_conflicts
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.instrumentation.utils import unwrap
+
+from ..core.config import ConfigError, WatchConfig
+from ..core.ports import Sink
+
+__all__ = ["TensorwatchInstrumentor", "ENV_GRADIENTS", "ENV_INCLUDE", "ENV_EXCLUDE"]
+
+log = logging.getLogger(__name__)
+
+#: "true"/"false": also watch parameter gradients (watch(gradients=...)); default false.
+ENV_GRADIENTS = "TENSORWATCH_GRADIENTS"
+#: Comma-separated module path globs to watch (watch(include=...)); default all.
+ENV_INCLUDE = "TENSORWATCH_INCLUDE"
+#: Comma-separated module path globs not to watch (watch(exclude=...)).
+ENV_EXCLUDE = "TENSORWATCH_EXCLUDE"
+# Also read, by watch() itself: TENSORWATCH_MAX_FRAMES, TENSORWATCH_EVERY_N_BATCHES,
+# TENSORWATCH_ON_DETECT; and for the sinks: TENSORWATCH_PROMETHEUS_PORT/_ADDR, TENSORWATCH_JSONL.
+
+# Any one of them is enough (the other framework is then simply never patched).
+_INSTRUMENTS_ANY = ("transformers >= 4.40", "lightning >= 2.0")
+
+# The modules that define the Trainers whose __init__ gets a callback added.
+_TARGETS = ("transformers.trainer", "lightning.pytorch.trainer.trainer")
+_HOOKED: set = set()  # post-import hooks are registered once per process (wrapt cannot remove them)
+_PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)  # what wrap_function_wrapper leaves
+
+
+def options_from_env() -> Dict[str, Any]:
+    """watch() options from the TENSORWATCH_* variables; ConfigError names a bad variable."""
+    raw = os.environ.get(ENV_GRADIENTS, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        gradients = False
+    elif raw in ("1", "true", "yes", "on"):
+        gradients = True
+    else:
+        raise ConfigError(f"{ENV_GRADIENTS}={os.environ[ENV_GRADIENTS]!r}: expected true or false")
+
+    def globs(env: str) -> Optional[List[str]]:
+        items = [p.strip() for p in os.environ.get(env, "").split(",") if p.strip()]
+        return items or None
+
+    # None: watch() reads TENSORWATCH_MAX_FRAMES / _EVERY_N_BATCHES / _ON_DETECT, else its default
+    options = dict(max_frames=None, every_n_batches=None, on_detect=None, gradients=gradients,
+                   include=globs(ENV_INCLUDE), exclude=globs(ENV_EXCLUDE))
+    WatchConfig.build(**options)  # fail now, naming the variable, not at the first Trainer
+    return options
+
+
+class TensorwatchInstrumentor(BaseInstrumentor):
+    """Adds a TensorwatchCallback to every `transformers.Trainer` and `lightning.pytorch.Trainer`
+    built while instrumented. Their watchers share one set of sinks: the text report, OpenTelemetry
+    through `tracer_provider`/`meter_provider` (default: the global providers the application or
+    the distro set up; no SDK is set up here), and Prometheus / JSON lines when
+    TENSORWATCH_PROMETHEUS_PORT / TENSORWATCH_JSONL say so."""
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ()  # any one of _INSTRUMENTS_ANY, checked below
+
+    def _check_dependency_conflicts(self) -> Optional[DependencyConflict]:
+        return get_dependency_conflicts((), _INSTRUMENTS_ANY)
+
+    def _instrument(self, **kwargs: Any) -> None:
+        self._active = False
+        try:
+            self._options = options_from_env()
+        except ConfigError as exc:
+            log.error("tensorwatch_otel: not instrumenting: %s", exc)
+            return
+        self._tracer_provider = kwargs.get("tracer_provider")
+        self._meter_provider = kwargs.get("meter_provider")
+        self._sinks: Optional[List[Sink]] = None
+        self._lock = threading.Lock()
+        self._callbacks: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._active = True
+        for name in _TARGETS:
+            if name in sys.modules:
+                _patch(sys.modules[name])
+            elif name not in _HOOKED:
+                _HOOKED.add(name)
+                wrapt.register_post_import_hook(_patch, name)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        if not getattr(self, "_active", False):
+            return
+        self._active = False
+        for name in _TARGETS:
+            module = sys.modules.get(name)
+            if module is not None:
+                unwrap(module.Trainer, "__init__")
+        for cb in list(self._callbacks):
+            cb.detach()
+        sinks, self._sinks = self._sinks, None
+        for s in sinks or ():
+            try:
+                s.close()
+            except Exception as exc:  # closing must not raise into user code
+                log.warning("tensorwatch_otel: closing %s failed: %s", type(s).__name__, exc)
+
+    # -- what the patched Trainer.__init__ calls ---------------------------------------------
+    def _callback_for(self, framework: str, existing: List[Any]) -> Optional[Any]:
+        """A new callback for a Trainer being built, or None (not active, or the user added one)."""
+        if not self._active:
+            return None
+        if framework == "transformers":
+            from .transformers import TensorwatchCallback
+        else:
+            from .lightning import TensorwatchCallback
+        if any(isinstance(cb, TensorwatchCallback) for cb in existing):
+            return None  # the user's own callback and options win
+        cb = TensorwatchCallback(sinks=self._shared_sinks(), **self._options)
+        self._callbacks.add(cb)
+        return cb
+
+    def _shared_sinks(self) -> List[Sink]:
+        """One set of sinks for the process (a Prometheus port is bound once), made at the first
+        Trainer; a sink that cannot be made is logged and left out."""
+        with self._lock:
+            if self._sinks is None:
+                self._sinks = _make_sinks(self._tracer_provider, self._meter_provider)
+                atexit.register(_flush_at_exit, self._sinks)
+            return self._sinks
+
+
+def _make_sinks(tracer_provider: Any, meter_provider: Any) -> List[Sink]:
+    from ..sinks.from_env import ENV_JSONL, ENV_PROMETHEUS_ADDR, _prometheus_port
+
+    def prometheus():
+        port = _prometheus_port()
+        if port is None:
+            return None
+        from ..sinks.prometheus import PrometheusMetrics
+
+        return PrometheusMetrics(port=port, addr=os.environ.get(ENV_PROMETHEUS_ADDR, "").strip() or "127.0.0.1")
+
+    def jsonl():
+        path = os.environ.get(ENV_JSONL, "").strip()
+        if not path:
+            return None
+        from ..sinks.jsonl import JsonlLog
+
+        return JsonlLog(path)
+
+    def otel():
+        from ..sinks.otel import OtelTelemetry
+
+        return OtelTelemetry(tracer_provider, meter_provider)
+
+    def text():
+        from ..sinks.text import TextReport
+
+        return TextReport()
+
+    sinks: List[Sink] = []
+    for make in (text, otel, prometheus, jsonl):
+        try:
+            s = make()
+        except Exception as exc:  # a sink we cannot make must not stop the Trainer
+            log.error("tensorwatch_otel: %s sink not made: %s: %s", make.__name__, type(exc).__name__, exc)
+            continue
+        if s is not None:
+            sinks.append(s)
+    return sinks
+
+
+def _flush_at_exit(sinks: List[Sink]) -> None:
+    for s in sinks:
+        try:
+            s.flush(2.0)
+        except Exception:  # the process is ending; nothing to tell
+            pass
+
+
+# -- patches -------------------------------------------------------------------------------------
+def _patch(module) -> None:
+    """Wrap `module.Trainer.__init__` (a post-import hook; the package may be mid-import, so the
+    integration module is imported only when a Trainer is built)."""
+    trainer_cls = getattr(module, "Trainer", None)
+    if trainer_cls is None or isinstance(trainer_cls.__dict__.get("__init__"), _PROXY) \
+            or not getattr(TensorwatchInstrumentor(), "_active", False):
+        return
+    framework = "transformers" if module.__name__.startswith("transformers") else "lightning"
+    wrapt.wrap_function_wrapper(trainer_cls, "__init__", _INIT_WRAPPERS[framework])
+
+
+def _guarded(add: Callable[[Any], None]) -> Callable:
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        try:
+            add(instance)
+        except Exception as exc:  # watching must never stop a Trainer from being built
+            log.error("tensorwatch_otel: not watching this Trainer: %s: %s", type(exc).__name__, exc)
+        return result
+    return wrapper
+
+
+def _add_transformers(trainer) -> None:
+    cb = TensorwatchInstrumentor()._callback_for("transformers", trainer.callback_handler.callbacks)
+    if cb is not None:
+        from .transformers import _guard_train
+
+        trainer.add_callback(cb)
+        _guard_train(trainer)  # detached when train() raises, from the first train() on
+
+
+def _add_lightning(trainer) -> None:
+    cb = TensorwatchInstrumentor()._callback_for("lightning", trainer.callbacks)
+    if cb is not None:
+        trainer.callbacks.append(cb)
+
+
+_INIT_WRAPPERS = {"transformers": _guarded(_add_transformers), "lightning": _guarded(_add_lightning)}
