@@ -16,6 +16,7 @@ from .core.events import (
     TensorStat,
 )
 from ._version import __version__
+from .core.capture import load_capture
 from ._watch import watch
 from .core.errors import AbortAfterBatch, NonFiniteDetected
 from .core.watcher import Watcher
@@ -34,5 +35,6 @@ __all__ = [
     "BatchTraceEvent",
     "AbortAfterBatchEvent",
     "OverflowCheckEvent",
+    "load_capture",
     "__version__",
 ]

@@ -12,7 +12,7 @@ import textwrap
 import tensorwatch_otel
 import tensorwatch_otel.sinks
 
-CONTRACT_NAMES = {"watch", "Watcher", "NonFiniteDetected", "DebugUnderflowOverflow", "detect_overflow"}
+CONTRACT_NAMES = {"watch", "Watcher", "NonFiniteDetected", "DebugUnderflowOverflow", "detect_overflow", "load_capture"}
 CONTRACT_SINKS = {"TextReport", "JsonlLog", "PrometheusMetrics", "OtelTelemetry"}
 
 

@@ -50,7 +50,7 @@ def render_detection(event: NonFiniteEvent) -> str:
     parts = overflow_lines(event.frames[-1]) if event.frames else []
     parts += [
         f"\nDetected inf/nan during batch_number={event.batch_number}",
-        f"Last {len(event.frames)} forward frames:",
+        f"Last {len(event.frames)} {getattr(event, 'phase', 'forward') or 'forward'} frames:",
         HEADER,
         "\n".join(frame_text(f) for f in event.frames),
         "\n\n",
