@@ -81,17 +81,17 @@ def test_other_exceptions_leave_no_hook():
     assert remaining_hooks(model) == {} and cb.watcher is None
 
 
-@pytest.mark.xfail(reason="needs batch boundaries for a module whose root forward never runs "
-                          "(core work in progress); until then watch the module training_step calls",
-                   strict=False)
 def test_training_step_that_calls_submodules_directly():
-    """The root's forward never runs: batch boundaries come from the training step."""
+    """The LightningModule's own forward never runs: each outermost call (inp, boom, out) ends a
+    batch, so the overflow in step 3's second call is batch 3 * 3 + 1."""
     torch.manual_seed(0)
     model = Regressor(overflow_at=3, call_root=False)
     sink = Collect()
     with pytest.raises(NonFiniteDetected) as info:
         trainer([TensorwatchCallback(sinks=[sink])]).fit(model, loader())
-    assert info.value.event.module == "boom" and info.value.event.batch_number == 3
+    event = info.value.event
+    assert (event.module, event.tensor, event.batch_number) == ("boom", "output", 10)
+    assert {f.module for b in sink.batches for f in b.frames} == {"inp", "boom", "out"}
     assert remaining_hooks(model) == {}
 
 
