@@ -150,6 +150,11 @@ def test_instrumented_lightning_trainer_in_process(otel):
         [span] = [s for s in spans.get_finished_spans() if s.name == "tensorwatch.nonfinite_detected"]
         assert span.attributes["tensorwatch.module.path"] == "boom"
         assert span.attributes["tensorwatch.batch_number"] == 2
+        ptl = pytest.importorskip("pytorch_lightning")
+        from tensorwatch_otel.integrations.pytorch_lightning import TensorwatchCallback as PtlCallback
+
+        ptl_trainer = ptl.Trainer(logger=False, enable_checkpointing=False, accelerator="cpu", devices=1)
+        assert [type(c) for c in ptl_trainer.callbacks].count(PtlCallback) == 1
     finally:
         inst.uninstrument()
     assert TensorwatchCallback not in [type(c) for c in trainer([]).callbacks]

@@ -101,3 +101,37 @@ def test_options_are_checked_when_the_callback_is_built():
     with pytest.raises(TypeError, match="bogus"):
         TensorwatchCallback(bogus=1)
     assert isinstance(TensorwatchCallback(), pl.Callback)
+
+
+def test_standalone_pytorch_lightning_package():
+    """`pytorch_lightning` has Callback and LightningModule classes of its own."""
+    ptl = pytest.importorskip("pytorch_lightning")
+    from tensorwatch_otel.integrations.pytorch_lightning import TensorwatchCallback as PtlCallback
+
+    class PtlRegressor(ptl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.inner = Regressor(overflow_at=2)
+
+        def forward(self, x):
+            return self.inner(x)
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 2:
+                self.inner.boom.factor = 1e39
+            x, y = batch
+            return torch.nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    model = PtlRegressor()
+    cb = PtlCallback(sinks=[Collect()])
+    assert isinstance(cb, ptl.Callback) and not isinstance(cb, pl.Callback)
+    t = ptl.Trainer(max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, accelerator="cpu", devices=1, callbacks=[cb])
+    with pytest.raises(NonFiniteDetected) as info:
+        t.fit(model, loader())
+    assert (info.value.event.module, info.value.event.batch_number) == ("inner.boom", 2)
+    assert remaining_hooks(model) == {} and cb.watcher is None

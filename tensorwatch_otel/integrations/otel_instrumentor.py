@@ -37,11 +37,12 @@ ENV_EXCLUDE = "TENSORWATCH_EXCLUDE"
 # Also read, by watch() itself: TENSORWATCH_MAX_FRAMES, TENSORWATCH_EVERY_N_BATCHES,
 # TENSORWATCH_ON_DETECT; and for the sinks: TENSORWATCH_PROMETHEUS_PORT/_ADDR, TENSORWATCH_JSONL.
 
-# Any one of them is enough (the other framework is then simply never patched).
-_INSTRUMENTS_ANY = ("transformers >= 4.40", "lightning >= 2.0")
+# Any one of them is enough (the others are then simply never patched).
+_INSTRUMENTS_ANY = ("transformers >= 4.40", "lightning >= 2.0", "pytorch-lightning >= 2.0")
 
 # The modules that define the Trainers whose __init__ gets a callback added.
-_TARGETS = ("transformers.trainer", "lightning.pytorch.trainer.trainer")
+_TARGETS = {"transformers.trainer": "transformers", "lightning.pytorch.trainer.trainer": "lightning",
+            "pytorch_lightning.trainer.trainer": "pytorch_lightning"}
 _HOOKED: set = set()  # post-import hooks are registered once per process (wrapt cannot remove them)
 _PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)  # what wrap_function_wrapper leaves
 
@@ -68,8 +69,8 @@ def options_from_env() -> Dict[str, Any]:
 
 
 class TensorwatchInstrumentor(BaseInstrumentor):
-    """Adds a TensorwatchCallback to every `transformers.Trainer` and `lightning.pytorch.Trainer`
-    built while instrumented. Their watchers share one set of sinks: the text report, OpenTelemetry
+    """Adds a TensorwatchCallback to every `transformers.Trainer`, `lightning.pytorch.Trainer` and
+    `pytorch_lightning.Trainer` built while instrumented. Their watchers share one set of sinks: the text report, OpenTelemetry
     through `tracer_provider`/`meter_provider` (default: the global providers the application or
     the distro set up; no SDK is set up here), and Prometheus / JSON lines when
     TENSORWATCH_PROMETHEUS_PORT / TENSORWATCH_JSONL say so."""
@@ -124,8 +125,10 @@ class TensorwatchInstrumentor(BaseInstrumentor):
             return None
         if framework == "transformers":
             from .transformers import TensorwatchCallback
-        else:
+        elif framework == "lightning":
             from .lightning import TensorwatchCallback
+        else:
+            from .pytorch_lightning import TensorwatchCallback
         if any(isinstance(cb, TensorwatchCallback) for cb in existing):
             return None  # the user's own callback and options win
         cb = TensorwatchCallback(sinks=self._shared_sinks(), **self._options)
@@ -199,8 +202,7 @@ def _patch(module) -> None:
     if trainer_cls is None or isinstance(trainer_cls.__dict__.get("__init__"), _PROXY) \
             or not getattr(TensorwatchInstrumentor(), "_active", False):
         return
-    framework = "transformers" if module.__name__.startswith("transformers") else "lightning"
-    wrapt.wrap_function_wrapper(trainer_cls, "__init__", _INIT_WRAPPERS[framework])
+    wrapt.wrap_function_wrapper(trainer_cls, "__init__", _INIT_WRAPPERS[_TARGETS[module.__name__]])
 
 
 def _guarded(add: Callable[[Any], None]) -> Callable:
@@ -223,10 +225,14 @@ def _add_transformers(trainer) -> None:
         _guard_train(trainer)  # detached when train() raises, from the first train() on
 
 
-def _add_lightning(trainer) -> None:
-    cb = TensorwatchInstrumentor()._callback_for("lightning", trainer.callbacks)
-    if cb is not None:
-        trainer.callbacks.append(cb)
+def _add_lightning(framework: str) -> Callable[[Any], None]:
+    def add(trainer) -> None:
+        cb = TensorwatchInstrumentor()._callback_for(framework, trainer.callbacks)
+        if cb is not None:
+            trainer.callbacks.append(cb)
+    return add
 
 
-_INIT_WRAPPERS = {"transformers": _guarded(_add_transformers), "lightning": _guarded(_add_lightning)}
+_INIT_WRAPPERS = {"transformers": _guarded(_add_transformers),
+                  "lightning": _guarded(_add_lightning("lightning")),
+                  "pytorch_lightning": _guarded(_add_lightning("pytorch_lightning"))}
