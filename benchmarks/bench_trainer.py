@@ -1,7 +1,7 @@
 """Step-time overhead of TensorwatchCallback on a real transformers Trainer, side by side in one
-process: the same GPT-2-shaped model (two copies) trained by two Trainers, one with the callback,
-taking turns round by round. A step is timed from `on_step_begin` to `on_step_end` (forward,
-backward, optimizer step, the Trainer's own bookkeeping).
+process: copies of the same GPT-2-shaped model trained by one Trainer per variant (unwatched,
+with the callback, ...), each in its own thread, taking turns step by step (never two at once).
+A step is timed from `on_step_begin` to `on_step_end` (forward, backward, optimizer step).
 
 Prints, per variant, the ratio of its median step time to the unwatched Trainer's of the same
 round (median, min and max over rounds).
@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
+import statistics
 import sys
 import tempfile
+import threading
 import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import run_rounds  # noqa: E402
 
 
 def build_model(quick: bool):
@@ -42,28 +41,60 @@ def build_model(quick: bool):
     return GPT2LMHeadModel(cfg), cfg.vocab_size, shape
 
 
-class StepTimer:
-    """A TrainerCallback (built lazily: transformers is imported in main) recording step times."""
+class Turns:
+    """Lock-step turns for the Trainers' threads: a step starts only on its Trainer's turn and
+    once every other Trainer is parked at its next step start (or done), so no two steps, and
+    no step and another Trainer's between-step bookkeeping, ever overlap."""
 
-    def __new__(cls):
-        from transformers import TrainerCallback
+    def __init__(self, sequence: List[str]):
+        self.sequence = sequence
+        self.turn = 0
+        self.parked: set = set()
+        self.done: set = set()
+        self.cond = threading.Condition()
 
-        class _Timer(TrainerCallback):
-            def __init__(self):
-                self.times: List[float] = []
-                self._t0 = 0.0
+    def _others_quiet(self, name: str, names) -> bool:
+        return all(n == name or n in self.parked or n in self.done for n in names)
 
-            def on_step_begin(self, args, state, control, **kw):
-                self._t0 = time.perf_counter()
+    def start(self, name: str, names) -> None:
+        with self.cond:
+            self.parked.add(name)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.turn < len(self.sequence) and self.sequence[self.turn] == name
+                               and self._others_quiet(name, names))
+            self.parked.discard(name)
 
-            def on_step_end(self, args, state, control, **kw):
-                self.times.append(time.perf_counter() - self._t0)
+    def end(self) -> None:
+        with self.cond:
+            self.turn += 1
+            self.cond.notify_all()
 
-        return _Timer()
+    def finish(self, name: str) -> None:
+        with self.cond:
+            self.done.add(name)
+            self.cond.notify_all()
 
 
-def make_variants(base, vocab: int, shape, names: List[str], out_dir: str) -> Dict[str, Callable[[int], List[float]]]:
-    """name -> run(n_steps): one train() of n steps on that variant's Trainer, its step times."""
+def timed_callback(name: str, turns: Turns, names, times: List[float]):
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            turns.start(name, names)
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self._t0)
+            turns.end()
+
+    return StepTimer()
+
+
+def run_lockstep(base, vocab: int, shape, names: List[str], rounds: int, steps: int, warmup: int,
+                 out_dir: str) -> Dict[str, dict]:
+    """Each variant's Trainer trains in its own thread; steps take turns one by one (who goes
+    first rotates pair by pair). Per round, the ratio of a variant's median step to the
+    unwatched one's; median, min and max over rounds."""
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
@@ -72,30 +103,62 @@ def make_variants(base, vocab: int, shape, names: List[str], out_dir: str) -> Di
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (64, shape[1]), generator=g)
     dataset = [{"input_ids": row, "labels": row} for row in ids]
-    options = {"watch": {}, "gradients": {"gradients": True}, "sampled": {"every_n_batches": 10}}
-
-    def variant(callback_options):
-        timer = StepTimer()
-        callbacks = [timer]
-        if callback_options is not None:
-            callbacks.append(TensorwatchCallback(sinks=[], on_detect="report", **callback_options))
+    options = {"unwatched": None, "watch": {}, "gradients": {"gradients": True},
+               "sampled": {"every_n_batches": 10}}
+    names = ["unwatched"] + names
+    n_steps = warmup + rounds * steps
+    sequence: List[str] = []
+    for i in range(n_steps):
+        k = i % len(names)
+        sequence += names[k:] + names[:k]
+    turns = Turns(sequence)
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    trainers = {}
+    for name in names:
+        callbacks = [timed_callback(name, turns, names, times[name])]
+        if options[name] is not None:
+            callbacks.append(TensorwatchCallback(sinks=[], on_detect="report", **options[name]))
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=shape[0], report_to="none",
                                  save_strategy="no", use_cpu=True, disable_tqdm=True, logging_strategy="no",
-                                 dataloader_num_workers=0, max_steps=1, seed=0)
-        trainer = Trainer(model=copy.deepcopy(base), args=args, train_dataset=dataset, callbacks=callbacks)
-        trainer.remove_callback(PrinterCallback)  # no metrics dict printed after each train()
+                                 dataloader_num_workers=0, max_steps=n_steps, seed=0)
+        trainers[name] = Trainer(model=copy.deepcopy(base), args=args, train_dataset=dataset, callbacks=callbacks)
+        trainers[name].remove_callback(PrinterCallback)  # no metrics dict printed at the end
 
-        def run(n: int) -> List[float]:
-            trainer.args.max_steps = n
-            timer.times.clear()
-            trainer.train()
-            return list(timer.times)
-        return run
+    errors: List[BaseException] = []
 
-    variants = {"unwatched": variant(None)}
-    for name in names:
-        variants[name] = variant(options[name])
-    return variants
+    def train(name):
+        try:
+            trainers[name].train()
+        except BaseException as exc:  # reported after the join
+            errors.append(exc)
+        finally:
+            turns.finish(name)
+
+    threads = [threading.Thread(target=train, args=(n,), name=f"bench-{n}") for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    per_round: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        seg = {n: times[n][warmup + r * steps: warmup + (r + 1) * steps] for n in names}
+        medians = {n: statistics.median(seg[n]) for n in names}
+        for n in names:
+            per_round[n].append(medians[n] / medians["unwatched"])
+        print(f"round {r + 1}/{rounds}: " + "  ".join(f"{n} {medians[n] * 1000:.0f} ms" for n in names),
+              file=sys.stderr)
+    out: Dict[str, dict] = {}
+    print(f"\n{'variant':<13} {'ratio median':>12} {'min':>7} {'max':>7} {'step ms (median)':>17}")
+    for n in names:
+        ratios = per_round[n]
+        timed = times[n][warmup:]
+        out[n] = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                  "ratios": ratios, "step_ms_median": statistics.median(timed) * 1000}
+        print(f"{n:<13} {out[n]['ratio_median']:>12.3f} {min(ratios):>7.3f} {max(ratios):>7.3f} "
+              f"{out[n]['step_ms_median']:>17.0f}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -121,14 +184,13 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     base, vocab, shape = build_model(args.quick)
     n_modules = sum(1 for _ in base.named_modules())
+    print(f"model: GPT-2-shaped, {n_modules} modules, batch {shape}, transformers Trainer, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     with tempfile.TemporaryDirectory() as out_dir:
-        variants = make_variants(base, vocab, shape, names, out_dir)
-        print(f"model: GPT-2-shaped, {n_modules} modules, batch {shape}, transformers Trainer, "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
-        for run in variants.values():
-            run(args.warmup)
         result = {"model_modules": n_modules, "batch": list(shape), "rounds": args.rounds,
-                  "steps_per_round": args.steps, "variants": run_rounds(variants, args.rounds, args.steps)}
+                  "steps_per_round": args.steps,
+                  "variants": run_lockstep(base, vocab, shape, names, args.rounds, args.steps, args.warmup,
+                                           out_dir)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
