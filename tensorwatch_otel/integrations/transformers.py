@@ -32,7 +32,9 @@ class TensorwatchCallback(TrainerCallback):
       module: hooks on it fire whatever wraps it, DDP, DeepSpeed or accelerate's autocast, and
       module paths are those of the user's model), on every rank.
     - Detaches at `on_train_end`, and when `train()` raises (a detection included): no hook is
-      left on the model once `train()` has returned or raised.
+      left on the model once `train()` has returned or raised. (transformers has no event for a
+      raise: `train()` is wrapped for that; a callback added with `add_callback()` after the
+      Trainer was built is covered from its second `train()` on.)
     - Forwards of evaluation loops run inside `train()` (`eval_strategy`) are watched batches
       too: an inf/nan in an eval forward is a detection. `trainer.evaluate()` and
       `trainer.predict()` called outside `train()` are not watched.
