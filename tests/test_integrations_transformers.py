@@ -144,3 +144,26 @@ def test_fp16_trainer_scaler_is_given_to_the_watcher(tmp_path):
     trainer.train()
     assert seen and seen[0] is not None and seen[0] is trainer.accelerator.scaler
     assert remaining_hooks(model) == {}
+
+
+@pytest.mark.slow
+def test_every_rank_of_a_ddp_trainer_watches_and_raises(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _diag_launch import clean_env
+    from conftest import free_port
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(root / "tests" / "_trainer_ddp.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=clean_env({"PYTHONPATH": str(root)}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = sorted((json.loads(line[len("OBSERVED "):]) for line in proc.stdout.splitlines()
+                   if line.startswith("OBSERVED ")), key=lambda o: o["rank"])
+    assert [(o["rank"], o["world"]) for o in seen] == [(0, 2), (1, 2)]
+    for o in seen:
+        assert o["wrapped"] == "DistributedDataParallel"  # the Trainer wrapped it; the callback got the model
+        assert (o["raised"], o["module"], o["batch"], o["event_rank"]) == ("NonFiniteDetected", BAD, 3, o["rank"])
+        assert o["paths_ok"] and o["batches"] == 4 and o["hooks_after"] == 0
