@@ -94,3 +94,108 @@ def test_load_capture_rejects_other_files(tmp_path):
     torch.save({"hello": 1}, p)
     with pytest.raises(ValueError, match="not a tensorwatch_otel capture"):
         load_capture(str(p))
+
+
+class _Blow(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by 1e39 (inf in float32)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1e39
+
+
+class Blow(nn.Module):
+    def forward(self, x):
+        return _Blow.apply(x)
+
+
+class BlowNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.blow = Blow()
+        self.relu = nn.ReLU(inplace=True)  # an in-place op right after a hooked output
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(self.relu(self.blow(self.a(x))))
+
+
+def test_backward_detection_names_the_module_whose_backward_made_the_inf():
+    torch.manual_seed(0)
+    model = BlowNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, sinks=[Collect()], gradients=True):
+        model(torch.randn(3, 4)).square().sum().backward()
+        with pytest.raises(NonFiniteDetected) as ei:
+            opt.step()
+    ev = ei.value.event
+    # 1e39 is inf in float32; where ReLU zeroed the gradient, 0 * inf is NaN: the abs max reads NaN
+    assert (ev.module, ev.module_class, ev.tensor, ev.phase) == ("blow", "Blow", "input[0].grad", "backward")
+    assert ev.kind in ("inf", "nan", "inf,nan")
+    assert not torch.isfinite(model.a.bias.grad).all()
+    # the ring holds the backward frames before it, in backward order, all finite
+    order = [(f.module, f.tensors[0].name) for f in ev.frames]
+    assert order[-1] == ("blow", "input[0].grad")
+    assert ("b", "output.grad") in order and ("blow", "output.grad") in order
+    assert order.index(("b", "output.grad")) < order.index(("blow", "output.grad"))
+    assert all(not f.kind for f in ev.frames[:-1])
+
+
+def test_activation_gradients_finite_run_is_quiet_and_hooks_do_not_pile_up():
+    torch.manual_seed(0)
+    model = BlowNet()
+    model.blow = nn.Identity()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = Collect()
+    with watch(model, sinks=[sink], gradients=True):
+        for _ in range(5):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert sink.of(NonFiniteEvent) == []
+
+
+class Flaky(nn.Module):
+    """Overflows only while `fault` is set: a transient (device-like) fault, not a numeric one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fault = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.fault:
+            self.fault = False  # gone on the next call, like a flipped bit
+            y = y * float("inf")
+        return y
+
+
+def test_rerun_tells_numbers_from_a_transient_fault():
+    torch.manual_seed(0)
+    model = nn.Sequential(Flaky(), nn.Dropout(0.3), nn.Linear(4, 2))
+    with watch(model, sinks=[Collect()], rerun_on_detect=True):
+        model(torch.randn(2, 4))
+        model[0].fault = True
+        with pytest.raises(NonFiniteDetected) as ei:
+            model(torch.randn(2, 4))
+    ev = ei.value.event
+    assert ev.module == "0.lin" or ev.module == "0"
+    assert ev.reproduced is False and ev.host
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3), nn.Linear(4, 2))
+    bn = nn.BatchNorm1d(2)
+    model.append(bn)
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("inf")
+    with watch(model, sinks=[Collect()], rerun_on_detect=True) as w:
+        with pytest.raises(NonFiniteDetected) as ei:
+            model(torch.randn(3, 4))
+        assert w.batch_number == 1  # the replay is no batch of its own
+    ev = ei.value.event
+    assert (ev.module, ev.tensor, ev.reproduced) == ("0", "weight", True)

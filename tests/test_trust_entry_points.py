@@ -129,3 +129,15 @@ def test_compiled_after_watch_is_said_once_not_silent(caplog):
     said = [r for r in caplog.records if "compiled" in r.getMessage()]
     assert len(said) == 1
     assert "watch(torch.compile(model))" in said[0].getMessage()
+
+
+def test_model_compiled_in_place_is_said_at_watch(caplog):
+    model = EncDec()
+    model.compile(backend="eager")
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        w = watch(model, sinks=[Collect()])
+        said = [r for r in caplog.records if "torch.compile" in r.getMessage()]
+        model(torch.randn(2, 4))
+        w.detach()
+    assert len(said) == 1 and "model.compile()" in said[0].getMessage()
+    assert len([r for r in caplog.records if "torch.compile" in r.getMessage()]) == 1

@@ -23,6 +23,7 @@ examples:
   tensorwatch-otel report tensorwatch-demo-events.jsonl
   tensorwatch-otel report events.jsonl --batch 150
   tensorwatch-otel report events.jsonl --event nonfinite_detected
+  tensorwatch-otel report events.jsonl --batch 150 --plot overflow.png
 """
 
 EXIT_OK = 0
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"only events of this type (repeatable): {', '.join(EVENT_TYPES)}")
     parser.add_argument("--rank", type=int, action="append", metavar="R",
                         help="only events of global rank R (repeatable)")
+    parser.add_argument("--plot", metavar="FILE", help=_plot_help())
 
 
 def load_events(path: str) -> list:
@@ -58,6 +60,12 @@ def load_events(path: str) -> list:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         where = str(exc) if str(exc).startswith(path) else f"{path}: {exc}"  # read_events names the line
         raise InputError(f"not a tensorwatch event log: {where}") from None
+
+
+def _plot_help() -> str:
+    from ._plot import PLOT_HELP
+
+    return PLOT_HELP + ". Draws the first inf/nan detection among the matching events, else the last traced batch."
 
 
 class InputError(Exception):
@@ -108,6 +116,12 @@ def run(args) -> int:
         print(f"tensorwatch-otel report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     chosen = select(events, args.batch, args.event, args.rank)
+    if args.plot:  # before any text: a missing plot extra exits 2 with its one line and nothing else
+        from ._plot import plot_report
+
+        code = plot_report(args.plot, args.events, events, chosen)
+        if code:
+            return code
     out = sys.stdout
     for e in chosen:
         out.write(render_event(e))

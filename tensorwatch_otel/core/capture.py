@@ -61,6 +61,12 @@ class BatchCapture:
         self._args, self._kwargs = args, kwargs
         self._rng = _rng_states()
 
+    def held(self, batch_number: int):
+        """(args, kwargs, rng states) held for `batch_number`, or (None, None, None)."""
+        if self._batch != batch_number:
+            return None, None, None
+        return self._args, self._kwargs, self._rng
+
     def write(self, batch_number: int) -> Optional[str]:
         """The captured inputs of `batch_number` as a file; None when not held or over the bounds."""
         if self._batch != batch_number or self._rng is None:

@@ -102,6 +102,10 @@ class NonFiniteEvent:
     phase: str = "forward"
     #: path of the captured inputs of the batch (capture_dir), when one was written
     capture: Optional[str] = None
+    #: rerun_on_detect: True when a replay of the batch found the same inf/nan (numeric), False
+    #: when it did not (transient: suspect the device on `host`), None when not re-run
+    reproduced: Optional[bool] = None
+    host: Optional[str] = None
 
     def __post_init__(self):
         if self.first_rank is None:

@@ -29,7 +29,9 @@ from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
+from .backward import BackwardRecorder, producer_frame
 from .capture import BatchCapture
+from .rerun import host, rerun_batch
 from .optim_state import OptimizerStateReader
 from .steps import PendingGradients, ScaleReader, StepTracker
 
@@ -64,8 +66,9 @@ class Watcher:
         self._recorder = FrameRecorder(model)
         self._rec = Record(0)
         self._history = History(config.max_frames)
-        self._grad_rec: Optional[Record] = None
-        self._grad_owners: List[torch.Tensor] = []
+        self._backward = BackwardRecorder(lambda: max(self.batch_number - 1, 0),
+                                          lambda: self._attached and self._watches(max(self.batch_number - 1, 0)),
+                                          self._backward_done, self._hook_failed)
         self.grad_scaler = grad_scaler
         self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
         self._pending: Optional[PendingGradients] = None  # non-finite gradients no step consumed yet
@@ -76,7 +79,10 @@ class Watcher:
         self._compile_warned = False
         self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
         self._owners: Dict[int, Tuple[ModuleInfo, str]] = {}  # id(param) -> (module, name)
-        self._capture = BatchCapture(config.capture_dir, current_rank()) if config.capture_dir else None
+        self._grad_acts = config.gradients
+        self._capture = BatchCapture(config.capture_dir or "", current_rank()) \
+            if config.capture_dir or config.rerun_on_detect else None
+        self._replaying = False
         self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
@@ -127,18 +133,20 @@ class Watcher:
                 for name, p in module.named_parameters(recurse=False):
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(
-                            self._make_grad_hook(info, name + ".grad")))
+                            self._backward.param_hook(info, name + ".grad")))
         if self._compiled and cfg.gradients:
             for info, module in self._weight_infos:
                 for name, p in module.named_parameters(recurse=False):
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(
-                            self._make_grad_hook(info, name + ".grad")))
+                            self._backward.param_hook(info, name + ".grad")))
         self._optim_state = OptimizerStateReader(self._owners) if cfg.optimizer_state else None
         self._steps = StepTracker(inner, self._before_step, self._after_step)
         self._handles.extend(self._steps.handles)
         self._attached = True
         ACTIVE.add(self)
+        if getattr(root, "_compiled_call_impl", None) is not None:
+            self._compiled_away()  # model.compile() in place: even the root's hooks run in the graph
         if self._compiled:
             log.warning(
                 "tensorwatch_otel: %s is compiled with torch.compile: module hooks do not run inside "
@@ -203,6 +211,8 @@ class Watcher:
         compiling = torch.compiler.is_compiling
 
         def hook(module, args, kwargs, output):
+            if self._replaying:
+                return
             if compiling():
                 self._compiled_away()
                 return
@@ -216,6 +226,8 @@ class Watcher:
                                 for winfo, _ in self._weight_infos:
                                     recorder.weights_frame(rec, winfo)
                             record(recorder, rec, info, args, kwargs, output)
+                        if self._grad_acts and torch.is_grad_enabled():
+                            self._backward.hook_activations(info, args, output)
                     except Exception as exc:  # a frame we cannot take must not stop training
                         self._hook_failed(info, exc)
                     if self.config.check == "module":
@@ -232,7 +244,7 @@ class Watcher:
         return hook
 
     def _pre_hook(self, module, args):
-        if torch.compiler.is_compiling():
+        if self._replaying or torch.compiler.is_compiling():
             return
         if self._depth == 0:  # an outermost call starts
             if torch.is_grad_enabled():
@@ -249,12 +261,17 @@ class Watcher:
         if self._depth == 0 and not torch.compiler.is_compiling():
             self._capture.hold(self.batch_number, args, kwargs)  # references only
 
+    def _probe(self, model: torch.nn.Module, sink: Sink) -> "Watcher":
+        """A silent watcher that checks every module as it returns (for the re-run)."""
+        return Watcher(model, [sink], WatchConfig.build(check="module", on_detect="report", max_frames=1,
+                                                        environ={}))
+
     def _compiled_away(self) -> None:
         if not self._compile_warned and not self._compiled:
             self._compile_warned = True
             log.warning(
-                "tensorwatch_otel: the watched model is being compiled by torch.compile after watch(): "
-                "module hooks are compiled away and nothing inside the compiled graph is watched. "
+                "tensorwatch_otel: the watched model runs under torch.compile (compiled after watch(), or "
+                "in place with model.compile()): its hooks are compiled away and nothing of it is watched. "
                 "Call watch() on the compiled module (watch(torch.compile(model))) to watch its "
                 "inputs, outputs and every weight.")
 
@@ -339,12 +356,22 @@ class Watcher:
         frames = self._ring(rec, fi)
         last = frames[-1]
         first = last.first_nonfinite()
-        capture = self._capture.write(rec.batch_number) if self._capture is not None else None
+        capture = self._capture.write(rec.batch_number) if self._capture is not None and self.config.capture_dir \
+            else None
+        reproduced = None
+        if self.config.rerun_on_detect and rec.phase == "forward" and self._capture is not None:
+            self._replaying = True
+            try:
+                reproduced = rerun_batch(self.model, self._capture, NonFiniteEvent(
+                    rec.batch_number, 0, last.module, last.module_class, first.name if first else "", "",
+                    (), 0.0), self._probe)
+            finally:
+                self._replaying = False
         event = NonFiniteEvent(
             batch_number=rec.batch_number, rank=current_rank(), module=last.module,
             module_class=last.module_class, tensor=first.name if first else "",
             kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time(), phase=rec.phase,
-            capture=capture)
+            capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None)
         self.detections += 1
         self._fanout.on_event(event)
         if self.config.on_detect == "raise":
@@ -361,40 +388,21 @@ class Watcher:
         raise AbortAfterBatch(self.behaviour.abort_message(self.batch_number, cfg.abort_after_batch))
 
     # ---------------------------------------------------------------- gradients and steps
-    def _make_grad_hook(self, info: ModuleInfo, name: str):
-        def hook(p):
-            if not self._attached or not self._watches(max(self.batch_number - 1, 0)):
-                return
-            g = p.grad
-            if g is None:
-                return
-            rec = self._grad_rec
-            if rec is None:
-                rec = self._grad_rec = Record(max(self.batch_number - 1, 0), phase="backward")
-                self._grad_owners = []
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            try:
-                with torch.no_grad():
-                    self._recorder.one(rec, info, g, name)
-                self._grad_owners.append(p)
-            except Exception as exc:
-                self._hook_failed(info, exc)
-        return hook
-
-    def _end_backward(self) -> None:
-        rec, self._grad_rec = self._grad_rec, None
-        owners, self._grad_owners = self._grad_owners, []
-        if rec is None or not rec.frames:
-            return
+    def _backward_done(self, rec: Record, owners: List[Optional[torch.Tensor]], gids: List[int]) -> None:
         rec.readback()
         fi = rec.first_nonfinite_frame(0)
+        if fi is not None:
+            j = producer_frame(rec, fi, gids)
+            if j != fi:  # one gradient, two names: keep the producer's frame only
+                del rec.frames[fi], owners[fi]
+                fi = j - 1
         if self._pending is not None and (fi is None or self._pending.was_reset(by_version=False)):
             self._skipped()  # the bad gradients were reset (set to None, or finite now): no step took them
         if fi is None:
             return
         # Not a detection yet: only a step that consumes these gradients makes one; a step
         # skipped instead (GradScaler) is counted as such.
-        self._pending = PendingGradients(rec, fi, owners[fi:fi + 1])
+        self._pending = PendingGradients(rec, fi, [p for p in owners[fi:] if p is not None][:1])
 
     def _before_step(self) -> None:
         pending, self._pending = self._pending, None

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..core import env as _env
 from ..core.events import BatchStats, Event, NonFiniteEvent, label_for_module
 from ._aggregate import Key, ModuleFilter, Patterns, aggregate
 from ._base import Sink
@@ -29,8 +30,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SERIES = 10_000
 #: After a detection, how long the process waits at exit (or close) for one more scrape.
 DEFAULT_LINGER_S = 30.0
-ENV_MAX_SERIES = "TENSORWATCH_PROMETHEUS_MAX_SERIES"
-ENV_LINGER = "TENSORWATCH_PROMETHEUS_LINGER_SECONDS"
+ENV_MAX_SERIES = _env.ENV_PROMETHEUS_MAX_SERIES
+ENV_LINGER = _env.ENV_PROMETHEUS_LINGER_SECONDS
 # Time left for the HTTP response to reach Prometheus after the collector produced it.
 _RESPONSE_GRACE_S = 0.5
 
