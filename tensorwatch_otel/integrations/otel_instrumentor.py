@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Collection, Dict, List, Optional
+from typing import Any, Callable, Collection, List, Optional
 
 import wrapt
 from opentelemetry.instrumentation.dependencies import DependencyConflict, get_dependency_conflicts
@@ -24,18 +24,9 @@ from opentelemetry.instrumentation.utils import unwrap
 from ..core.config import ConfigError, WatchConfig
 from ..core.ports import Sink
 
-__all__ = ["TensorwatchInstrumentor", "ENV_GRADIENTS", "ENV_INCLUDE", "ENV_EXCLUDE"]
+__all__ = ["TensorwatchInstrumentor"]
 
 log = logging.getLogger(__name__)
-
-#: "true"/"false": also watch parameter gradients (watch(gradients=...)); default false.
-ENV_GRADIENTS = "TENSORWATCH_GRADIENTS"
-#: Comma-separated module path globs to watch (watch(include=...)); default all.
-ENV_INCLUDE = "TENSORWATCH_INCLUDE"
-#: Comma-separated module path globs not to watch (watch(exclude=...)).
-ENV_EXCLUDE = "TENSORWATCH_EXCLUDE"
-# Also read, by watch() itself: TENSORWATCH_MAX_FRAMES, TENSORWATCH_EVERY_N_BATCHES,
-# TENSORWATCH_ON_DETECT; and for the sinks: TENSORWATCH_PROMETHEUS_PORT/_ADDR, TENSORWATCH_JSONL.
 
 # Any one of them is enough (the others are then simply never patched).
 _INSTRUMENTS_ANY = ("transformers >= 4.40", "lightning >= 2.0", "pytorch-lightning >= 2.0")
@@ -47,33 +38,13 @@ _HOOKED: set = set()  # post-import hooks are registered once per process (wrapt
 _PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)  # what wrap_function_wrapper leaves
 
 
-def options_from_env() -> Dict[str, Any]:
-    """watch() options from the TENSORWATCH_* variables; ConfigError names a bad variable."""
-    raw = os.environ.get(ENV_GRADIENTS, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        gradients = False
-    elif raw in ("1", "true", "yes", "on"):
-        gradients = True
-    else:
-        raise ConfigError(f"{ENV_GRADIENTS}={os.environ[ENV_GRADIENTS]!r}: expected true or false")
-
-    def globs(env: str) -> Optional[List[str]]:
-        items = [p.strip() for p in os.environ.get(env, "").split(",") if p.strip()]
-        return items or None
-
-    # None: watch() reads TENSORWATCH_MAX_FRAMES / _EVERY_N_BATCHES / _ON_DETECT, else its default
-    options = dict(max_frames=None, every_n_batches=None, on_detect=None, gradients=gradients,
-                   include=globs(ENV_INCLUDE), exclude=globs(ENV_EXCLUDE))
-    WatchConfig.build(**options)  # fail now, naming the variable, not at the first Trainer
-    return options
-
-
 class TensorwatchInstrumentor(BaseInstrumentor):
     """Adds a TensorwatchCallback to every `transformers.Trainer`, `lightning.pytorch.Trainer` and
-    `pytorch_lightning.Trainer` built while instrumented. Their watchers share one set of sinks: the text report, OpenTelemetry
-    through `tracer_provider`/`meter_provider` (default: the global providers the application or
-    the distro set up; no SDK is set up here), and Prometheus / JSON lines when
-    TENSORWATCH_PROMETHEUS_PORT / TENSORWATCH_JSONL say so."""
+    `pytorch_lightning.Trainer` built while instrumented, its options from the TENSORWATCH_*
+    variables. Their watchers share one set of sinks, made at the first Trainer: the text report
+    and what `watch(sinks=None)` adds (Prometheus, JSON lines, OpenTelemetry through the
+    application's providers, e.g. those the distro set up), or OpenTelemetry through
+    `tracer_provider`/`meter_provider` when instrument() is given them."""
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return ()  # any one of _INSTRUMENTS_ANY, checked below
@@ -84,7 +55,7 @@ class TensorwatchInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         self._active = False
         try:
-            self._options = options_from_env()
+            WatchConfig.build()  # every option from its TENSORWATCH_* variable: fail now, naming it
         except ConfigError as exc:
             log.error("tensorwatch_otel: not instrumenting: %s", exc)
             return
@@ -131,7 +102,7 @@ class TensorwatchInstrumentor(BaseInstrumentor):
             from .pytorch_lightning import TensorwatchCallback
         if any(isinstance(cb, TensorwatchCallback) for cb in existing):
             return None  # the user's own callback and options win
-        cb = TensorwatchCallback(sinks=self._shared_sinks(), **self._options)
+        cb = TensorwatchCallback(sinks=self._shared_sinks())  # options: TENSORWATCH_* (watch() reads them)
         self._callbacks.add(cb)
         return cb
 
@@ -146,43 +117,41 @@ class TensorwatchInstrumentor(BaseInstrumentor):
 
 
 def _make_sinks(tracer_provider: Any, meter_provider: Any) -> List[Sink]:
-    from ..sinks.from_env import ENV_JSONL, ENV_PROMETHEUS_ADDR, _prometheus_port
+    """The text report plus what watch(sinks=None) adds from the environment: Prometheus, JSON
+    lines, and OpenTelemetry through the application's providers (else OTLP from OTEL_*). When
+    instrument() was given providers, OpenTelemetry goes through those instead."""
+    from ..sinks.text import TextReport
 
-    def prometheus():
-        port = _prometheus_port()
-        if port is None:
-            return None
-        from ..sinks.prometheus import PrometheusMetrics
+    sinks: List[Sink] = [TextReport()]
+    try:
+        if tracer_provider is None and meter_provider is None:
+            from ..sinks.from_env import sinks_from_env
 
-        return PrometheusMetrics(port=port, addr=os.environ.get(ENV_PROMETHEUS_ADDR, "").strip() or "127.0.0.1")
+            sinks += sinks_from_env()
+        else:
+            from ..sinks.otel import OtelTelemetry
 
-    def jsonl():
-        path = os.environ.get(ENV_JSONL, "").strip()
-        if not path:
-            return None
-        from ..sinks.jsonl import JsonlLog
+            sinks += _file_and_prometheus_sinks() + [OtelTelemetry(tracer_provider, meter_provider)]
+    except Exception as exc:  # a sink we cannot make must not stop the Trainer
+        log.error("tensorwatch_otel: sinks from the environment not made: %s: %s", type(exc).__name__, exc)
+    return sinks
 
-        return JsonlLog(path)
 
-    def otel():
-        from ..sinks.otel import OtelTelemetry
-
-        return OtelTelemetry(tracer_provider, meter_provider)
-
-    def text():
-        from ..sinks.text import TextReport
-
-        return TextReport()
+def _file_and_prometheus_sinks() -> List[Sink]:
+    from ..core.env import ENV_JSONL, ENV_PROMETHEUS_ADDR, text
+    from ..sinks.from_env import _prometheus_port
 
     sinks: List[Sink] = []
-    for make in (text, otel, prometheus, jsonl):
-        try:
-            s = make()
-        except Exception as exc:  # a sink we cannot make must not stop the Trainer
-            log.error("tensorwatch_otel: %s sink not made: %s: %s", make.__name__, type(exc).__name__, exc)
-            continue
-        if s is not None:
-            sinks.append(s)
+    port = _prometheus_port()
+    if port is not None:
+        from ..sinks.prometheus import PrometheusMetrics
+
+        sinks.append(PrometheusMetrics(port=port, addr=text(os.environ, ENV_PROMETHEUS_ADDR) or "127.0.0.1"))
+    path = text(os.environ, ENV_JSONL)
+    if path:
+        from ..sinks.jsonl import JsonlLog
+
+        sinks.append(JsonlLog(path))
     return sinks
 
 
