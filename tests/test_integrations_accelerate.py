@@ -29,9 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def accelerator_bf16():
+    # accelerate keeps one process-wide state: the Trainers of other tests made theirs (fp32)
+    AcceleratorState._reset_state(reset_partial_state=True)
     acc = Accelerator(cpu=True, mixed_precision="bf16")
     yield acc
-    AcceleratorState._reset_state(reset_partial_state=True)  # the Trainers of other tests make their own
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
