@@ -38,7 +38,7 @@ GOOD = {
 
 # variable -> (bad text, a piece of the message that gives the valid range)
 BAD = {
-    "TENSORWATCH_MAX_FRAMES": ("0", "integer >= 1"),
+    "TENSORWATCH_MAX_FRAMES": ("0", "integer from 1 to 100000"),
     "TENSORWATCH_EVERY_N_BATCHES": ("every", "integer >= 1"),
     "TENSORWATCH_ON_DETECT": ("ignore", "raise, report"),
     "TENSORWATCH_GRADIENTS": ("maybe", "1, true, yes, on"),

@@ -237,9 +237,10 @@ def test_detection_line_is_durable_when_process_dies_right_after(tmp_path):
 
 
 def test_unwritable_path_logged_once_and_training_goes_on(tmp_path, caplog):
+    # the path was fine when the sink was built; its folder is a file by the first event
     blocker = tmp_path / "a_file"
-    blocker.write_text("not a folder")
     log_sink = JsonlLog(str(blocker / "events.jsonl"))
+    blocker.write_text("not a folder")
     mem = Collect()
     model = Net()
     x = torch.randn(2, 3)
@@ -275,3 +276,41 @@ def test_rank_placeholder(tmp_path):
     sink.close()  # idempotent
     assert _strict_loads((tmp_path / "ev-3.jsonl").read_text())["event"] == "abort_after_batch"
     assert os.listdir(tmp_path) == ["ev-3.jsonl"]
+
+
+def test_directory_path_rejected_at_construction(tmp_path):
+    (tmp_path / "3").mkdir()
+    for bad in (tmp_path, str(tmp_path) + os.sep, tmp_path / "{rank}"):
+        with pytest.raises(ValueError, match=r"^JsonlLog path=.*is a directory"):
+            JsonlLog(bad, rank=3)
+    assert os.listdir(tmp_path) == ["3"]
+
+
+def test_unusable_parent_rejected_at_construction(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match=r"^JsonlLog path=.*is a file, not a folder"):
+        JsonlLog(tmp_path / "a_file" / "deeper" / "events.jsonl")
+    # a folder that takes no new file, even for root
+    with pytest.raises(ValueError, match=r"^JsonlLog path=.*cannot create files in '/proc'"):
+        JsonlLog("/proc/tensorwatch-test/events.jsonl")
+    assert os.listdir(tmp_path) == ["a_file"]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes anywhere")
+def test_read_only_folder_rejected_at_construction(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match=r"^JsonlLog path=.*cannot create files"):
+            JsonlLog(ro / "events.jsonl")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_valid_path_creates_nothing_until_the_first_event(tmp_path):
+    sink = JsonlLog(tmp_path / "run" / "events.jsonl")
+    assert os.listdir(tmp_path) == []
+    sink.on_event(AbortAfterBatchEvent(0, 0, 0.0))
+    sink.close()
+    assert _strict_loads((tmp_path / "run" / "events.jsonl").read_text())["event"] == "abort_after_batch"

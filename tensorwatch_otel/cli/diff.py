@@ -87,7 +87,7 @@ def load_trace(spec: str, rank: Optional[int]):
 
     path, batch = parse_spec(spec)
     try:
-        events = load_events(path)
+        events = load_events(path, "diff")
     except InputError as exc:
         raise _InputError(str(exc)) from None
     traces = [e for e in events if isinstance(e, BatchTraceEvent) and (rank is None or e.rank == rank)]

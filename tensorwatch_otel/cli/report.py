@@ -7,17 +7,21 @@ import argparse
 import sys
 from typing import List, Sequence
 
+from ..report.codec import EVENT_TYPES
+
 HELP = "render a JSON lines event log as the text report"
 
 DESCRIPTION = """\
 Renders the events of a JSON lines log (written by the JsonlLog sink, TENSORWATCH_JSONL or
 `tensorwatch-otel demo`) as the text report, in file order: each inf/nan detection as the
 full report with its last frames, each traced batch as its frames, aborts and
-detect_overflow() findings as one line each. A truncated last line (a process killed
-mid-write) is skipped.
+detect_overflow() findings as one line each. Lines that are no valid event (a line cut off
+when a process died mid-write, with or without a restarted run appending after it) and events
+of types this version does not render are skipped; stderr names each skipped line.
 
-Exit status: 0 rendered (also when nothing matched; a note goes to stderr),
-2 the file is missing, unreadable or not an event log.
+Exit status: 0 the file is an event log and every event that matched was rendered (also when
+nothing matched, the file is empty or lines were skipped; notes go to stderr), 2 the file is
+missing, unreadable, or none of its lines is an event (not an event log).
 
 examples:
   tensorwatch-otel report tensorwatch-demo-events.jsonl
@@ -28,8 +32,6 @@ examples:
 
 EXIT_OK = 0
 EXIT_USAGE = 2
-
-EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,23 +45,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE", help=_plot_help())
 
 
-def load_events(path: str) -> list:
-    """Every event of `path`; InputError with a one-line message for anything unusable."""
-    from ..report.codec import read_events
+def load_events(path: str, command: str = "report") -> list:
+    """Every event of `path`, in file order. Lines that are no valid event (a line cut off by a
+    crash, a run that appended after it) and well-formed events of types this version does not
+    render are skipped, each named on stderr as `{command}: ...`. InputError (a one-line
+    message) when the file cannot be read or none of its lines is an event."""
+    from ..report.codec import load_log
 
     try:
-        return read_events(path)
+        log = load_log(path)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise InputError(f"{path}: is a directory, not an event log") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a JSON lines event log (not UTF-8 text)") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        where = str(exc) if str(exc).startswith(path) else f"{path}: {exc}"  # read_events names the line
-        raise InputError(f"not a tensorwatch event log: {where}") from None
+    if not log.is_event_log:
+        n, why = log.invalid[0]
+        more = f" (and {len(log.invalid) - 1} more lines like it)" if len(log.invalid) > 1 else ""
+        raise InputError(f"not a tensorwatch event log: {path}:{n}: {why}{more}")
+    for note in log.notes():
+        print(f"{command}: {note}", file=sys.stderr)
+    return log.events
 
 
 def _plot_help() -> str:
@@ -127,8 +134,8 @@ def run(args) -> int:
         out.write(render_event(e))
     out.flush()
     if not events:
-        print(f"report: {args.events} holds no events (a run without inf/nan and without traced batches "
-              "writes none)", file=sys.stderr)
+        print(f"report: {args.events} holds no events to render (a run without inf/nan and without traced "
+              "batches writes none)", file=sys.stderr)
     elif not chosen:
         print(f"report: no event matches; events per batch in {args.events}: {_inventory(events)}",
               file=sys.stderr)

@@ -20,7 +20,7 @@ CHECK = ("batch", "module")
 def _int_option(name: str, value, minimum: int, maximum: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or \
             (maximum is not None and value > maximum):
-        rng = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        rng = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
         raise ConfigError(f"{name}={value!r}: expected an integer {rng}")
     return value
 
@@ -130,8 +130,12 @@ class WatchConfig:
 
 
 #: Valid ranges of the integer options, (minimum, maximum or None): for arguments and variables alike.
+#: Most frames the ring buffer may keep (max_frames). The watcher keeps whole batch records
+#: until they cover the ring, so an unbounded value would keep every batch of the run.
+MAX_FRAMES_LIMIT = 100_000
+
 _INT_RANGE = {
-    "max_frames": (1, None),
+    "max_frames": (1, MAX_FRAMES_LIMIT),
     "every_n_batches": (1, None),
     "abort_after_batch": (0, None),
     "max_skipped_steps": (1, None),

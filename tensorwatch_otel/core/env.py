@@ -85,7 +85,7 @@ def parse_int(name: str, raw: str, minimum: int, maximum: Optional[int] = None) 
     except ValueError:
         value = None
     if value is None or value < minimum or (maximum is not None and value > maximum):
-        rng = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        rng = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
         raise ConfigError(f"{name}={raw!r}: expected an integer {rng}")
     return value
 

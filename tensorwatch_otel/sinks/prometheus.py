@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
@@ -54,6 +55,37 @@ def _env_number(name: str, arg: str, value, default, cast, minimum):
     return number
 
 
+_MAX_PORT = 65535
+
+
+def _check_port(port) -> Optional[int]:
+    """None, or a TCP port number 0..65535 (an int or a string of digits)."""
+    if port is None:
+        return None
+    number = None
+    if isinstance(port, int) and not isinstance(port, bool):
+        number = port
+    elif isinstance(port, str) and port.strip().isdigit():
+        number = int(port)
+    if number is None or not 0 <= number <= _MAX_PORT:
+        raise ValueError(f"port={port!r}: expected a TCP port number 0..{_MAX_PORT} (0 picks a free one) "
+                         "or None (no HTTP server)")
+    return number
+
+
+def _check_addr(addr) -> str:
+    if not isinstance(addr, str) or not addr.strip():
+        raise ValueError(f"addr={addr!r}: expected the address to listen on, e.g. '127.0.0.1' or '0.0.0.0'")
+    return addr.strip()
+
+
+def _check_registry(registry):
+    if not all(callable(getattr(registry, m, None)) for m in ("register", "unregister", "collect")):
+        raise ValueError(f"registry={registry!r}: expected a prometheus_client CollectorRegistry or None "
+                         "(the global one)")
+    return registry
+
+
 class _Snapshot:
     """Aggregated rows of one batch: one entry per (module, tensor), built at scrape time."""
 
@@ -83,6 +115,9 @@ class PrometheusMetrics(Sink):
     - ``port``: serve ``/metrics`` there on ``addr`` (127.0.0.1 by default). When ``LOCAL_RANK``
       is set each process serves ``port + LOCAL_RANK``. ``port=0`` picks a free port (see
       ``.port``). A port already taken is logged once as an error and training goes on.
+      A port outside 0..65535 (LOCAL_RANK included), an ``addr`` that is no address and a
+      ``registry`` that is no registry raise ``ValueError`` naming the argument, and leave
+      nothing behind (no collector registered, no server thread).
     - ``registry``: the ``CollectorRegistry`` to register into (default: prometheus_client's
       global one, so an existing ``start_http_server`` exposes the series too).
     - ``include``/``exclude``: glob patterns on module paths (the root is ``(root)``).
@@ -123,22 +158,30 @@ class PrometheusMetrics(Sink):
         self._cap_logged = False
         self._closed = False
 
-        self.registry = REGISTRY if registry is None else registry
+        # Every argument is checked before anything is registered or bound, and a failure after
+        # that undoes it, so a corrected PrometheusMetrics in the same process starts clean.
+        port = _check_port(port)
+        addr = _check_addr(addr)
+        self.registry = REGISTRY if registry is None else _check_registry(registry)
         self._collector = _TensorwatchCollector(self)
         self._registered = False
-        try:
-            self.registry.register(self._collector)
-            self._registered = True
-        except ValueError as exc:  # names already taken by another PrometheusMetrics
-            log.error("tensorwatch_otel: PrometheusMetrics could not register its series: %s; "
-                      "close the other PrometheusMetrics first or pass registry=", exc)
-
         self.port: Optional[int] = None
         self.addr = addr
         self._server = None
         self._server_thread: Optional[threading.Thread] = None
-        if port is not None:
-            self._serve(int(port), addr)
+        try:
+            try:
+                self.registry.register(self._collector)
+                self._registered = True
+            except ValueError as exc:  # names already taken by another PrometheusMetrics
+                log.error("tensorwatch_otel: PrometheusMetrics could not register its series: %s; "
+                          "close the other PrometheusMetrics first or pass registry=", exc)
+            if port is not None:
+                self._serve(port, addr)
+        except BaseException:
+            self._closed = True
+            self._stop()
+            raise
 
     # -- serving ------------------------------------------------------------------------
     def _serve(self, base_port: int, addr: str) -> None:
@@ -150,8 +193,13 @@ class PrometheusMetrics(Sink):
             except ValueError:
                 log.error("tensorwatch_otel: LOCAL_RANK=%r is not an integer; serving on %d",
                           local_rank, base_port)
+        if port > _MAX_PORT:
+            raise ValueError(f"port={base_port} plus LOCAL_RANK={local_rank} is {port}: expected a TCP "
+                             f"port number 0..{_MAX_PORT}")
         try:
             self._server, self._server_thread = start_http_server(port, addr=addr, registry=self.registry)
+        except socket.gaierror as exc:
+            raise ValueError(f"addr={addr!r}: not an address to listen on ({exc})") from None
         except OSError as exc:
             log.error("tensorwatch_otel: cannot serve Prometheus metrics on %s:%d (%s); training "
                       "goes on without the /metrics endpoint. Choose a free port "
