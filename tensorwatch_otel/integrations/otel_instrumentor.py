@@ -50,7 +50,8 @@ class TensorwatchInstrumentor(BaseInstrumentor):
         return ()  # any one of _INSTRUMENTS_ANY, checked below
 
     def _check_dependency_conflicts(self) -> Optional[DependencyConflict]:
-        return get_dependency_conflicts((), _INSTRUMENTS_ANY)
+        conflicts = [get_dependency_conflicts([dep]) for dep in _INSTRUMENTS_ANY]
+        return None if any(c is None for c in conflicts) else conflicts[0]
 
     def _instrument(self, **kwargs: Any) -> None:
         self._active = False
