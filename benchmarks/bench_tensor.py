@@ -173,7 +173,8 @@ def main(argv=None) -> int:
                    help="comma list (amax is always timed: it is the reference)")
     p.add_argument("--repeats", type=int, default=9, help="timed samples per candidate (default 9)")
     p.add_argument("--sample-ms", type=float, default=5.0, help="length of one sample (default 5 ms)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: steadier on a shared machine; the step uses 2)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
     device = args.device
