@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from typing import Dict, List
 
 import torch
@@ -169,6 +170,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--scrape-interval", type=float, default=15.0,
                    help="seconds between scrapes of the prometheus variant (default 15; 0: none)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time (default), or the process' CPU time: immune to preemption on a "
+                        "shared machine, but blind to time spent waiting (CPU only)")
     p.add_argument("--no-counts", action="store_true", help="skip the probed step (op and sync counts)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
@@ -183,17 +187,23 @@ def main(argv=None) -> int:
                 "auto": torch.bfloat16 if device.type == "cuda" else None}[args.autocast]
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if device.type != "cpu":
+            p.error("--clock cpu: CPU only (a GPU step's time is not the process' CPU time)")
+        Trainer.clock = time.process_time
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     base, ids, labels = build_model(args.quick, arch, str(device))
     n_modules = sum(1 for _ in base.named_modules())
     variants = make_variants(base, ids, labels, names, autocast, args.scrape_interval)
     print(f"model: {arch}-shaped, {n_modules} modules, batch {tuple(ids.shape)}, device {device}, "
-          f"autocast {autocast}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+          f"autocast {autocast}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.clock} clock",
           file=sys.stderr)
     for run in variants.values():
         run(args.warmup)
     result = {"model": arch, "model_modules": n_modules, "batch": list(ids.shape), "device": str(device),
-              "autocast": str(autocast), "threads": torch.get_num_threads(), "rounds": args.rounds,
+              "autocast": str(autocast), "threads": torch.get_num_threads(), "clock": args.clock,
+              "rounds": args.rounds,
               "steps_per_round": args.steps,
               "variants": run_rounds(variants, args.rounds, args.steps)}
     print_bars(result["variants"])

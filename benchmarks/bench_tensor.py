@@ -2,7 +2,8 @@
 
 For each dtype and size, every candidate way of getting both extremes is timed side by side in
 one process (samples interleaved, order rotated each repeat) and reported as the ratio of its
-median time to the median of `x.amax()` (one read of the tensor). `measure` is the package's
+median time to the median of `x.amax()` (one read of the tensor). On one CPU thread the clock
+is the process' CPU time, so other work on a shared machine does not stretch the samples. `measure` is the package's
 own `tensorwatch_otel.core.stats.measure`; the others are the alternatives it chooses between:
 
     abs_chunked   |x| chunk by chunk into a reused buffer, aminmax of each chunk (CPU path)
@@ -104,13 +105,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+
+
 def _sample(fn, x, k: int, device: str) -> float:
     _sync(device)
-    t = time.perf_counter()
+    t = clock()
     for _ in range(k):
         fn(x)
     _sync(device)
-    return (time.perf_counter() - t) / k
+    return (clock() - t) / k
 
 
 def _tensor(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -175,11 +180,20 @@ def main(argv=None) -> int:
     p.add_argument("--sample-ms", type=float, default=5.0, help="length of one sample (default 5 ms)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: steadier on a shared machine; the step uses 2)")
+    p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
+                   help="cpu: the process' CPU time, which preemption on a shared machine does not "
+                        "stretch (auto: cpu on one CPU thread, else wall)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    global clock
+    clock_name = args.clock if args.clock != "auto" else (
+        "cpu" if device == "cpu" and args.threads == 1 else "wall")
+    if clock_name == "cpu" and device != "cpu":
+        p.error("--clock cpu: CPU only")
+    clock = _CLOCK[clock_name]
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [int(float(s)) for s in args.sizes.split(",") if s.strip()]
@@ -191,12 +205,14 @@ def main(argv=None) -> int:
     if bad or not sizes or repeats < 1 or min(sizes) < 1:
         p.error(f"--dtypes must be among {','.join(DTYPES)}; --sizes and --repeats must be >= 1")
     names = [n.strip() for n in args.candidates.split(",") if n.strip()]
-    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
+    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {clock_name} clock",
+          file=sys.stderr)
     rows = bench(device, dtypes, sizes, names, repeats, sample_s)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "clock": clock_name,
                        "repeats": repeats, "rows": rows}, f, indent=2)
     return 0 if all(math.isfinite(r["ratio"]["measure"]) for r in rows if "measure" in r["ratio"]) else 1
 

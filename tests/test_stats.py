@@ -189,3 +189,20 @@ def test_results_stack_exactly_for_readback():
     pairs = [measure(x) for x in xs]
     host = torch.stack([s for p in pairs for s in p]).tolist()
     assert host == [v for x in xs for v in _expected(x)]
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("n", (5, 3 * stats._CHUNK + 5))
+def test_nan_of_any_sign_and_payload(path, n):
+    """NaN bit patterns with the sign bit set, signalling NaNs, the largest payload."""
+    patterns = {torch.float32: (torch.int32, (-0x400000, 0x7F800001, 0x7FFFFFFF, -1)),
+                torch.float16: (torch.int16, (-0x200, 0x7C01, 0x7FFF, -1)),
+                torch.bfloat16: (torch.int16, (-0x40, 0x7F81, 0x7FFF, -1)),
+                torch.float64: (torch.int64, (-(2 ** 51), 0x7FF0000000000001, -1))}
+    for dtype, (bits, values) in patterns.items():
+        for pat in values:
+            x = _values(dtype, n, seed=n)
+            x.view(bits)[n // 2] = pat
+            assert math.isnan(x[n // 2].item())
+            mn, mx = _host(path(x))
+            assert math.isnan(mn) and math.isnan(mx), (dtype, hex(pat))

@@ -118,9 +118,8 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
     if dt in _FLOATS:
         dev = v.device.type
         if dev == "cpu":
-            if v.numel() > _SMALL and v.is_contiguous():
-                return _abs_minmax_cpu(v)
-        elif dev == "cuda":
+            return _abs_minmax_cpu(v)
+        if dev == "cuda":
             return _abs_minmax_device(v)
     if dt is torch.uint8:
         a = v
@@ -151,31 +150,50 @@ def _abs_minmax_device(v: torch.Tensor) -> Pair:
 
 # CPU: |x| goes into a small reused buffer, chunk by chunk, so it stays in cache and no large
 # buffer is allocated (a fresh multi-MB allocation costs page faults: 4x slower on logits).
-# Tensors of at most _SMALL elements take a fresh abs(): the buffer's slicing costs more there.
+# The extremes of |x| are then taken on its bits read as integers: abs() clears the sign bit
+# (NaN's too, as IEEE 754 defines it), and with the sign bit clear the integer order of bit
+# patterns is the order of magnitudes (subnormals, inf, and NaN above inf included). Integer
+# aminmax skips the NaN bookkeeping of the float kernel: 2x faster for fp32, 3-4x for fp16/bf16.
+# The patterns viewed back as floats are exact element values. Up to _SMALL elements, the
+# fixed cost of those extra steps outweighs the saving: a fresh abs() and float aminmax.
 _CHUNK = 1 << 18
-_SMALL = 1 << 14
+_SMALL = 1 << 16
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+         torch.float64: torch.int64}
 _scratch = threading.local()
 
 
 def _abs_minmax_cpu(v: torch.Tensor) -> Pair:
-    bufs = getattr(_scratch, "bufs", None)
-    if bufs is None:
-        bufs = _scratch.bufs = {}
-    buf = bufs.get(v.dtype)
-    if buf is None:
-        buf = bufs[v.dtype] = torch.empty(_CHUNK, dtype=v.dtype)
-    flat = (v.detach() if v.requires_grad else v).view(-1)
-    n = flat.numel()
-    if n <= _CHUNK:
-        b = buf[:n]
-        torch.abs(flat, out=b)
-        return torch.aminmax(b)
-    mins, maxs = [], []
-    for i in range(0, n, _CHUNK):
-        c = flat[i:i + _CHUNK]
-        b = buf[:c.numel()]
-        torch.abs(c, out=b)
-        mn, mx = torch.aminmax(b)
-        mins.append(mn)
-        maxs.append(mx)
-    return torch.stack(mins).min(), torch.stack(maxs).max()  # both propagate NaN
+    if v.requires_grad:
+        v = v.detach()
+    n = v.numel()
+    if n <= _SMALL:
+        return torch.aminmax(v.abs())  # float aminmax: NaN anywhere gives NaN in both
+    dt = v.dtype
+    bits = _BITS[dt]
+    if not v.is_contiguous():
+        mn, mx = torch.aminmax(v.abs().view(bits))
+    else:
+        bufs = getattr(_scratch, "bufs", None)
+        if bufs is None:
+            bufs = _scratch.bufs = {}
+        buf = bufs.get(dt)
+        if buf is None:
+            buf = bufs[dt] = torch.empty(_CHUNK, dtype=dt)
+        flat = v.view(-1)
+        if n <= _CHUNK:
+            b = buf[:n]
+            torch.abs(flat, out=b)
+            mn, mx = torch.aminmax(b.view(bits))
+        else:
+            mins, maxs = [], []
+            for i in range(0, n, _CHUNK):
+                c = flat[i:i + _CHUNK]
+                b = buf[:c.numel()]
+                torch.abs(c, out=b)
+                lo, hi = torch.aminmax(b.view(bits))
+                mins.append(lo)
+                maxs.append(hi)
+            mn, mx = torch.stack(mins).min(), torch.stack(maxs).max()
+    mx = mx.view(dt)  # a NaN's pattern is the largest: NaN anywhere is NaN here
+    return torch.minimum(mn.view(dt), mx), mx  # and in abs min too (minimum propagates NaN)
