@@ -56,7 +56,6 @@ def _build_gpt2(quick: bool, device: str):
     else:
         cfg = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=24, n_head=16)
         shape = (8, 512)
-    cfg.attn_implementation = "eager"
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
     model.train()
