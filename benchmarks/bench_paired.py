@@ -13,6 +13,8 @@ table gives the median, quartiles, min and max of those ratios. Variants:
     prometheus        watch + PrometheusMetrics(port=0) scraped every --scrape-interval s
                       (the always-on default set-up)
     module            check="module" (a readback per module call)
+    null              the unwatched step again in a segment of its own: its spread around 1.0
+                      is the machine's noise, the resolution of every other figure
     peer              transformers' DebugUnderflowOverflow (its own copy: it cannot detach)
 
 Then, per variant, one probed step apart from the timing: aten ops dispatched (watched minus
@@ -44,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_step import VARIANTS, Trainer, build_model, make_variants, run_rounds  # noqa: E402
 
-DEFAULT_VARIANTS = "watch,peer,sampled,gradients,optimizer_state,prometheus"
+DEFAULT_VARIANTS = "null,watch,peer,sampled,gradients,optimizer_state,prometheus"
 _aten = torch.ops.aten
 
 
@@ -149,6 +151,10 @@ def print_bars(result: Dict[str, dict]) -> None:
         lines.append(f"{name}: median {v['ratio_median']:.3f} (q3 {v['ratio_q3']:.3f}) vs bar {bar:.2f}: "
                      + ("holds" if v["ratio_median"] <= bar else "missed")
                      + (", stretch 1.03 holds" if name == "watch" and v["ratio_median"] <= 1.03 else ""))
+    if "null" in result:
+        v = result["null"]
+        lines.append(f"noise (null variant): median {v['ratio_median']:.3f}, quartiles {v['ratio_q1']:.3f}"
+                     f"..{v['ratio_q3']:.3f}, min..max {v['ratio_min']:.3f}..{v['ratio_max']:.3f}")
     if "peer" in result and "watch" in result:
         lines.append(f"peer / watch step time: {result['peer']['ratio_median'] / result['watch']['ratio_median']:.2f}x")
     print("\n" + "\n".join(lines))

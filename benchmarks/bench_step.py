@@ -116,7 +116,7 @@ WATCH_OPTIONS = {
     "optimizer_state": {"optimizer_state": True},
     "prometheus": {},  # plus a PrometheusMetrics sink on port 0, scraped (see make_variants)
 }
-VARIANTS = ("watch", "sampled", "module", "gradients", "optimizer_state", "prometheus", "peer")
+VARIANTS = ("watch", "sampled", "module", "gradients", "optimizer_state", "prometheus", "peer", "null")
 
 
 def make_variants(base, ids, labels, names: List[str], autocast: Optional[torch.dtype] = None,
@@ -143,6 +143,8 @@ def make_variants(base, ids, labels, names: List[str], autocast: Optional[torch.
         return run
 
     variants["unwatched"] = plain
+    if "null" in names:  # the unwatched step again, in its own segment: the noise floor
+        variants["null"] = lambda n: plain(n)
     for name in names:
         if name == "prometheus":
             variants[name] = watched(WATCH_OPTIONS[name], [_prometheus_sink(scrape_interval)])

@@ -161,7 +161,7 @@ def _quartiles(v: List[float]) -> List[float]:
 
 def print_table(rows: List[dict]) -> None:
     names = [n for n in rows[0]["ratio"] if n != "amax"]
-    print(f"\nratio of median time to x.amax() (one read); amax in microseconds")
+    print("\nratio of median time to x.amax() (one read); amax in microseconds")
     print(f"{'dtype':<6}{'numel':>9}{'amax us':>10}" + "".join(f"{n:>13}" for n in names))
     for row in rows:
         print(f"{row['dtype']:<6}{row['numel']:>9.0e}{row['amax_us']:>10.1f}"

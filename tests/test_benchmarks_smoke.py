@@ -49,7 +49,7 @@ def test_bench_sinks_quick(tmp_path):
 def test_bench_paired_quick(tmp_path):
     result, stdout = _run("bench_paired.py", tmp_path, "--rounds", "1")
     v = result["variants"]
-    assert set(v) == {"unwatched", "watch", "peer", "sampled", "gradients", "optimizer_state", "prometheus"}
+    assert set(v) == {"unwatched", "null", "watch", "peer", "sampled", "gradients", "optimizer_state", "prometheus"}
     assert v["unwatched"]["ratio_median"] == 1.0 and result["model"] == "t5" and result["device"] == "cpu"
     for name, r in v.items():
         assert 0.1 < r["ratio_median"] < 50, (name, r)
@@ -60,7 +60,8 @@ def test_bench_paired_quick(tmp_path):
     assert c["watch"]["extra_ops"] > 0 and c["gradients"]["extra_ops"] > c["watch"]["extra_ops"]
     assert c["watch"]["host_syncs"] == c["unwatched"]["host_syncs"]
     assert c["peer"]["host_syncs"] > c["unwatched"]["host_syncs"]
-    assert "watch: median" in stdout and "peer / watch step time" in stdout
+    assert c["null"]["extra_ops"] == 0 and c["null"]["host_syncs"] == c["unwatched"]["host_syncs"]
+    assert "watch: median" in stdout and "noise (null variant)" in stdout and "peer / watch step time" in stdout
 
 
 @pytest.mark.slow
