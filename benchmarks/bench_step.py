@@ -18,12 +18,16 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 
-def build_model(quick: bool):
+def build_model(quick: bool, arch: str = "t5", device: str = "cpu"):
+    """(model, input ids, labels). arch "t5": the issue's CPU shape; "gpt2-medium": the GPU one
+    (24 layers, d_model 1024, batch 8x512); `quick` shrinks either to seconds on a CPU."""
+    if arch == "gpt2-medium":
+        return _build_gpt2(quick, device)
     from transformers import T5Config, T5ForConditionalGeneration
 
     if quick:
@@ -40,55 +44,116 @@ def build_model(quick: bool):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, cfg.vocab_size, shape, generator=gen)
     labels = torch.randint(1, cfg.vocab_size, shape, generator=gen)
-    return model, ids, labels
+    return model.to(device), ids.to(device), labels.to(device)
+
+
+def _build_gpt2(quick: bool, device: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if quick:
+        cfg = GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+        shape = (2, 32)
+    else:
+        cfg = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=24, n_head=16)
+        shape = (8, 512)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    model.train()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, shape, generator=gen)
+    return model.to(device), ids.to(device), ids.clone().to(device)
 
 
 class Trainer:
-    """A model copy with its own AdamW: one full training step per call."""
+    """A model copy with its own AdamW: one full training step per call. `autocast` (a dtype)
+    runs forward and loss under torch.autocast; on CUDA the step is timed to its end."""
 
-    def __init__(self, model, ids, labels):
+    def __init__(self, model, ids, labels, autocast: Optional[torch.dtype] = None):
         self.model = model
         self.ids, self.labels = ids, labels
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        self.device = ids.device
+        self.autocast = autocast
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    #: a callable returning a context manager entered around every step (probes), or None
+    step_context: Optional[Callable] = None
+    #: the clock steps are timed with: wall time, or the process' CPU time (time.process_time),
+    #: which a busy shared machine's preemption does not stretch
+    clock: Callable[[], float] = time.perf_counter
 
     def step(self) -> float:
-        t0 = time.perf_counter()
-        out = self.model(input_ids=self.ids, labels=self.labels)
+        if Trainer.step_context is not None:
+            with Trainer.step_context():
+                return self._step()
+        return self._step()
+
+    def _step(self) -> float:
+        self._sync()
+        clock = Trainer.clock
+        t0 = clock()
+        if self.autocast is not None:
+            with torch.autocast(self.device.type, dtype=self.autocast):
+                out = self.model(input_ids=self.ids, labels=self.labels)
+        else:
+            out = self.model(input_ids=self.ids, labels=self.labels)
         out.loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+        self._sync()
+        return clock() - t0
 
 
-def make_variants(base, ids, labels, names: List[str]) -> Dict[str, Callable[[int], List[float]]]:
+# variant -> watch() options (None: not watched by us)
+WATCH_OPTIONS = {
+    "watch": {},
+    "sampled": {"every_n_batches": 10},
+    "module": {"check": "module"},
+    "gradients": {"gradients": True},
+    "optimizer_state": {"optimizer_state": True},
+    "prometheus": {},  # plus a PrometheusMetrics sink on port 0, scraped (see make_variants)
+}
+VARIANTS = ("watch", "sampled", "module", "gradients", "optimizer_state", "prometheus", "peer", "null")
+
+
+def make_variants(base, ids, labels, names: List[str], autocast: Optional[torch.dtype] = None,
+                  scrape_interval: float = 15.0) -> Dict[str, Callable[[int], List[float]]]:
     """name -> run(n_steps) returning step times. Variants that hook share one model copy and
-    attach/detach around their segment; the peer cannot detach, so it gets its own copy."""
+    attach/detach around their segment; the peer cannot detach, so it gets its own copy (same
+    weights at the start). "prometheus" keeps one PrometheusMetrics on port 0 for the whole run,
+    scraped every `scrape_interval` seconds by a thread (Prometheus' default is 15 s)."""
     import tensorwatch_otel as tw
 
-    shared = Trainer(copy.deepcopy(base), ids, labels)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {','.join(unknown)} (choose from {','.join(VARIANTS)})")
+    shared = Trainer(copy.deepcopy(base), ids, labels, autocast)
     variants: Dict[str, Callable[[int], List[float]]] = {}
 
     def plain(n):
         return [shared.step() for _ in range(n)]
 
-    def watched(**kw):
+    def watched(options, sinks=()):
         def run(n):
-            sinks = kw.pop("_sinks", None)
-            with tw.watch(shared.model, sinks=sinks() if sinks else [], on_detect="report", **kw):
+            with tw.watch(shared.model, sinks=list(sinks), on_detect="report", **options):
                 return [shared.step() for _ in range(n)]
         return run
 
     variants["unwatched"] = plain
-    if "watch" in names:
-        variants["watch"] = watched()
-    if "sampled" in names:
-        variants["sampled"] = watched(every_n_batches=10)
-    if "module" in names:
-        variants["module"] = watched(check="module")
+    if "null" in names:  # the unwatched step again, in its own segment: the noise floor
+        variants["null"] = lambda n: plain(n)
+    for name in names:
+        if name == "prometheus":
+            variants[name] = watched(WATCH_OPTIONS[name], [_prometheus_sink(scrape_interval)])
+        elif name in WATCH_OPTIONS:
+            variants[name] = watched(WATCH_OPTIONS[name])
     if "peer" in names:
         from transformers.debug_utils import DebugUnderflowOverflow
 
-        peer = Trainer(copy.deepcopy(base), ids, labels)
+        peer = Trainer(copy.deepcopy(base), ids, labels, autocast)
         DebugUnderflowOverflow(peer.model)
 
         def run_peer(n):
@@ -98,9 +163,33 @@ def make_variants(base, ids, labels, names: List[str]) -> Dict[str, Callable[[in
     return variants
 
 
+def _prometheus_sink(scrape_interval: float):
+    """The always-on set-up: a PrometheusMetrics served on 127.0.0.1 (port 0: any free port),
+    scraped by a daemon thread every scrape_interval seconds (0: never)."""
+    import threading
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from tensorwatch_otel.sinks import PrometheusMetrics
+
+    sink = PrometheusMetrics(port=0, registry=CollectorRegistry(), linger_s=0)
+    if scrape_interval > 0 and sink.url:
+        def scrape():
+            while True:
+                time.sleep(scrape_interval)
+                try:
+                    urllib.request.urlopen(sink.url, timeout=10).read()
+                except OSError:
+                    return
+        threading.Thread(target=scrape, daemon=True, name="bench-scraper").start()
+    return sink
+
+
 def run_rounds(variants: Dict[str, Callable[[int], List[float]]], rounds: int, steps: int) -> Dict[str, dict]:
     """Interleaved rounds; per variant the ratio of its median step to the unwatched one of the
-    same round (median, min, max over rounds). Prints progress to stderr and a table to stdout."""
+    same round (median, quartiles, min, max over rounds). Prints progress to stderr and a table
+    to stdout."""
     per_round: Dict[str, List[float]] = {n: [] for n in variants}
     step_s: Dict[str, List[float]] = {n: [] for n in variants}
     order = list(variants)
@@ -117,15 +206,26 @@ def run_rounds(variants: Dict[str, Callable[[int], List[float]]], rounds: int, s
         print(f"round {r + 1}/{rounds}: " + "  ".join(
             f"{n} {medians[n] * 1000:.0f} ms" for n in order), file=sys.stderr)
     out: Dict[str, dict] = {}
-    print(f"\n{'variant':<13} {'ratio median':>12} {'min':>7} {'max':>7} {'step ms (median)':>17}")
+    print(f"\n{'variant':<16} {'ratio median':>12} {'q1':>7} {'q3':>7} {'min':>7} {'max':>7} "
+          f"{'step ms (median)':>17}")
     for name in variants:
         ratios = per_round[name]
         med = statistics.median(ratios)
-        out[name] = {"ratio_median": med, "ratio_min": min(ratios), "ratio_max": max(ratios),
-                     "ratios": ratios, "step_ms_median": statistics.median(step_s[name]) * 1000}
-        print(f"{name:<13} {med:>12.3f} {min(ratios):>7.3f} {max(ratios):>7.3f} "
+        q1, q3 = quartiles(ratios)
+        out[name] = {"ratio_median": med, "ratio_q1": q1, "ratio_q3": q3, "ratio_min": min(ratios),
+                     "ratio_max": max(ratios), "ratios": ratios,
+                     "step_ms_median": statistics.median(step_s[name]) * 1000}
+        print(f"{name:<16} {med:>12.3f} {q1:>7.3f} {q3:>7.3f} {min(ratios):>7.3f} {max(ratios):>7.3f} "
               f"{out[name]['step_ms_median']:>17.0f}")
     return out
+
+
+def quartiles(values: List[float]) -> Tuple[float, float]:
+    """First and third quartiles (inclusive method: they stay within the values)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def main(argv=None) -> int:
@@ -135,7 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant per round (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     p.add_argument("--variants", default="watch,sampled,peer",
-                   help="comma list of watch,sampled,module,peer (default watch,sampled,peer)")
+                   help=f"comma list of {','.join(VARIANTS)} (default watch,sampled,peer)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)

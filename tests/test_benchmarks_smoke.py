@@ -13,9 +13,11 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(script, tmp_path, *args):
+    """One quick run on one thread: two threads on a loaded 2-core machine make every parallel
+    region wait for a descheduled thread (seconds become minutes)."""
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), "--quick", *args, "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), "--quick", "--threads", "1", *args,
+                           "--json", str(out)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -28,6 +30,7 @@ def test_bench_step_quick(tmp_path):
     assert set(v) == {"unwatched", "watch", "sampled", "module", "peer"}
     assert v["unwatched"]["ratio_median"] == 1.0
     for name in ("watch", "sampled", "module", "peer"):
+        assert v[name]["ratio_q1"] <= v[name]["ratio_median"] <= v[name]["ratio_q3"]
         assert 0.1 < v[name]["ratio_median"] < 50, (name, v[name])
         assert v[name]["step_ms_median"] > 0
     assert "peer / watch step time" in stdout
@@ -40,3 +43,34 @@ def test_bench_sinks_quick(tmp_path):
     big = result["big_model_scrape"]
     assert big["modules"] >= 50 and big["series"] > 0 and big["scrape_median_s"] > 0
     assert "prometheus / watch" in stdout
+
+
+@pytest.mark.slow
+def test_bench_paired_quick(tmp_path):
+    result, stdout = _run("bench_paired.py", tmp_path, "--rounds", "1")
+    v = result["variants"]
+    assert set(v) == {"unwatched", "null", "watch", "peer", "sampled", "gradients", "optimizer_state", "prometheus"}
+    assert v["unwatched"]["ratio_median"] == 1.0 and result["model"] == "t5" and result["device"] == "cpu"
+    for name, r in v.items():
+        assert 0.1 < r["ratio_median"] < 50, (name, r)
+        assert r["ratio_min"] <= r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"] <= r["ratio_max"]
+        assert len(r["ratios"]) == 1 and r["step_ms_median"] > 0
+    c = result["counts"]
+    # the watcher adds device work but no host sync on CPU; the peer reads values on the host
+    assert c["watch"]["extra_ops"] > 0 and c["gradients"]["extra_ops"] > c["watch"]["extra_ops"]
+    assert c["watch"]["host_syncs"] == c["unwatched"]["host_syncs"]
+    assert c["peer"]["host_syncs"] > c["unwatched"]["host_syncs"]
+    assert c["null"]["extra_ops"] == 0 and c["null"]["host_syncs"] == c["unwatched"]["host_syncs"]
+    assert "watch: median" in stdout and "noise (null variant)" in stdout and "peer / watch step time" in stdout
+
+
+@pytest.mark.slow
+def test_bench_tensor_quick(tmp_path):
+    result, stdout = _run("bench_tensor.py", tmp_path)
+    rows = result["rows"]
+    assert {(r["dtype"], r["numel"]) for r in rows} == {(d, n) for d in ("fp32", "bf16") for n in (1000, 100_000)}
+    for r in rows:
+        assert r["ratio"]["amax"] == 1.0 and r["amax_us"] > 0
+        assert {"measure", "abs_chunked", "abs_full", "norm_pair", "sign"} <= set(r["ratio"])
+        assert all(0 < x < 1e4 for x in r["ratio"].values()), r
+    assert "ratio of median time to x.amax()" in stdout

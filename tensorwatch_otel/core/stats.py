@@ -107,15 +107,20 @@ def _cannot_read(t: torch.Tensor, exc: Exception) -> str:
 def measure(t: torch.Tensor) -> Union[Pair, str]:
     """(abs_min, abs_max) as device scalars, or a NOTE_* string. Call under no_grad.
 
-    NaN propagates into both values and inf shows in abs_max, so detection needs nothing more.
+    Both are exact element values (in the tensor's dtype, or float64 for integers). NaN
+    anywhere makes both NaN and an infinity shows in abs_max, so detection needs nothing more.
     """
     v = _values(t) if (type(t) not in _PLAIN or t.layout is not torch.strided or t.is_meta
                        or t.numel() == 0 or t.dtype is torch.bool or t.dtype in _FP8 or t.is_quantized) else t
     if isinstance(v, str):
         return v
     dt = v.dtype
-    if dt in _SCRATCH_DTYPES and v.device.type == "cpu" and v.is_contiguous():
-        return _abs_minmax_cpu(v)
+    if dt in _FLOATS:
+        dev = v.device.type
+        if dev == "cpu":
+            return _abs_minmax_cpu(v)
+        if dev == "cuda":
+            return _abs_minmax_device(v)
     if dt is torch.uint8:
         a = v
     else:
@@ -131,33 +136,64 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
     return mn, mx
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INF = float("inf")
+
+
+def _abs_minmax_device(v: torch.Tensor) -> Pair:
+    """CUDA (and ROCm): two reads of `v` and no |x| temporary (no extra device memory, no write
+    pass). The ±inf norms are max|x| and min|x| in v's dtype, with NaN-propagating max/min in
+    the CUDA and HIP reduce kernels. On CPU the same ops are exact but not vectorised (30x+
+    slower than a read), so CPU takes the chunked path below."""
+    return torch.linalg.vector_norm(v, -_INF), torch.linalg.vector_norm(v, _INF)
+
+
 # CPU: |x| goes into a small reused buffer, chunk by chunk, so it stays in cache and no large
 # buffer is allocated (a fresh multi-MB allocation costs page faults: 4x slower on logits).
-# On accelerators the caching allocator makes the plain abs() + aminmax() the cheaper path.
+# The extremes of |x| are then taken on its bits read as integers: abs() clears the sign bit
+# (NaN's too, as IEEE 754 defines it), and with the sign bit clear the integer order of bit
+# patterns is the order of magnitudes (subnormals, inf, and NaN above inf included). Integer
+# aminmax skips the NaN bookkeeping of the float kernel: 2x faster for fp32, 3-4x for fp16/bf16.
+# The patterns viewed back as floats are exact element values. Up to _SMALL elements, the
+# fixed cost of those extra steps outweighs the saving: a fresh abs() and float aminmax.
 _CHUNK = 1 << 18
-_SCRATCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_SMALL = 1 << 16
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+         torch.float64: torch.int64}
 _scratch = threading.local()
 
 
 def _abs_minmax_cpu(v: torch.Tensor) -> Pair:
-    bufs = getattr(_scratch, "bufs", None)
-    if bufs is None:
-        bufs = _scratch.bufs = {}
-    buf = bufs.get(v.dtype)
-    if buf is None:
-        buf = bufs[v.dtype] = torch.empty(_CHUNK, dtype=v.dtype)
-    flat = (v.detach() if v.requires_grad else v).view(-1)
-    n = flat.numel()
-    if n <= _CHUNK:
-        b = buf[:n]
-        torch.abs(flat, out=b)
-        return torch.aminmax(b)
-    mins, maxs = [], []
-    for i in range(0, n, _CHUNK):
-        c = flat[i:i + _CHUNK]
-        b = buf[:c.numel()]
-        torch.abs(c, out=b)
-        mn, mx = torch.aminmax(b)
-        mins.append(mn)
-        maxs.append(mx)
-    return torch.stack(mins).min(), torch.stack(maxs).max()  # both propagate NaN
+    if v.requires_grad:
+        v = v.detach()
+    n = v.numel()
+    if n <= _SMALL:
+        return torch.aminmax(v.abs())  # float aminmax: NaN anywhere gives NaN in both
+    dt = v.dtype
+    bits = _BITS[dt]
+    if not v.is_contiguous():
+        mn, mx = torch.aminmax(v.abs().view(bits))
+    else:
+        bufs = getattr(_scratch, "bufs", None)
+        if bufs is None:
+            bufs = _scratch.bufs = {}
+        buf = bufs.get(dt)
+        if buf is None:
+            buf = bufs[dt] = torch.empty(_CHUNK, dtype=dt)
+        flat = v.view(-1)
+        if n <= _CHUNK:
+            b = buf[:n]
+            torch.abs(flat, out=b)
+            mn, mx = torch.aminmax(b.view(bits))
+        else:
+            mins, maxs = [], []
+            for i in range(0, n, _CHUNK):
+                c = flat[i:i + _CHUNK]
+                b = buf[:c.numel()]
+                torch.abs(c, out=b)
+                lo, hi = torch.aminmax(b.view(bits))
+                mins.append(lo)
+                maxs.append(hi)
+            mn, mx = torch.stack(mins).min(), torch.stack(maxs).max()
+    mx = mx.view(dt)  # a NaN's pattern is the largest: NaN anywhere is NaN here
+    return torch.minimum(mn.view(dt), mx), mx  # and in abs min too (minimum propagates NaN)

@@ -1,0 +1,208 @@
+"""The per-tensor statistics (core/stats.py): abs min and abs max are exact element values, NaN
+anywhere makes both NaN, an infinity shows in abs max, whatever path (size, dtype, sign,
+layout) the measurement takes. The accelerator path is exercised here on CPU tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tensorwatch_otel.core import stats
+from tensorwatch_otel.core.events import NOTE_EMPTY, NOTE_NO_DATA
+from tensorwatch_otel.core.stats import measure
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# below the small-tensor cut, one chunk, several chunks with a ragged tail
+SIZES = (1, 7, 1000, stats._SMALL + 1, stats._CHUNK - 1, 3 * stats._CHUNK + 5)
+
+
+def _paths():
+    """Every way measure() may reduce a plain tensor, each callable on CPU tensors."""
+    return [pytest.param(measure, id="measure"), pytest.param(lambda x: stats._abs_minmax_device(x), id="device_path")]
+
+
+def _host(pair):
+    mn, mx = pair
+    assert mn.dim() == 0 and mx.dim() == 0
+    return mn.item(), mx.item()
+
+
+def _expected(x: torch.Tensor):
+    a = x.double().abs()
+    return a.min().item(), a.max().item()
+
+
+def _values(dtype, n, sign=0, seed=0):
+    """n values spread over many binades (so rounding would show), of the given sign (0: both)."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.empty(n, dtype=torch.float64).uniform_(-12, 12, generator=g))
+    s = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1 if sign == 0 else torch.full((n,), float(sign),
+                                                                                               dtype=torch.float64)
+    return (mag * s).to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("sign", (0, 1, -1), ids=("mixed", "positive", "negative"))
+def test_exact_element_values(path, dtype, n, sign):
+    x = _values(dtype, n, sign, seed=n)
+    mn, mx = path(x)
+    assert mn.dtype in (dtype, torch.float32, torch.float64) and mx.dtype == mn.dtype
+    assert _host((mn, mx)) == _expected(x)
+    # the extremes are element values: they sit in the tensor itself
+    assert bool((x.abs() == mn.to(dtype)).any()) and bool((x.abs() == mx.to(dtype)).any())
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_nan_anywhere_makes_both_nan(path, dtype, n):
+    where = sorted({0, n // 2, n - 1, min(n - 1, stats._CHUNK), min(n - 1, 2 * stats._CHUNK + 3)})
+    for sign in (0, 1, -1):
+        for i in where:
+            x = _values(dtype, n, sign, seed=i)
+            x[i] = float("nan")
+            mn, mx = _host(path(x))
+            assert math.isnan(mn) and math.isnan(mx), (sign, i)
+            x[i] = float("inf")  # NaN elsewhere still wins over inf
+            x[(i + 1) % n] = float("nan")
+            mn, mx = _host(path(x))
+            assert math.isnan(mx) and (math.isnan(mn) or n == 1), (sign, i)
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("n", SIZES[1:])
+def test_inf_shows_in_abs_max(path, dtype, n):
+    for sign in (0, 1, -1):
+        for inf in (float("inf"), float("-inf")):
+            x = _values(dtype, n, sign, seed=3)
+            x[n // 3] = inf
+            mn, mx = _host(path(x))
+            assert mx == math.inf
+            assert mn == _expected(x)[0] and math.isfinite(mn)
+    x = torch.full((n,), float("-inf"), dtype=dtype)
+    assert _host(path(x)) == (math.inf, math.inf)
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_signed_zero_and_subnormals(path, dtype):
+    tiny = torch.finfo(dtype).smallest_normal / 4  # a subnormal: no flush to zero on the way
+    x = torch.tensor([3.0, -tiny, 2.0, -5.0], dtype=dtype)
+    assert _host(path(x)) == _expected(x) and _expected(x)[0] > 0
+    x = torch.tensor([-0.0, 1.0, -2.0], dtype=dtype)
+    mn, mx = _host(path(x))
+    assert (mn, mx) == (0.0, 2.0) and math.copysign(1.0, mn) == 1.0
+    x = torch.tensor([-0.0, -0.0], dtype=dtype)
+    assert math.copysign(1.0, _host(path(x))[0]) == 1.0
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_finite_extremes_of_the_dtype(path, dtype):
+    fi = torch.finfo(dtype)
+    x = torch.tensor([fi.max, -fi.max, fi.smallest_normal, -1.0], dtype=dtype)
+    assert _host(path(x)) == (float(fi.smallest_normal), float(fi.max))
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("make", [
+    lambda x: x.view(64, -1).t(),             # transposed
+    lambda x: x[::3],                         # strided
+    lambda x: x.view(64, -1)[:, 5:],          # rows with a gap
+    lambda x: x.view(64, -1).expand(2, 64, -1),  # zero stride
+], ids=("transposed", "strided", "gapped", "expanded"))
+def test_non_contiguous(path, make):
+    for dtype in (torch.float32, torch.bfloat16):
+        base = _values(dtype, 64 * 4099, seed=5)
+        x = make(base)
+        assert not x.is_contiguous()
+        assert _host(path(x)) == _expected(x)
+        base[-1] = float("nan")  # the last element is in every view
+        assert all(math.isnan(v) for v in _host(path(make(base))))
+
+
+@pytest.mark.parametrize("path", _paths())
+def test_zero_dim_and_one_element(path):
+    for dtype in FLOATS:
+        assert _host(path(torch.tensor(-2.5, dtype=dtype))) == (2.5, 2.5)
+        assert all(math.isnan(v) for v in _host(path(torch.tensor(float("nan"), dtype=dtype))))
+
+
+def test_integers_exact():
+    cases = {
+        torch.int8: [-128, 3, 0, 127],
+        torch.int16: [-32768, 5, -7],
+        torch.int32: [-(2 ** 31), 9, 1],
+        torch.int64: [2 ** 53, -(2 ** 53) + 1, 3],
+        torch.uint8: [255, 4, 200],
+    }
+    for dtype, vals in cases.items():
+        x = torch.tensor(vals, dtype=dtype)
+        mn, mx = measure(x)
+        assert mn.dtype == torch.float64 and mx.dtype == torch.float64, dtype
+        assert (mn.item(), mx.item()) == (min(abs(v) for v in vals), max(abs(v) for v in vals)), dtype
+    big = torch.arange(-3 * stats._CHUNK, 5, dtype=torch.int32)
+    assert _host(measure(big)) == (0.0, float(3 * stats._CHUNK))
+
+
+def test_bool_and_complex():
+    assert _host(measure(torch.tensor([True, False]))) == (0.0, 1.0)
+    z = torch.tensor([3 + 4j, -1j], dtype=torch.complex64)
+    assert _host(measure(z)) == (1.0, 5.0)
+
+
+def test_odd_tensors_keep_their_notes():
+    assert measure(torch.empty(0)) == NOTE_EMPTY
+    assert measure(torch.empty(3, 0, dtype=torch.bfloat16)) == NOTE_EMPTY
+    assert measure(torch.empty(4, device="meta")) == NOTE_NO_DATA
+    sp = torch.tensor([[0.0, -3.0], [2.0, 0.0]]).to_sparse()
+    assert _host(measure(sp)) == (0.0, 3.0)  # implicit zeros take part
+    if hasattr(torch, "float8_e4m3fn"):
+        f8 = torch.tensor([1.5, -448.0]).to(torch.float8_e4m3fn)
+        assert _host(measure(f8)) == (1.5, 448.0)
+
+
+@pytest.mark.parametrize("n", (10, 3 * stats._CHUNK + 1))
+def test_parameters_with_grad_enabled(n):
+    """Callers measure under no_grad; a parameter measured outside it still gives exact values."""
+    p = torch.nn.Parameter(_values(torch.float32, n, seed=9))
+    with torch.enable_grad():
+        mn, mx = measure(p)
+    assert (mn.item(), mx.item()) == _expected(p.detach())
+
+
+def test_results_stack_exactly_for_readback():
+    """Record.readback stacks every pair of a batch into one tensor: mixed dtypes must not round."""
+    xs = [_values(torch.bfloat16, 100, seed=1), _values(torch.float16, 100, seed=2),
+          _values(torch.float32, 100, seed=3), torch.tensor([2 ** 53, 1], dtype=torch.int64)]
+    pairs = [measure(x) for x in xs]
+    host = torch.stack([s for p in pairs for s in p]).tolist()
+    assert host == [v for x in xs for v in _expected(x)]
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("n", (5, 3 * stats._CHUNK + 5))
+def test_nan_of_any_sign_and_payload(path, n):
+    """NaN bit patterns with the sign bit set, signalling NaNs, the largest payload."""
+    patterns = {torch.float32: (torch.int32, (-0x400000, 0x7F800001, 0x7FFFFFFF, -1)),
+                torch.float16: (torch.int16, (-0x200, 0x7C01, 0x7FFF, -1)),
+                torch.bfloat16: (torch.int16, (-0x40, 0x7F81, 0x7FFF, -1)),
+                torch.float64: (torch.int64, (-(2 ** 51), 0x7FF0000000000001, -1))}
+    for dtype, (bits, values) in patterns.items():
+        for pat in values:
+            x = _values(dtype, n, seed=n)
+            x.view(bits)[n // 2] = pat
+            assert math.isnan(x[n // 2].item())
+            mn, mx = _host(path(x))
+            assert math.isnan(mn) and math.isnan(mx), (dtype, hex(pat))
