@@ -6,6 +6,7 @@ Nothing here imports an exporter: sinks translate these into text, JSON, metrics
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Tuple, Union
 
@@ -102,10 +103,15 @@ class NonFiniteEvent:
     phase: str = "forward"
     #: path of the captured inputs of the batch (capture_dir), when one was written
     capture: Optional[str] = None
+    #: W3C trace id (32 hex digits) every sink shares: the detection span's trace, the metric
+    #: exemplar, the JSON lines field. Made here when not given; "" when unknown (old logs).
+    trace_id: Optional[str] = None
 
     def __post_init__(self):
         if self.first_rank is None:
             object.__setattr__(self, "first_rank", self.rank)
+        if self.trace_id is None:
+            object.__setattr__(self, "trace_id", format(secrets.randbits(128) or 1, "032x"))
 
 
 @dataclass(frozen=True)
