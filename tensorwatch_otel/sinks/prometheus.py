@@ -112,7 +112,9 @@ class PrometheusMetrics(Sink):
         # (module, class, tensor, rank, first_rank) -> [count, trace id, time of the last detection]
         self._nonfinite: Dict[Tuple[str, str, str, int, int], list] = {}
         self._stopped: Dict[Tuple[str, str, str, int, int], int] = {}  # ranks stopped by another
-        self._skipped = 0  # optimizer steps skipped (SkippedStepEvent, or the core's count)
+        # optimizer steps skipped: SkippedStepEvents seen, and the core's count in BatchStats;
+        # the counter shows the larger, whichever of the two arrives first
+        self._skips = [0, 0]
         self._grad_scale: Tuple[float, Optional[float]] = (-math.inf, None)  # (time, scale)
         self._lock = threading.Lock()
         self._scraped = threading.Condition(self._lock)
@@ -170,8 +172,8 @@ class PrometheusMetrics(Sink):
 
     def on_batch(self, stats: BatchStats) -> None:
         self._window.add(stats)
-        if stats.steps_skipped > self._skipped:
-            self._skipped = stats.steps_skipped
+        if stats.steps_skipped > self._skips[1]:
+            self._skips[1] = stats.steps_skipped
         if stats.grad_scale is not None:
             self._set_scale(stats.time, stats.grad_scale)
 
@@ -182,7 +184,7 @@ class PrometheusMetrics(Sink):
     def on_event(self, event: Event) -> None:
         if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
             if isinstance(event, SkippedStepEvent):
-                self._skipped += 1
+                self._skips[0] += 1
             self._set_scale(event.time, event.scale)
             return
         stopped = getattr(event, "event", "") == "stopped_by_rank"
@@ -316,7 +318,7 @@ class PrometheusMetrics(Sink):
             number.add_metric((r,), snap.batch_number)
             batches = snap.batches
         batches_f.add_metric((r,), batches)
-        skipped_f.add_metric((r,), self._skipped)
+        skipped_f.add_metric((r,), max(self._skips))
         scale = self._grad_scale[1]
         if scale is not None:
             scale_f.add_metric((r,), scale)
