@@ -14,6 +14,8 @@ from ..core.events import (
     Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
+    SkippedStepEvent,
+    SkipStreakEvent,
     TensorStat,
 )
 
@@ -66,6 +68,14 @@ def to_dict(event: Event) -> Dict[str, Any]:
     if isinstance(event, NonFiniteEvent):
         d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
                  frames=[_frame(f) for f in event.frames])
+        d["first_rank"] = event.rank if event.first_rank is None else event.first_rank
+        if event.trace_id:
+            d["trace_id"] = event.trace_id
+    elif isinstance(event, SkippedStepEvent):
+        d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
+                 streak=event.streak, scale=_num(event.scale))
+    elif isinstance(event, SkipStreakEvent):
+        d.update(streak=event.streak, scale=_num(event.scale))
     elif isinstance(event, BatchTraceEvent):
         d["frames"] = [_frame(f) for f in event.frames]
     elif isinstance(event, OverflowCheckEvent):
@@ -99,8 +109,23 @@ def from_dict(d: Dict[str, Any]) -> Event:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a malformed frame or tensor
         raise ValueError(f"malformed frames: {type(exc).__name__}: {exc}") from None
     if kind == "nonfinite_detected":
+        first = d.get("first_rank")
+        try:
+            first = None if first is None else int(first)
+        except (TypeError, ValueError):
+            raise ValueError(f"malformed first_rank {first!r}") from None
         return NonFiniteEvent(b, rank, d.get("module", ""), d.get("module_class", ""), d.get("tensor", ""),
-                              d.get("kind", ""), frames, ts)
+                              d.get("kind", ""), frames, ts, first_rank=first,
+                              trace_id=str(d.get("trace_id") or ""))  # "": none in the log
+    if kind in ("optimizer_step_skipped", "skipped_steps_streak"):
+        try:
+            streak, scale = int(d.get("streak", 0)), _unnum(d.get("scale"))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed {kind}: {exc}") from None
+        if kind == "skipped_steps_streak":
+            return SkipStreakEvent(b, rank, streak, scale, ts)
+        return SkippedStepEvent(b, rank, streak, scale, d.get("module", ""), d.get("module_class", ""),
+                                d.get("tensor", ""), d.get("kind", ""), ts)
     if kind == "batch_trace":
         return BatchTraceEvent(b, rank, frames, ts)
     if kind == "abort_after_batch":

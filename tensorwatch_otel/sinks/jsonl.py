@@ -7,10 +7,12 @@ import threading
 from typing import Optional
 
 from ..report.codec import to_line
-from ..core.events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent
+from ..core.events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent, SkipStreakEvent
 from ._base import Sink
 
-_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent)
+# fsynced before on_event returns: what may precede an exception that ends the run. A single
+# skipped optimizer step is flushed but not fsynced (there can be many).
+_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent, SkipStreakEvent)
 
 
 class JsonlLog(Sink):
