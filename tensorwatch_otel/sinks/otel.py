@@ -38,13 +38,16 @@ _STOP = object()
 
 
 def _export_interval_s(provider: Any) -> float:
-    """The longest periodic export interval of the SDK provider's readers (0 when unknown)."""
-    readers = getattr(provider, "_metric_readers", None) or getattr(
-        getattr(provider, "_sdk_config", None), "metric_readers", None) or ()
-    ms = [getattr(r, "_export_interval_millis", 0) or 0 for r in readers]
-    if not ms and provider is not None:
+    """The longest periodic export interval of an SDK provider's readers (0 with pull readers
+    only); for any other provider (a proxy before the SDK is set up) OTEL_METRIC_EXPORT_INTERVAL."""
+    readers = getattr(provider, "_metric_readers", None)
+    if readers is None:
+        readers = getattr(getattr(provider, "_sdk_config", None), "metric_readers", None)
+    if readers is not None:
+        ms = [getattr(r, "_export_interval_millis", 0) or 0 for r in readers]
+    else:
         try:
-            ms = [float(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "60000"))]
+            ms = [float(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "") or 60000)]
         except ValueError:
             ms = [60000.0]
     return max(ms, default=0) / 1000.0
