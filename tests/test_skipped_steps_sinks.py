@@ -27,6 +27,7 @@ def test_prometheus_counter_from_zero_and_grad_scale():
     sink = PrometheusMetrics(registry=reg)
     p = parse_prom(generate_latest(reg).decode())
     assert sample(p, "tensorwatch_optimizer_steps_skipped_total", rank="0") == 0  # before anything
+    assert sample(p, "tensorwatch_optimizer_skip_streaks_total", rank="0") == 0
     assert not any(k[0] == "tensorwatch_grad_scale" for k in p)  # no scaler known yet
     sink.on_event(skip(3, 1, 32768.0))
     sink.on_event(skip(4, 2, 16384.0))
@@ -34,6 +35,8 @@ def test_prometheus_counter_from_zero_and_grad_scale():
     p = parse_prom(generate_latest(reg).decode())
     assert sample(p, "tensorwatch_optimizer_steps_skipped_total", rank="0") == 2  # the streak is no skip
     assert sample(p, "tensorwatch_grad_scale", rank="0") == 16384.0
+    assert sample(p, "tensorwatch_optimizer_skip_streaks_total", rank="0") == 1
+    assert sample(p, "tensorwatch_optimizer_skip_streak", rank="0") == 2
     # the batch statistics carry the core's count and the scale: the larger count wins, a
     # count the events already reported is not added twice
     sink.on_batch(BatchStats(5, 0, 10.0, linear_frames(1), grad_scale=8192.0, steps_skipped=2))
@@ -70,6 +73,8 @@ def test_otel_counter_and_grad_scale_gauge():
     sink.on_event(SkipStreakEvent(4, 0, 2, 16384.0, 4.5))
     assert _points(reader, "tensorwatch.optimizer.steps_skipped")[0] == {(("tensorwatch.rank", 0),): 2}
     assert _points(reader, "tensorwatch.grad_scale")[0] == {(("tensorwatch.rank", 0),): 16384.0}
+    assert _points(reader, "tensorwatch.optimizer.skip_streaks")[0] == {(("tensorwatch.rank", 0),): 1}
+    assert _points(reader, "tensorwatch.optimizer.skip_streak")[0] == {(("tensorwatch.rank", 0),): 2}
     sink.on_batch(BatchStats(5, 0, 10.0, linear_frames(1), grad_scale=4096.0, steps_skipped=3))
     assert _points(reader, "tensorwatch.optimizer.steps_skipped")[0] == {(("tensorwatch.rank", 0),): 3}
     assert _points(reader, "tensorwatch.grad_scale")[0] == {(("tensorwatch.rank", 0),): 4096.0}

@@ -119,8 +119,15 @@ class OtelTelemetry(Sink):
             "tensorwatch.optimizer.steps_skipped", unit="{step}",
             description="Optimizer steps skipped because the gradients held inf/nan")
         self._skipped.add(0, {"tensorwatch.rank": self._rank})  # the series exists from zero
-        meter.create_observable_gauge("tensorwatch.grad_scale", [self._observe_grad_scale], unit="1",
+        meter.create_observable_gauge("tensorwatch.grad_scale", [self._observe_grad_scale], unit="",
                                       description="The gradient scaler's loss scale")
+        self._streaks = meter.create_counter(
+            "tensorwatch.optimizer.skip_streaks", unit="{streak}",
+            description="Times max_skipped_steps optimizer steps in a row were skipped")
+        self._streaks.add(0, {"tensorwatch.rank": self._rank})
+        self._streak: Optional[Tuple[int, int]] = None  # (streak, rank) of the latest skip reported
+        meter.create_observable_gauge("tensorwatch.optimizer.skip_streak", [self._observe_streak], unit="",
+                                      description="Consecutive skipped optimizer steps, as of the latest skip")
         meter.create_observable_counter("tensorwatch.batches", [self._observe_batches], unit="{batch}",
                                         description="Watched batches")
         meter.create_observable_gauge("tensorwatch.batch_number", [self._observe_batch_number], unit="",
@@ -165,6 +172,9 @@ class OtelTelemetry(Sink):
             if isinstance(event, SkippedStepEvent):
                 self._skips[0] += 1
                 self._count_skips(event.rank)
+            else:
+                self._streaks.add(1, {"tensorwatch.rank": event.rank})
+            self._streak = (event.streak, event.rank)
             self._set_scale(event.time, event.scale, event.rank)
             if isinstance(event, SkippedStepEvent):
                 return  # one per skip: the counter says it; a streak gets a span
@@ -320,3 +330,8 @@ class OtelTelemetry(Sink):
         if scale is None or not self._finite(scale):
             return []
         return [Observation(scale, {"tensorwatch.rank": rank})]
+
+    def _observe_streak(self, options: CallbackOptions) -> Iterable[Observation]:
+        if self._streak is None:
+            return []
+        return [Observation(self._streak[0], {"tensorwatch.rank": self._streak[1]})]

@@ -115,6 +115,8 @@ class PrometheusMetrics(Sink):
         # optimizer steps skipped: SkippedStepEvents seen, and the core's count in BatchStats;
         # the counter shows the larger, whichever of the two arrives first
         self._skips = [0, 0]
+        self._streaks = 0  # SkipStreakEvents: max_skipped_steps reached
+        self._streak: Optional[int] = None  # length of the latest streak reported
         self._grad_scale: Tuple[float, Optional[float]] = (-math.inf, None)  # (time, scale)
         self._lock = threading.Lock()
         self._scraped = threading.Condition(self._lock)
@@ -185,6 +187,11 @@ class PrometheusMetrics(Sink):
         if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
             if isinstance(event, SkippedStepEvent):
                 self._skips[0] += 1
+            else:
+                with self._lock:  # may precede the exception that ends the run: linger for it
+                    self._streaks += 1
+                    self._unscraped_detection = True
+            self._streak = event.streak
             self._set_scale(event.time, event.scale)
             return
         stopped = getattr(event, "event", "") == "stopped_by_rank"
@@ -306,6 +313,12 @@ class PrometheusMetrics(Sink):
                                         labels=("rank",))
         scale_f = GaugeMetricFamily("tensorwatch_grad_scale", "The gradient scaler's loss scale",
                                     labels=("rank",))
+        streaks_f = CounterMetricFamily("tensorwatch_optimizer_skip_streaks",
+                                        "Times max_skipped_steps optimizer steps in a row were skipped",
+                                        labels=("rank",))
+        streak_f = GaugeMetricFamily("tensorwatch_optimizer_skip_streak",
+                                     "Consecutive skipped optimizer steps, as of the latest skip reported",
+                                     labels=("rank",))
         batches = 0
         if snap is not None:
             for module, cls, tensor, dtype, lo, hi, ru in snap.rows:
@@ -319,6 +332,9 @@ class PrometheusMetrics(Sink):
             batches = snap.batches
         batches_f.add_metric((r,), batches)
         skipped_f.add_metric((r,), max(self._skips))
+        streaks_f.add_metric((r,), self._streaks)
+        if self._streak is not None:
+            streak_f.add_metric((r,), self._streak)
         scale = self._grad_scale[1]
         if scale is not None:
             scale_f.add_metric((r,), scale)
@@ -330,4 +346,5 @@ class PrometheusMetrics(Sink):
             nonfinite.add_metric((module, cls, tensor, str(ev_rank), str(first)), n, exemplar=ex)
         for (module, cls, tensor, ev_rank, first), n in stopped:
             stopped_f.add_metric((module, cls, tensor, str(ev_rank), str(first)), n)
-        return [amax, amin, used, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f, scale_f]
+        return [amax, amin, used, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f, scale_f,
+                streaks_f, streak_f]
