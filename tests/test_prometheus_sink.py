@@ -345,7 +345,7 @@ def test_linger_serves_until_one_scrape_after_detection():
     assert proc.poll() is None
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert sample(parse_prom(body), "tensorwatch_nonfinite_events_total", module="layers.2",
-                  module_class="Linear", tensor="output", rank="0") == 1
+                  module_class="Linear", tensor="output", rank="0", first_rank="0") == 1
     t = time.monotonic()
     proc.wait(timeout=10)
     assert time.monotonic() - t < 5  # left soon after the scrape, not after 30 s

@@ -111,7 +111,6 @@ class PrometheusMetrics(Sink):
         self._window = Window(self._wanted, self.max_series, window_seconds(window_s), "Prometheus")
         # (module, class, tensor, rank, first_rank) -> [count, trace id, time of the last detection]
         self._nonfinite: Dict[Tuple[str, str, str, int, int], list] = {}
-        self._stopped: Dict[Tuple[str, str, str, int, int], int] = {}  # ranks stopped by another
         # optimizer steps skipped: SkippedStepEvents seen, and the core's count in BatchStats;
         # the counter shows the larger, whichever of the two arrives first
         self._skips = [0, 0]
@@ -194,16 +193,12 @@ class PrometheusMetrics(Sink):
             self._streak = event.streak
             self._set_scale(event.time, event.scale)
             return
-        stopped = getattr(event, "event", "") == "stopped_by_rank"
-        if not (isinstance(event, NonFiniteEvent) or stopped):
+        if not isinstance(event, NonFiniteEvent):
             return
-        first = getattr(event, "first_rank", None)
+        first = event.first_rank
         key = (label_for_module(event.module), event.module_class, event.tensor, event.rank,
                event.rank if first is None else first)
         with self._lock:
-            if stopped:
-                self._stopped[key] = self._stopped.get(key, 0) + 1
-                return
             entry = self._nonfinite.setdefault(key, [0, None, None])
             entry[0] += 1
             if event.trace_id:
@@ -299,9 +294,6 @@ class PrometheusMetrics(Sink):
                                         "where one appeared and the rank that detected first "
                                         "(exemplar: the detection span's trace_id)",
                                         labels=("module", "module_class", "tensor", "rank", "first_rank"))
-        stopped_f = CounterMetricFamily("tensorwatch_stopped_by_rank_events",
-                                        "Ranks stopped because another rank (first_rank) detected inf/nan",
-                                        labels=("module", "module_class", "tensor", "rank", "first_rank"))
         batches_f = CounterMetricFamily("tensorwatch_batches", "Watched batches", labels=("rank",))
         number = GaugeMetricFamily("tensorwatch_batch_number", "Number of the last watched batch (0-based)",
                                    labels=("rank",))
@@ -340,11 +332,8 @@ class PrometheusMetrics(Sink):
             scale_f.add_metric((r,), scale)
         with self._lock:
             counts = [(k, list(v)) for k, v in self._nonfinite.items()]
-            stopped = list(self._stopped.items())
         for (module, cls, tensor, ev_rank, first), (n, trace_id, t) in counts:
             ex = None if trace_id is None else Exemplar({"trace_id": trace_id}, 1.0, t)
             nonfinite.add_metric((module, cls, tensor, str(ev_rank), str(first)), n, exemplar=ex)
-        for (module, cls, tensor, ev_rank, first), n in stopped:
-            stopped_f.add_metric((module, cls, tensor, str(ev_rank), str(first)), n)
-        return [amax, amin, used, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f, scale_f,
+        return [amax, amin, used, nonfinite, batches_f, number, dropped_f, skipped_f, scale_f,
                 streaks_f, streak_f]
