@@ -13,9 +13,11 @@ from .core.events import (
     Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
+    StoppedByRankEvent,
     TensorStat,
 )
 from ._version import __version__
+from .core.capture import load_capture
 from ._watch import watch
 from .core.errors import AbortAfterBatch, NonFiniteDetected
 from .core.watcher import Watcher
@@ -34,5 +36,7 @@ __all__ = [
     "BatchTraceEvent",
     "AbortAfterBatchEvent",
     "OverflowCheckEvent",
+    "StoppedByRankEvent",
+    "load_capture",
     "__version__",
 ]

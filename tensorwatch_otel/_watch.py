@@ -12,19 +12,32 @@ from .core.ports import Sink
 from .core.watcher import Watcher
 
 
-def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max_frames: int = 21,
-          trace_batches: Sequence[int] = (), abort_after_batch: Optional[int] = None,
-          every_n_batches: int = 1, gradients: bool = False, include=None, exclude=None,
-          on_detect: str = "raise", check: str = "batch", strict: bool = False,
-          flush_timeout_s: float = 5.0, optimizer_state: bool = False, capture_dir=None,
+def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max_frames: Optional[int] = None,
+          trace_batches: Optional[Sequence[int]] = None, abort_after_batch: Optional[int] = None,
+          every_n_batches: Optional[int] = None, gradients: Optional[bool] = None, include=None, exclude=None,
+          on_detect: Optional[str] = None, check: Optional[str] = None, strict: bool = False,
+          flush_timeout_s: Optional[float] = None, optimizer_state: Optional[bool] = None, capture_dir=None,
           grad_scaler=None, max_skipped_steps: Optional[int] = None,
-          rerun_on_detect: bool = False) -> Watcher:
+          rerun_on_detect: Optional[bool] = None) -> Watcher:
     """Watch every module of `model` for inf/nan and export per-module abs min/max.
+
+    An option left at None comes from its environment variable when that is set, else from its
+    default (an argument always wins): max_frames (TENSORWATCH_MAX_FRAMES, 21), trace_batches
+    (TENSORWATCH_TRACE_BATCHES, none), abort_after_batch (TENSORWATCH_ABORT_AFTER_BATCH, never),
+    every_n_batches (TENSORWATCH_EVERY_N_BATCHES, 1), gradients (TENSORWATCH_GRADIENTS, False),
+    include/exclude (TENSORWATCH_INCLUDE/EXCLUDE, comma-separated globs; all modules),
+    on_detect (TENSORWATCH_ON_DETECT, "raise"), check (TENSORWATCH_CHECK, "batch"),
+    flush_timeout_s (TENSORWATCH_FLUSH_TIMEOUT_SECONDS, 5.0), optimizer_state
+    (TENSORWATCH_OPTIMIZER_STATE, False), capture_dir (TENSORWATCH_CAPTURE_DIR, off),
+    max_skipped_steps (TENSORWATCH_MAX_SKIPPED_STEPS, 20), rerun_on_detect
+    (TENSORWATCH_RERUN_ON_DETECT, False). An invalid value raises ConfigError (a ValueError)
+    naming the option or variable and the valid range.
 
     Statistics stay on the device and come back in one transfer per batch (`check="batch"`);
     `check="module"` reads back after every module call (exact and immediate, slower).
     `sinks=None` means a TextReport plus what the environment configures
-    (TENSORWATCH_PROMETHEUS_PORT, TENSORWATCH_JSONL, OTEL_EXPORTER_OTLP_*).
+    (TENSORWATCH_PROMETHEUS_PORT, TENSORWATCH_JSONL, OTEL_EXPORTER_OTLP_*), exporting through the
+    application's OpenTelemetry providers when it has installed SDK ones.
 
     `gradients=True` also watches parameter gradients: a non-finite gradient is a detection
     only when an optimizer step consumes it; a step skipped instead (torch.amp.GradScaler) is

@@ -36,11 +36,12 @@ class OtlpReceiver:
     """Context manager. ``grpc_endpoint`` ("http://127.0.0.1:P") and ``http_endpoint``
     ("http://127.0.0.1:Q", the base the exporters append /v1/traces to).
 
+    ``grpc_port``: the gRPC port to bind (default: a free one; raises when taken).
     ``mode``: "ok" (accept), "stall" (hold each request until ``release()`` or ``stall_s``),
     "refuse" (gRPC UNAVAILABLE / HTTP 503). Change it at any time with ``set_mode``.
     """
 
-    def __init__(self, mode: str = "ok", stall_s: float = 60.0):
+    def __init__(self, mode: str = "ok", stall_s: float = 60.0, grpc_port: int = 0):
         self.mode = mode
         self.stall_s = stall_s
         self._released = threading.Event()
@@ -51,7 +52,7 @@ class OtlpReceiver:
         self.attempts: Dict[str, int] = {"grpc": 0, "http": 0}  # requests received, refused ones too
         self._grpc: Optional[grpc.Server] = None
         self._http: Optional[ThreadingHTTPServer] = None
-        self.grpc_port = 0
+        self.grpc_port = grpc_port  # 0: a free one
         self.http_port = 0
 
     # -- control ----------------------------------------------------------------------------
@@ -166,7 +167,7 @@ class OtlpReceiver:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), server)
-        self.grpc_port = server.add_insecure_port("127.0.0.1:0")
+        self.grpc_port = server.add_insecure_port(f"127.0.0.1:{self.grpc_port}")
         server.start()
         self._grpc = server
 

@@ -3,6 +3,7 @@ change rules of `_diff`, and the commands' error paths."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from tensorwatch_otel import BatchTraceEvent, Frame, NonFiniteDetected, TensorStat, watch
-from tensorwatch_otel.report.codec import read_events
+from tensorwatch_otel.report.codec import from_dict, read_events
 from tensorwatch_otel.report.diff import align, change, diff_frames
 from tensorwatch_otel.report.text import render_detection, render_trace
 from tensorwatch_otel.cli import main
@@ -258,3 +259,131 @@ def test_diff_input_errors_exit_2(logs, capsys, tmp_path):
     train(det, scale_at=1, module="hidden.0", factor=1e5, dtype=torch.float16, steps=2)
     code, _, err = run_cli(capsys, "diff", f"{det}:1", f"{good}:{TRACED}")
     assert code == 2 and "holds the inf/nan detection of batch 1" in err and "traced batches: none" in err
+
+
+# ------------------------------------------------------------------------------ damaged and foreign logs
+@pytest.fixture(scope="module")
+def real_log(tmp_path_factory):
+    """The two lines of a real run: the trace of batch TRACED and the fp16 overflow detected in it."""
+    path = tmp_path_factory.mktemp("real") / "e.jsonl"
+    train(path, scale_at=TRACED, module="hidden.0", factor=1e5, dtype=torch.float16, steps=TRACED + 1)
+    lines = path.read_text().splitlines(keepends=True)
+    assert [line.split('"event":"')[1].split('"')[0] for line in lines] == ["batch_trace", "nonfinite_detected"]
+    return lines
+
+
+def _report(capsys, tmp_path, text, *argv):
+    path = tmp_path / "e.jsonl"
+    path.write_text(text)
+    code, out, err = run_cli(capsys, "report", str(path), *argv)
+    assert "Traceback" not in err
+    return code, out, err
+
+
+UNUSABLE_LINES = [
+    ('{"hello":"world"}\n', "no 'event'"),
+    ('{"time":"2026-01-01T00:00:00Z","event":"batch_trace","batch_number":1e999,"rank":0,"frames":[]}\n',
+     "batch_number: expected an integer, got inf"),
+    ('{"time":"2026-01-01T00:00:00Z","event":"batch_trace","batch_number":2,"rank":1e999,"frames":[]}\n',
+     "rank: expected an integer"),
+    ('{"time":"2026-01-01T00:00:00Z","event":"batch_trace","batch_number":true,"frames":[]}\n',
+     "batch_number: expected an integer"),
+    ('{"time":5,"event":"batch_trace","batch_number":2,"frames":[]}\n', "time: expected a string"),
+    ('{"time":"2026-01-01T00:00:00Z","event":"batch_trace","batch_number":2,"frames":{"a":1}}\n',
+     "malformed frames"),
+    ('{"time":"2026-01-01T00:00:00Z","event":"batch_trace","batch_number":2,"frames":'
+     '[{"module":"m","module_class":"M","tensors":[{"name":"w","abs_min":{},"abs_max":1}]}]}\n',
+     "abs_min: expected a number"),
+    ('{"time":"2026-01-01T00:00:00Z","event":"batch_trace","batch_number":2,"frames":'
+     '[{"module":7,"module_class":"M","tensors":[]}]}\n', "module: expected a string"),
+    ("[" * 100_000 + "]" * 100_000 + "\n", "nested too deeply"),
+    ('{"a":' * 50_000 + "1" + "}" * 50_000 + "\n", "nested too deeply"),
+    ("[1, 2]\n", "a JSON list, not an object"),
+    ('"just a string"\n', "a JSON str, not an object"),
+]
+
+
+UNUSABLE_IDS = ["hello-world", "batch-1e999", "rank-1e999", "batch-bool", "time-int", "frames-dict", "abs-min-dict",
+                "module-int", "deep-list", "deep-dict", "list", "string"]
+
+
+@pytest.mark.parametrize("line, why", UNUSABLE_LINES, ids=UNUSABLE_IDS)
+def test_report_a_file_of_one_unusable_line_is_not_an_event_log(tmp_path, capsys, line, why):
+    code, out, err = _report(capsys, tmp_path, line)
+    assert code == 2 and out == ""
+    assert err.startswith("tensorwatch-otel report: error: not a tensorwatch event log: ") and ":1: " in err
+    assert why in err
+
+
+@pytest.mark.parametrize("line, why", UNUSABLE_LINES, ids=UNUSABLE_IDS)
+def test_report_an_unusable_line_among_events_is_skipped_and_named(tmp_path, capsys, real_log, line, why):
+    trace, detection = real_log
+    code, out, err = _report(capsys, tmp_path, trace + line + detection)
+    whole_code, whole, _ = _report(capsys, tmp_path, trace + detection)
+    assert code == 0 == whole_code and out == whole  # everything valid rendered
+    assert "skipped 1 line that is not a valid event: line 2" in err
+    assert [ln for ln in err.splitlines() if ln.startswith("report:   line 2: ") and why in ln]
+
+
+NEW_TYPE = '{"time":"2026-01-01T00:00:00Z","event":"optimizer_step_skipped","batch_number":3,"rank":0,"frames":[]}\n'
+
+
+def test_report_unknown_event_types_are_skipped_alike_mid_file_and_last(tmp_path, capsys, real_log):
+    trace, detection = real_log
+    _, whole, _ = _report(capsys, tmp_path, trace + detection)
+    streak = NEW_TYPE.replace("optimizer_step_skipped", "skipped_steps_streak")
+    for text, lines in [(trace + NEW_TYPE + detection, "line 2"), (trace + detection + NEW_TYPE, "line 3"),
+                        (NEW_TYPE + trace + detection + NEW_TYPE + streak, "lines 1, 4")]:
+        code, out, err = _report(capsys, tmp_path, text)
+        assert code == 0 and out == whole
+        assert f"of types this version does not render: optimizer_step_skipped ({lines})" in err
+    assert "skipped_steps_streak (line 5)" in err
+    # a log of new event types only is still an event log: nothing to render, exit 0
+    code, out, err = _report(capsys, tmp_path, NEW_TYPE + streak)
+    assert code == 0 and out == ""
+    assert "skipped 2 events of types" in err and "holds no events to render" in err
+
+
+def test_report_a_log_cut_off_and_then_appended_to(tmp_path, capsys, real_log):
+    # run 1 died while writing its detection; run 2 (restarted, same log) appended its own lines
+    trace, detection = real_log
+    first_run = trace + detection[: len(detection) // 2]
+    code, out, err = _report(capsys, tmp_path, first_run + trace + detection)
+    assert code == 0
+    _, whole, _ = _report(capsys, tmp_path, trace + detection)
+    assert out == render_trace(read_events_of(trace)) + whole  # run 1's trace, then all of run 2
+    assert "skipped 1 line that is not a valid event: line 2" in err and "line 2: not JSON" in err
+    assert "the event a restarted run appended to it was read" in err
+    # the cut-off line on a line of its own (the restarted run began with a newline)
+    code, out, err = _report(capsys, tmp_path, first_run + "\n" + trace + detection)
+    assert code == 0 and out == render_trace(read_events_of(trace)) + whole
+    assert "line 2: not JSON" in err and "was read" not in err
+    # cut off at the very end: the same note
+    code, out, err = _report(capsys, tmp_path, first_run)
+    assert code == 0 and "Detected" not in out and "line 2: not JSON" in err
+
+
+def read_events_of(line):
+    return from_dict(json.loads(line))
+
+
+def test_report_too_many_bad_lines_are_counted_not_all_listed(tmp_path, capsys, real_log):
+    trace, detection = real_log
+    code, out, err = _report(capsys, tmp_path, trace + "garbage\n" * 30 + detection)
+    assert code == 0 and "Detected inf/nan" in out
+    assert "skipped 30 lines that are not a valid event: lines 2, 3," in err and "and 10 more" in err
+    assert len(err.splitlines()) < 15
+
+
+def test_diff_reads_logs_through_the_same_loader(logs, capsys, tmp_path):
+    good = logs["good"]
+    lines = good.read_text().splitlines(keepends=True)
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text("garbage\n" + NEW_TYPE + "".join(lines))
+    code, out, err = run_cli(capsys, "diff", f"{damaged}:{TRACED}", f"{good}:{TRACED}")
+    assert code == 0 and "no divergence" in out and "Traceback" not in err
+    assert "diff: " in err and "line 1: not JSON" in err and "optimizer_step_skipped (line 2)" in err
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"hello":"world"}\n')
+    code, _, err = run_cli(capsys, "diff", f"{foreign}:1", f"{good}:{TRACED}")
+    assert code == 2 and "not a tensorwatch event log" in err and "Traceback" not in err

@@ -3,10 +3,14 @@ real OTLP receiver over gRPC and HTTP, in-process and in a training process that
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+import uuid
 
 import pytest
 import torch
@@ -93,13 +97,31 @@ def test_resource_rank_service_and_attributes(clean_env):
     assert isinstance(tp, TracerProvider)
     res = tp.resource.attributes
     assert res["service.name"] == "trainer"
-    assert res["service.instance.id"] == "5"
+    assert res["tensorwatch.rank"] == 5
+    # unique per process, not the rank: rank 5 of two jobs must not share one
+    assert uuid.UUID(res["service.instance.id"]).version == 4
+    assert mp._sdk_config.resource.attributes["service.instance.id"] == res["service.instance.id"]
     assert res["team"] == "ml" and res["deployment.environment"] == "test"
     shutdown_bounded([tp, mp], 5)
     clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=node7-gpu5")
     tp, mp = configure_from_env(5)
     assert tp.resource.attributes["service.instance.id"] == "node7-gpu5"
     shutdown_bounded([tp, mp], 5)
+
+
+def test_service_instance_id_differs_between_processes_of_the_same_rank():
+    code = ("import os; os.environ['OTEL_EXPORTER_OTLP_ENDPOINT'] = 'http://127.0.0.1:4318'\n"
+            "from tensorwatch_otel.sinks.otel_env import make_resource\n"
+            "a = make_resource(0).attributes; print(a['service.instance.id'], a['tensorwatch.rank'])")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TENSORWATCH_"))}
+    ids = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        instance, rank = out.stdout.split()
+        assert rank == "0"
+        ids.append(instance)
+    assert ids[0] != ids[1]
 
 
 def test_service_name_defaults_to_the_package_not_unknown_service(clean_env):
@@ -153,7 +175,8 @@ def _check_detection(span, rank="0"):
     assert boom["tensorwatch.tensors"] == ["input[0]", "output"]
     assert boom["tensorwatch.abs_max"][1] == float("inf")
     assert span["resource"]["service.name"] == "tw-test"
-    assert span["resource"]["service.instance.id"] == rank
+    assert span["resource"]["tensorwatch.rank"] == int(rank)
+    assert uuid.UUID(span["resource"]["service.instance.id"]).version == 4
     assert span["resource"]["team"] == "ml"
 
 
@@ -187,7 +210,8 @@ def test_sinks_none_exports_to_a_real_receiver(clean_env, protocol):
                and g["attributes"]["tensorwatch.tensor"] == "weight"]
         assert inp and inp[-1]["value"] == pytest.approx(model.inp.weight.detach().abs().max().item())
         assert all(g["value"] == g["value"] and abs(g["value"]) != float("inf") for g in gauges)
-        assert gauges[0]["resource"]["service.instance.id"] == "0"
+        assert gauges[0]["resource"]["tensorwatch.rank"] == 0
+        assert gauges[0]["resource"]["service.instance.id"] == span["resource"]["service.instance.id"]
         assert r.calls["grpc" if protocol == "grpc" else "http"] > 0
         assert r.calls["http" if protocol == "grpc" else "grpc"] == 0
 
@@ -223,3 +247,314 @@ def test_training_process_that_dies_loses_nothing(protocol):
         counts = [m for m in r.metrics() if m["name"] == "tensorwatch.nonfinite.events"]
         assert counts and counts[-1]["value"] == 1
         assert counts[-1]["attributes"]["tensorwatch.rank"] == 2
+
+
+# ---------------------------------------------------------------- protocol, port and URL
+@pytest.mark.parametrize("env, signal, protocol, var", [
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:4318"}, "traces", "http/protobuf", None),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:4317"}, "traces", "grpc", None),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:9999"}, "metrics", "http/protobuf", None),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4317"}, "traces", "grpc", None),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+     "traces", "http/protobuf", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:4318",
+      "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://traces.example:4317"}, "traces", "grpc", None),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:4317", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
+      "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "metrics", "http/protobuf", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"),
+])
+def test_protocol_is_the_variable_else_follows_the_grpc_port(env, signal, protocol, var):
+    from tensorwatch_otel.sinks._otlp_check import resolve
+
+    t = resolve(signal, env)
+    assert (t.protocol, t.protocol_var) == (protocol, var)
+
+
+@pytest.mark.parametrize("var, value", [
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "not a url"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost:4318"),  # the HTTP exporter needs the scheme
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "ftp://localhost:4318"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:99999"),
+    ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http//collector:4318/v1/metrics"),
+])
+def test_endpoint_that_is_not_a_url_is_one_line_and_no_pipeline(clean_env, caplog, var, value):
+    from tensorwatch_otel import watch
+    from tensorwatch_otel.sinks.otel_env import OtlpConfigError
+
+    # the traces endpoint is fine: a bad metrics one must still leave nothing half built
+    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
+    clean_env.setenv(var, value)
+    with pytest.raises(OtlpConfigError, match=var):
+        configure_from_env(0)
+    threads_before = {t.name for t in threading.enumerate()}
+    caplog.set_level(logging.DEBUG, logger="tensorwatch_otel")
+    model = torch.nn.Linear(4, 4)
+    with watch(model) as w:  # sinks=None: no exception, training goes on without OTLP
+        assert [type(s).__name__ for s in w.sinks] == ["TextReport"]
+        model(torch.randn(2, 4))
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    line = errors[0].getMessage()
+    assert "\n" not in line and f"{var}={value!r}" in line and "not a URL" in line and "off for this run" in line
+    assert not {t.name for t in threading.enumerate()} - threads_before
+
+
+def _export_once(tp, mp):
+    tp.get_tracer("t").start_span("s").end()
+    mp.get_meter("t").create_counter("c").add(1)
+    tp.force_flush()
+    mp.force_flush()
+
+
+@pytest.mark.parametrize("protocol, wrong_port, advice", [
+    ("http/protobuf", "grpc", "speaks gRPC (HTTP/2), not OTLP/HTTP"),
+    ("grpc", "http", "speaks HTTP/1.1 (OTLP/HTTP), not gRPC"),
+])
+def test_protocol_port_mismatch_is_one_line_naming_the_variable(clean_env, caplog, protocol, wrong_port, advice):
+    from tensorwatch_otel.sinks import _otlp_check
+
+    clean_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    with OtlpReceiver() as r:
+        endpoint = r.grpc_endpoint if wrong_port == "grpc" else r.http_endpoint
+        clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        if protocol == "grpc":  # explicit; http/protobuf is the default on a port other than 4317
+            clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+        caplog.set_level(logging.WARNING, logger="tensorwatch_otel")
+        tp, mp = configure_from_env(0)
+        try:
+            _export_once(tp, mp)  # traces and metrics both fail
+            _export_once(tp, mp)
+        finally:
+            shutdown_bounded([tp, mp], 5)
+        assert r.calls == {"grpc": 0, "http": 0}
+    ours = [r for r in caplog.records if r.name == _otlp_check.__name__]
+    assert len(ours) == 1, [r.getMessage() for r in ours]
+    line = ours[0].getMessage()
+    assert advice in line and "OTEL_EXPORTER_OTLP_PROTOCOL" in line and endpoint in line and "\n" not in line
+    other = "grpc" if protocol == "http/protobuf" else "http/protobuf"
+    assert f"set OTEL_EXPORTER_OTLP_PROTOCOL={other}" in line
+
+
+def test_matching_protocol_logs_no_mismatch(clean_env, caplog):
+    from tensorwatch_otel.sinks import _otlp_check
+
+    with OtlpReceiver() as r:
+        clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", r.http_endpoint)  # no protocol: http/protobuf
+        caplog.set_level(logging.DEBUG, logger="tensorwatch_otel")
+        tp, mp = configure_from_env(0)
+        _export_once(tp, mp)
+        shutdown_bounded([tp, mp], 5)
+        assert r.calls["http"] >= 2 and r.calls["grpc"] == 0
+    assert not [r for r in caplog.records if r.name == _otlp_check.__name__]
+
+
+def test_documented_endpoint_on_4317_without_protocol_reaches_the_collector(clean_env):
+    # deploy/README.md's first versions said OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4317 with no
+    # protocol: that has to export (over gRPC), not retry http/protobuf against a gRPC port.
+    try:
+        receiver = OtlpReceiver(grpc_port=4317).start()
+    except RuntimeError:
+        pytest.skip("port 4317 is taken on this machine")
+    try:
+        clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317")
+        tp, mp = configure_from_env(0)
+        _export_once(tp, mp)
+        shutdown_bounded([tp, mp], 5)
+        assert receiver.calls["grpc"] >= 2 and receiver.calls["http"] == 0
+        assert [s["name"] for s in receiver.spans()] == ["s"]
+    finally:
+        receiver.stop()
+
+
+# ---------------------------------------------------------------- the application's own SDK
+_APP_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    from _otel_fixtures import OverflowNet
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    scenario = sys.argv[1]
+    res = Resource.create({{"service.name": "app-svc", "service.instance.id": "app-1"}})
+    out = {{}}
+    if scenario == "otlp":  # the application exports both signals over OTLP itself
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        tp = TracerProvider(resource=res)
+        tp.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        mp = MeterProvider(resource=res, metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
+    else:  # in memory; "traces": the application has a tracer provider only
+        spans = InMemorySpanExporter()
+        tp = TracerProvider(resource=res)
+        tp.add_span_processor(SimpleSpanProcessor(spans))
+        reader = InMemoryMetricReader()
+        mp = MeterProvider(resource=res, metric_readers=[reader]) if scenario == "memory" else None
+    trace.set_tracer_provider(tp)
+    if mp is not None:
+        metrics.set_meter_provider(mp)
+
+    from tensorwatch_otel import NonFiniteDetected, watch
+    torch.manual_seed(0)
+    model = OverflowNet()
+    x = torch.randn(2, 8)
+    with watch(model, max_frames=6) as w:  # sinks=None
+        out["sinks"] = [type(s).__name__ for s in w.sinks]
+        model(x)
+        model.boom.factor = 1e39
+        try:
+            model(x)
+        except NonFiniteDetected:
+            out["raised"] = True
+    # detached: the application's providers are still its own and still work
+    trace.get_tracer("app").start_span("after-detach").end()
+    tp.force_flush()
+    if scenario == "otlp":
+        mp.force_flush()
+        tp.shutdown()
+        mp.shutdown()
+    else:
+        out["spans"] = [[s.name, s.resource.attributes["service.name"]] for s in spans.get_finished_spans()]
+    if scenario == "memory":
+        data = reader.get_metrics_data()
+        out["metrics"] = [[m.name, rm.resource.attributes["service.name"], [p.value for p in m.data.data_points]]
+                          for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def _run_app(scenario, receiver):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TENSORWATCH_"))}
+    # tensorwatch_otel's own pipeline would go to the same receiver: it must not be built
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.http_endpoint, OTEL_SERVICE_NAME="tw-own",
+               OTEL_BSP_SCHEDULE_DELAY="50")
+    proc = subprocess.run([sys.executable, "-c", _APP_SCRIPT.format(tests=TESTS), scenario], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_sinks_none_exports_once_through_the_applications_otlp_pipeline():
+    with OtlpReceiver() as r:
+        out = _run_app("otlp", r)
+        assert out["raised"] and out["sinks"] == ["TextReport", "OtelTelemetry"]
+        spans = r.spans()
+        assert len(_detection_spans(r)) == 1
+        assert sorted(s["name"] for s in spans) == ["after-detach", "tensorwatch.nonfinite_detected"]
+        resources = {(s["resource"]["service.name"], s["resource"]["service.instance.id"]) for s in spans}
+        points = [m for m in r.metrics() if m["name"].startswith("tensorwatch.")]
+        resources |= {(m["resource"]["service.name"], m["resource"]["service.instance.id"]) for m in points}
+        assert resources == {("app-svc", "app-1")}
+        # cumulative: each collection (flush at the detection, at detach, the application's own
+        # flush and shutdown) carries the same count 1 from the one pipeline
+        counts = [m for m in points if m["name"] == "tensorwatch.nonfinite.events"]
+        assert counts and {m["value"] for m in counts} == {1}
+
+
+def test_sinks_none_exports_through_in_memory_application_providers_and_not_over_otlp():
+    with OtlpReceiver() as r:
+        out = _run_app("memory", r)
+        assert r.attempts == {"grpc": 0, "http": 0}
+    assert [s for s in out["spans"] if s[0] == "tensorwatch.nonfinite_detected"] == \
+        [["tensorwatch.nonfinite_detected", "app-svc"]]
+    assert ["after-detach", "app-svc"] in out["spans"]
+    counts = [m for m in out["metrics"] if m[0] == "tensorwatch.nonfinite.events"]
+    assert counts == [["tensorwatch.nonfinite.events", "app-svc", [1]]]
+    assert {m[1] for m in out["metrics"]} == {"app-svc"}
+
+
+def test_application_with_a_tracer_provider_only_gets_our_metrics_pipeline_not_a_second_trace_one():
+    with OtlpReceiver() as r:
+        out = _run_app("traces", r)
+        assert r.spans() == []  # spans went through the application's provider only
+        points = r.wait_for(lambda rr: [m for m in rr.metrics() if m["name"] == "tensorwatch.nonfinite.events"])
+        assert {m["resource"]["service.name"] for m in points} == {"tw-own"}
+    assert [s for s in out["spans"] if s[0] == "tensorwatch.nonfinite_detected"] == \
+        [["tensorwatch.nonfinite_detected", "app-svc"]]
+
+
+def test_documented_endpoints_match_the_collectors_protocol_per_port():
+    # every OTEL_EXPORTER_OTLP_ENDPOINT the deploy docs give, resolved as a run would, must speak
+    # the protocol the shipped collector serves on that port
+    import re
+
+    import yaml
+    from tensorwatch_otel.sinks._otlp_check import resolve
+
+    root = os.path.dirname(TESTS)
+    with open(os.path.join(root, "deploy", "otel-collector", "config.yaml"), encoding="utf-8") as fh:
+        receivers = yaml.safe_load(fh)["receivers"]["otlp"]["protocols"]
+    served = {int(receivers["grpc"]["endpoint"].rsplit(":", 1)[1]): "grpc",
+              int(receivers["http"]["endpoint"].rsplit(":", 1)[1]): "http/protobuf"}
+    found = []
+    for doc in ("deploy/README.md", "deploy/docker-compose.yaml", "deploy/otel-collector/config.yaml",
+                "README.md", "docs/telemetry.md"):
+        with open(os.path.join(root, doc), encoding="utf-8") as fh:
+            for url in re.findall(r"OTEL_EXPORTER_OTLP_ENDPOINT=(http://[A-Za-z0-9.:_-]+)", fh.read()):
+                t = resolve("traces", {"OTEL_EXPORTER_OTLP_ENDPOINT": url})
+                if t.port in served:
+                    found.append(doc)
+                    assert t.protocol == served[t.port], (doc, url)
+    assert "deploy/README.md" in found
+
+
+_INSTRUMENTED_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from _otel_fixtures import OverflowNet
+    from tensorwatch_otel import NonFiniteDetected, watch
+    torch.manual_seed(0)
+    model = OverflowNet()
+    x = torch.randn(2, 8)
+    with watch(model, max_frames=6) as w:  # sinks=None, no OpenTelemetry code in the script
+        print("SINKS", [type(s).__name__ for s in w.sinks])
+        model(x)
+        model.boom.factor = 1e39
+        try:
+            model(x)
+        except NonFiniteDetected:
+            print("RAISED")
+""")
+
+
+@pytest.mark.slow
+def test_opentelemetry_instrument_run_exports_once_under_the_applications_resource():
+    pytest.importorskip("opentelemetry.distro")
+    with OtlpReceiver() as r:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TENSORWATCH_"))}
+        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=r.http_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                   OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="otlp", OTEL_LOGS_EXPORTER="none",
+                   OTEL_SERVICE_NAME="instrumented-app", OTEL_RESOURCE_ATTRIBUTES="service.instance.id=app-7")
+        proc = subprocess.run(["opentelemetry-instrument", sys.executable, "-c", _INSTRUMENTED_SCRIPT.format(tests=TESTS)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "RAISED" in proc.stdout and "'OtelTelemetry'" in proc.stdout
+        [span] = _detection_spans(r)
+        points = r.wait_for(lambda rr: [m for m in rr.metrics() if m["name"].startswith("tensorwatch.")])
+        resources = {(x["resource"]["service.name"], x["resource"]["service.instance.id"]) for x in [span] + points}
+        assert resources == {("instrumented-app", "app-7")}
+        # the resource opentelemetry-instrument built (it adds telemetry.auto.version), not ours
+        assert "tensorwatch.rank" not in span["resource"]
+        assert all("telemetry.auto.version" in x["resource"] for x in [span] + points)
+
+
+def test_pipeline_that_fails_half_way_is_taken_down_and_logged(clean_env, caplog):
+    from tensorwatch_otel import watch
+
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    clean_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "-5")  # the SDK refuses it after the tracer provider exists
+    with pytest.raises(ValueError):
+        configure_from_env(0)
+    threads_before = {t.name for t in threading.enumerate()}
+    caplog.set_level(logging.WARNING, logger="tensorwatch_otel")
+    model = torch.nn.Linear(4, 4)
+    with watch(model) as w:
+        assert [type(s).__name__ for s in w.sinks] == ["TextReport"]
+        model(torch.randn(2, 4))
+    [line] = [r.getMessage() for r in caplog.records if r.name.startswith("tensorwatch_otel")]
+    assert "setting up OTLP export failed (ValueError" in line and "off for this run" in line
+    assert not {t.name for t in threading.enumerate()} - threads_before

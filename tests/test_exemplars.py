@@ -127,3 +127,44 @@ def test_real_prometheus_stores_and_returns_the_exemplar(tmp_path):
             assert abs(float(found[0]["timestamp"]) - ev.time) < 0.01
     finally:
         sink.close()
+
+
+def test_stopped_by_rank_in_prometheus_and_otel():
+    """A rank stopped by another's detection: its own counter names first_rank, and a span says
+    why it stopped; neither counts as a detection of its own."""
+    from opentelemetry.trace import StatusCode
+    from prometheus_client import generate_latest
+
+    from _otel_fixtures import parse_prom, sample
+    from tensorwatch_otel.core.events import StoppedByRankEvent
+
+    ev = StoppedByRankEvent(40, 0, 2, "blocks.3.ffn", "Linear", "output", "inf", time.time(), stopped_at_batch=41)
+    reg = CollectorRegistry()
+    prom = PrometheusMetrics(registry=reg)
+    prom.on_event(ev)
+    p = parse_prom(generate_latest(reg).decode())
+    assert sample(p, "tensorwatch_stopped_by_rank_events_total", module="blocks.3.ffn", module_class="Linear",
+                  tensor="output", rank="0", first_rank="2") == 1
+    assert not any(k[0] == "tensorwatch_nonfinite_events_total" for k in p)
+    prom.close()
+
+    spans = InMemorySpanExporter()
+    tp = TracerProvider(shutdown_on_exit=False)
+    tp.add_span_processor(SimpleSpanProcessor(spans))
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    sink = OtelTelemetry(tracer_provider=tp, meter_provider=mp)
+    sink.on_event(ev)
+    sink.flush(5)
+    [span] = spans.get_finished_spans()
+    assert span.name == "tensorwatch.stopped_by_rank" and span.status.status_code is StatusCode.ERROR
+    a = span.attributes
+    assert (a["tensorwatch.rank"], a["tensorwatch.first_rank"], a["tensorwatch.module.path"],
+            a["tensorwatch.stopped_at_batch"]) == (0, 2, "blocks.3.ffn", 41)
+    pts = {m.name: [dict(dp.attributes) for dp in m.data.data_points]
+           for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert pts["tensorwatch.stopped_by_rank.events"][0]["tensorwatch.first_rank"] == 2
+    assert "tensorwatch.nonfinite.events" not in pts
+    sink.close()
+    tp.shutdown()
+    mp.shutdown()

@@ -44,8 +44,9 @@ SCHEMA = {
     "properties": {
         "time": {"type": "string"},
         "event": {"enum": ["nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check",
-                           "optimizer_step_skipped", "skipped_steps_streak"]},
-        "first_rank": {"type": "integer"},  # detections: the rank that detected first
+                           "stopped_by_rank", "optimizer_step_skipped", "skipped_steps_streak"]},
+        "first_rank": {"type": "integer"},  # detections and stops (second wave)
+        "stopped_at_batch": {"type": ["integer", "null"]},  # stopped_by_rank
         "trace_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},  # detections: the span's trace
         "streak": {"type": "integer"},  # skipped optimizer steps
         "scale": NUM,
@@ -245,9 +246,10 @@ def test_detection_line_is_durable_when_process_dies_right_after(tmp_path):
 
 
 def test_unwritable_path_logged_once_and_training_goes_on(tmp_path, caplog):
+    # the path was fine when the sink was built; its folder is a file by the first event
     blocker = tmp_path / "a_file"
-    blocker.write_text("not a folder")
     log_sink = JsonlLog(str(blocker / "events.jsonl"))
+    blocker.write_text("not a folder")
     mem = Collect()
     model = Net()
     x = torch.randn(2, 3)
@@ -285,6 +287,44 @@ def test_rank_placeholder(tmp_path):
     assert os.listdir(tmp_path) == ["ev-3.jsonl"]
 
 
+def test_directory_path_rejected_at_construction(tmp_path):
+    (tmp_path / "3").mkdir()
+    for bad in (tmp_path, str(tmp_path) + os.sep, tmp_path / "{rank}"):
+        with pytest.raises(ValueError, match=r"^JsonlLog path=.*is a directory"):
+            JsonlLog(bad, rank=3)
+    assert os.listdir(tmp_path) == ["3"]
+
+
+def test_unusable_parent_rejected_at_construction(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match=r"^JsonlLog path=.*is a file, not a folder"):
+        JsonlLog(tmp_path / "a_file" / "deeper" / "events.jsonl")
+    # a folder that takes no new file, even for root
+    with pytest.raises(ValueError, match=r"^JsonlLog path=.*cannot create files in '/proc'"):
+        JsonlLog("/proc/tensorwatch-test/events.jsonl")
+    assert os.listdir(tmp_path) == ["a_file"]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes anywhere")
+def test_read_only_folder_rejected_at_construction(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match=r"^JsonlLog path=.*cannot create files"):
+            JsonlLog(ro / "events.jsonl")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_valid_path_creates_nothing_until_the_first_event(tmp_path):
+    sink = JsonlLog(tmp_path / "run" / "events.jsonl")
+    assert os.listdir(tmp_path) == []
+    sink.on_event(AbortAfterBatchEvent(0, 0, 0.0))
+    sink.close()
+    assert _strict_loads((tmp_path / "run" / "events.jsonl").read_text())["event"] == "abort_after_batch"
+
+
 # ---------------------------------------------------------------- second wave fields and events
 def test_first_rank_and_trace_id_round_trip():
     fr = (Frame("m", "M", (TensorStat("x", 0.0, math.inf, "float16"),), 7),)
@@ -300,7 +340,7 @@ def test_first_rank_and_trace_id_round_trip():
     old = _codec.from_dict(d)
     assert (old.first_rank, old.trace_id) == (3, "")
     assert "trace_id" not in _strict_loads(_codec.to_line(old))
-    with pytest.raises(ValueError, match="first_rank"):
+    with pytest.raises(ValueError, match="integer"):
         _codec.from_dict(dict(d, first_rank="two"))
 
 

@@ -472,3 +472,66 @@ def test_scrapes_during_real_training_are_consistent(registry):
         assert total == number + 1
         assert mods == n_modules
     sink.close()
+
+
+# ------------------------------------------------------------------ bad constructor arguments
+
+
+def _serves_a_batch(sink) -> float:
+    sink.on_batch(batch(linear_frames(1)))
+    body = urllib.request.urlopen(sink.url, timeout=5).read().decode()
+    return sample(parse_prom(body), "tensorwatch_batches_total", rank="0")
+
+
+@pytest.mark.parametrize("bad", [99999, 65536, -1, True, 1.5, "http", "80x"])
+@pytest.mark.parametrize("which", ["global", "own"])
+def test_bad_port_is_value_error_and_leaves_nothing_behind(bad, which):
+    from prometheus_client import REGISTRY
+
+    reg = REGISTRY if which == "global" else CollectorRegistry()
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=r"port=.*0\.\.65535"):
+        PrometheusMetrics(port=bad, registry=None if which == "global" else reg)
+    assert threading.active_count() == threads
+    # a corrected sink in the same process registers and exports as if nothing had happened
+    sink = PrometheusMetrics(port=0, registry=None if which == "global" else reg, linger_s=0)
+    try:
+        assert sink._registered
+        assert _serves_a_batch(sink) == 1
+    finally:
+        sink.close()
+    assert "tensorwatch_" not in generate_latest(reg).decode()
+
+
+@pytest.mark.parametrize("addr", [None, 127001, "", "   ", "999.1.1.1"])
+def test_bad_addr_is_value_error_and_leaves_nothing_behind(registry, addr):
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=r"^addr="):
+        PrometheusMetrics(port=0, addr=addr, registry=registry)
+    assert threading.active_count() == threads
+    assert generate_latest(registry) == b""  # the collector was unregistered
+    sink = PrometheusMetrics(port=0, registry=registry, linger_s=0)
+    assert _serves_a_batch(sink) == 1
+    sink.close()
+
+
+@pytest.mark.parametrize("bad", ["registry", 5, object()])
+def test_bad_registry_is_value_error(bad):
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=r"^registry=.*CollectorRegistry"):
+        PrometheusMetrics(port=0, registry=bad)
+    assert threading.active_count() == threads
+
+
+def test_port_plus_local_rank_past_65535_leaves_nothing_behind(registry, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"port=65535 plus LOCAL_RANK=1 is 65536"):
+        PrometheusMetrics(port=65535, registry=registry)
+    assert generate_latest(registry) == b""
+    PrometheusMetrics(registry=registry).close()  # registers without a conflict
+
+
+def test_port_as_digit_string_is_accepted(registry):
+    sink = PrometheusMetrics(port="0", registry=registry, linger_s=0)
+    assert _serves_a_batch(sink) == 1
+    sink.close()

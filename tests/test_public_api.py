@@ -12,7 +12,7 @@ import textwrap
 import tensorwatch_otel
 import tensorwatch_otel.sinks
 
-CONTRACT_NAMES = {"watch", "Watcher", "NonFiniteDetected", "DebugUnderflowOverflow", "detect_overflow"}
+CONTRACT_NAMES = {"watch", "Watcher", "NonFiniteDetected", "DebugUnderflowOverflow", "detect_overflow", "load_capture"}
 CONTRACT_SINKS = {"TextReport", "JsonlLog", "PrometheusMetrics", "OtelTelemetry"}
 
 
@@ -40,14 +40,24 @@ def test_exceptions_are_value_errors():
 
 
 def test_watch_signature_matches_contract():
+    # The contract's defaults (max_frames=21, trace_batches=(), every_n_batches=1,
+    # gradients=False, on_detect="raise") are the effective defaults; in the signature an option
+    # that has a TENSORWATCH_* variable defaults to None, meaning "from the environment, else the
+    # default" (pinned deliberately: a literal default there would shadow the variable).
+    from tensorwatch_otel.core.config import WatchConfig
+
     sig = inspect.signature(tensorwatch_otel.watch)
     params = sig.parameters
     assert list(params)[0] == "model"
-    want = {"sinks": None, "max_frames": 21, "trace_batches": (), "abort_after_batch": None,
-            "every_n_batches": 1, "gradients": False, "include": None, "exclude": None, "on_detect": "raise"}
+    want = {"sinks": None, "max_frames": None, "trace_batches": None, "abort_after_batch": None,
+            "every_n_batches": None, "gradients": None, "include": None, "exclude": None, "on_detect": None}
     for name, default in want.items():
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
-        assert params[name].default == default, name
+        assert params[name].default is default, name
+    effective = WatchConfig.build(environ={})
+    assert (effective.max_frames, effective.trace_batches, effective.abort_after_batch, effective.every_n_batches,
+            effective.gradients, effective.include, effective.exclude, effective.on_detect) == \
+        (21, frozenset(), None, 1, False, (), (), "raise")
 
 
 def test_dropin_signatures_match_the_peer():

@@ -31,6 +31,7 @@ examples:
   tensorwatch-otel diff events.jsonl:149 events.jsonl:150
   tensorwatch-otel diff good-run.jsonl:150 bad-run.jsonl:150 --threshold 0.5 --context 5
   tensorwatch-otel diff tensorwatch-demo-events.jsonl:11 tensorwatch-demo-events.jsonl:12
+  tensorwatch-otel diff events.jsonl:149 events.jsonl:150 --plot diff.html
 """
 
 EXIT_SAME = 0
@@ -54,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"values below F count as F (default {DEFAULT_FLOOR:g})")
     parser.add_argument("--rank", type=int, default=None, metavar="R",
                         help="the rank to take when a log holds traces of several ranks")
+    parser.add_argument("--plot", metavar="FILE", help=_plot_help())
+
+
+def _plot_help() -> str:
+    from ._plot import PLOT_HELP
+
+    return PLOT_HELP + (". Draws both batches on their aligned frames and the change per tensor, the first "
+                        "divergence marked.")
 
 
 class _InputError(Exception):
@@ -78,7 +87,7 @@ def load_trace(spec: str, rank: Optional[int]):
 
     path, batch = parse_spec(spec)
     try:
-        events = load_events(path)
+        events = load_events(path, "diff")
     except InputError as exc:
         raise _InputError(str(exc)) from None
     traces = [e for e in events if isinstance(e, BatchTraceEvent) and (rank is None or e.rank == rank)]
@@ -134,6 +143,12 @@ def run(args) -> int:
     except _InputError as exc:
         return _fail(str(exc))
     result = diff_frames(ta.frames, tb.frames, threshold=args.threshold, stat=args.stat, floor=args.floor)
+    if args.plot:  # before any text: a missing plot extra exits 2 with its one line and nothing else
+        from ._plot import plot_diff
+
+        code = plot_diff(args.plot, result, (path_a, ta), (path_b, tb))
+        if code:
+            return code
     sys.stdout.write(render(result, (path_a, ta), (path_b, tb), args.context))
     sys.stdout.flush()
     return EXIT_DIVERGED if result.diverged else EXIT_SAME

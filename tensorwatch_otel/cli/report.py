@@ -7,28 +7,32 @@ import argparse
 import sys
 from typing import List, Sequence
 
+from ..report.codec import EVENT_TYPES
+
 HELP = "render a JSON lines event log as the text report"
 
 DESCRIPTION = """\
 Renders the events of a JSON lines log (written by the JsonlLog sink, TENSORWATCH_JSONL or
 `tensorwatch-otel demo`) as the text report, in file order: each inf/nan detection as the
-full report with its last frames, each traced batch as its frames, aborts and
-detect_overflow() findings as one line each. A truncated last line (a process killed
-mid-write) is skipped.
+full report with its last frames, each traced batch as its frames, aborts,
+detect_overflow() findings and ranks stopped by another rank's detection as one line each.
+Lines that are no valid event (a line cut off when a process died mid-write, with or without a
+restarted run appending after it) and events of types this version does not render are
+skipped; stderr names each skipped line.
 
-Exit status: 0 rendered (also when nothing matched; a note goes to stderr),
-2 the file is missing, unreadable or not an event log.
+Exit status: 0 the file is an event log and every event that matched was rendered (also when
+nothing matched, the file is empty or lines were skipped; notes go to stderr), 2 the file is
+missing, unreadable, or none of its lines is an event (not an event log).
 
 examples:
   tensorwatch-otel report tensorwatch-demo-events.jsonl
   tensorwatch-otel report events.jsonl --batch 150
   tensorwatch-otel report events.jsonl --event nonfinite_detected
+  tensorwatch-otel report events.jsonl --batch 150 --plot overflow.png
 """
 
 EXIT_OK = 0
 EXIT_USAGE = 2
-
-EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,25 +43,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"only events of this type (repeatable): {', '.join(EVENT_TYPES)}")
     parser.add_argument("--rank", type=int, action="append", metavar="R",
                         help="only events of global rank R (repeatable)")
+    parser.add_argument("--plot", metavar="FILE", help=_plot_help())
 
 
-def load_events(path: str) -> list:
-    """Every event of `path`; InputError with a one-line message for anything unusable."""
-    from ..report.codec import read_events
+def load_events(path: str, command: str = "report") -> list:
+    """Every event of `path`, in file order. Lines that are no valid event (a line cut off by a
+    crash, a run that appended after it) and well-formed events of types this version does not
+    render are skipped, each named on stderr as `{command}: ...`. InputError (a one-line
+    message) when the file cannot be read or none of its lines is an event."""
+    from ..report.codec import load_log
 
     try:
-        return read_events(path)
+        log = load_log(path)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise InputError(f"{path}: is a directory, not an event log") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a JSON lines event log (not UTF-8 text)") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        where = str(exc) if str(exc).startswith(path) else f"{path}: {exc}"  # read_events names the line
-        raise InputError(f"not a tensorwatch event log: {where}") from None
+    if not log.is_event_log:
+        n, why = log.invalid[0]
+        more = f" (and {len(log.invalid) - 1} more lines like it)" if len(log.invalid) > 1 else ""
+        raise InputError(f"not a tensorwatch event log: {path}:{n}: {why}{more}")
+    for note in log.notes():
+        print(f"{command}: {note}", file=sys.stderr)
+    return log.events
+
+
+def _plot_help() -> str:
+    from ._plot import PLOT_HELP
+
+    return PLOT_HELP + ". Draws the first inf/nan detection among the matching events, else the last traced batch."
 
 
 class InputError(Exception):
@@ -66,13 +82,16 @@ class InputError(Exception):
 
 def render_event(event) -> str:
     """The text for one event, as the TextReport sink and the peer print it."""
-    from ..core.events import AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent
-    from ..report.text import render_detection, render_trace
+    from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent,
+                               StoppedByRankEvent)
+    from ..report.text import render_detection, render_trace, stopped_line
 
     if isinstance(event, NonFiniteEvent):
         return render_detection(event)
     if isinstance(event, BatchTraceEvent):
         return render_trace(event)
+    if isinstance(event, StoppedByRankEvent):
+        return stopped_line(event)
     if isinstance(event, AbortAfterBatchEvent):
         return f"aborting after batch_number={event.batch_number} (abort_after_batch)\n"
     if isinstance(event, OverflowCheckEvent):
@@ -108,13 +127,19 @@ def run(args) -> int:
         print(f"tensorwatch-otel report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     chosen = select(events, args.batch, args.event, args.rank)
+    if args.plot:  # before any text: a missing plot extra exits 2 with its one line and nothing else
+        from ._plot import plot_report
+
+        code = plot_report(args.plot, args.events, events, chosen)
+        if code:
+            return code
     out = sys.stdout
     for e in chosen:
         out.write(render_event(e))
     out.flush()
     if not events:
-        print(f"report: {args.events} holds no events (a run without inf/nan and without traced batches "
-              "writes none)", file=sys.stderr)
+        print(f"report: {args.events} holds no events to render (a run without inf/nan and without traced "
+              "batches writes none)", file=sys.stderr)
     elif not chosen:
         print(f"report: no event matches; events per batch in {args.events}: {_inventory(events)}",
               file=sys.stderr)

@@ -7,34 +7,21 @@ when a watcher is built, never at import.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import FrozenSet, Optional, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple
+
+from . import env as _env
+from .env import ENV_EVERY_N_BATCHES, ENV_MAX_FRAMES, ENV_ON_DETECT, ConfigError  # noqa: F401  (re-exported)
 
 ON_DETECT = ("raise", "report")
 CHECK = ("batch", "module")
 
-# Documented environment variables (read by watch(), and by sinks_from_env for sinks=None).
-ENV_EVERY_N_BATCHES = "TENSORWATCH_EVERY_N_BATCHES"
-ENV_MAX_FRAMES = "TENSORWATCH_MAX_FRAMES"
-ENV_ON_DETECT = "TENSORWATCH_ON_DETECT"
 
-
-class ConfigError(ValueError):
-    """An invalid option; the message names the option and the valid range."""
-
-
-def _int_option(name: str, value, minimum: int, env: Optional[str] = None) -> int:
-    if value is None and env and os.environ.get(env, "").strip():
-        raw = os.environ[env].strip()
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ConfigError(f"{env}={raw!r}: expected an integer >= {minimum}") from None
-        name = env
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r}: expected an integer >= {minimum}")
-    if value < minimum:
-        raise ConfigError(f"{name}={value!r}: expected an integer >= {minimum}")
+def _int_option(name: str, value, minimum: int, maximum: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or \
+            (maximum is not None and value > maximum):
+        rng = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ConfigError(f"{name}={value!r}: expected an integer {rng}")
     return value
 
 
@@ -72,48 +59,110 @@ class WatchConfig:
     rerun_on_detect: bool = False
 
     @classmethod
-    def build(cls, *, max_frames=None, trace_batches=(), abort_after_batch=None, every_n_batches=None,
-              gradients=False, include=None, exclude=None, on_detect=None, check="batch",
-              flush_timeout_s=5.0, strict=False, optimizer_state=False, capture_dir=None,
-              max_skipped_steps=None, rerun_on_detect=False) -> "WatchConfig":
-        max_frames = _int_option("max_frames", max_frames, 1, ENV_MAX_FRAMES) if max_frames is not None or \
-            os.environ.get(ENV_MAX_FRAMES) else 21
-        every = _int_option("every_n_batches", every_n_batches, 1, ENV_EVERY_N_BATCHES) \
-            if every_n_batches is not None or os.environ.get(ENV_EVERY_N_BATCHES) else 1
-        if trace_batches is None:
-            trace_batches = ()
+    def build(cls, *, max_frames=None, trace_batches=None, abort_after_batch=None, every_n_batches=None,
+              gradients=None, include=None, exclude=None, on_detect=None, check=None,
+              flush_timeout_s=None, strict=False, optimizer_state=None, capture_dir=None,
+              max_skipped_steps=None, rerun_on_detect=None,
+              environ: Optional[Mapping[str, str]] = None) -> "WatchConfig":
+        """Validated options. An option left at None comes from its TENSORWATCH_* variable (see
+        core/env.py) when that is set, else from the field's default. ``environ``: the variables
+        to read (default os.environ; ``{}`` for the defaults alone)."""
+        env = os.environ if environ is None else environ
+
+        def pick(option: str, value: Any) -> Tuple[str, Any]:
+            # (the name an error message gives: the option or the variable, the value)
+            if value is not None:
+                return option, value
+            var, parse = _ENV_OPTIONS[option]
+            raw = _env.text(env, var)
+            if raw is None:
+                return option, getattr(cls, option)
+            return var, parse(var, raw)
+
+        max_frames = _int_option(*pick("max_frames", max_frames), *_INT_RANGE["max_frames"])
+        every = _int_option(*pick("every_n_batches", every_n_batches), *_INT_RANGE["every_n_batches"])
+        name, trace_batches = pick("trace_batches", trace_batches)
         if isinstance(trace_batches, int) and not isinstance(trace_batches, bool):
             trace_batches = (trace_batches,)
         try:
             traced = frozenset(trace_batches)
         except TypeError:
-            raise ConfigError(f"trace_batches={trace_batches!r}: expected a list of batch numbers >= 0") from None
+            raise ConfigError(f"{name}={trace_batches!r}: expected a list of batch numbers >= 0") from None
         for b in traced:
             if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-                raise ConfigError(f"trace_batches: {b!r} is not a batch number (an integer >= 0)")
+                raise ConfigError(f"{name}: {b!r} is not a batch number (an integer >= 0)")
+        name, abort_after_batch = pick("abort_after_batch", abort_after_batch)
         if abort_after_batch is not None:
-            abort_after_batch = _int_option("abort_after_batch", abort_after_batch, 0)
-        if on_detect is None:
-            on_detect = os.environ.get(ENV_ON_DETECT, "").strip() or "raise"
+            abort_after_batch = _int_option(name, abort_after_batch, *_INT_RANGE["abort_after_batch"])
+        name, on_detect = pick("on_detect", on_detect)
         if on_detect not in ON_DETECT:
-            raise ConfigError(f"on_detect={on_detect!r}: expected one of {', '.join(ON_DETECT)}")
+            raise ConfigError(f"{name}={on_detect!r}: expected one of {', '.join(ON_DETECT)}")
+        name, check = pick("check", check)
         if check not in CHECK:
-            raise ConfigError(f"check={check!r}: expected one of {', '.join(CHECK)}")
-        if not isinstance(gradients, bool):
-            raise ConfigError(f"gradients={gradients!r}: expected True or False")
-        for name, flag in (("optimizer_state", optimizer_state), ("rerun_on_detect", rerun_on_detect)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name}={flag!r}: expected True or False")
+            raise ConfigError(f"{name}={check!r}: expected one of {', '.join(CHECK)}")
+        flags = {}
+        for option, value in (("gradients", gradients), ("optimizer_state", optimizer_state),
+                              ("rerun_on_detect", rerun_on_detect)):
+            name, flags[option] = pick(option, value)
+            if not isinstance(flags[option], bool):
+                raise ConfigError(f"{name}={flags[option]!r}: expected True or False")
+        name, capture_dir = pick("capture_dir", capture_dir)
         if capture_dir is not None:
             capture_dir = os.fspath(capture_dir)
             if os.path.exists(capture_dir) and not os.path.isdir(capture_dir):
-                raise ConfigError(f"capture_dir={capture_dir!r}: exists and is not a directory")
-        max_skipped = 20 if max_skipped_steps is None else _int_option("max_skipped_steps", max_skipped_steps, 1)
-        if not (isinstance(flush_timeout_s, (int, float)) and flush_timeout_s >= 0):
-            raise ConfigError(f"flush_timeout_s={flush_timeout_s!r}: expected a number of seconds >= 0")
+                raise ConfigError(f"{name}={capture_dir!r}: exists and is not a directory")
+        max_skipped = _int_option(*pick("max_skipped_steps", max_skipped_steps),
+                                  *_INT_RANGE["max_skipped_steps"])
+        name, flush_timeout_s = pick("flush_timeout_s", flush_timeout_s)
+        if isinstance(flush_timeout_s, bool) or not (isinstance(flush_timeout_s, (int, float))
+                                                     and flush_timeout_s >= 0):
+            raise ConfigError(f"{name}={flush_timeout_s!r}: expected a number of seconds >= 0")
+        name, include = pick("include", include)
+        include = _patterns(name, include)
+        name, exclude = pick("exclude", exclude)
+        exclude = _patterns(name, exclude)
         return cls(max_frames=max_frames, trace_batches=traced, abort_after_batch=abort_after_batch,
-                   every_n_batches=every, gradients=gradients, include=_patterns("include", include),
-                   exclude=_patterns("exclude", exclude), on_detect=on_detect, check=check,
+                   every_n_batches=every, gradients=flags["gradients"], include=include,
+                   exclude=exclude, on_detect=on_detect, check=check,
                    flush_timeout_s=float(flush_timeout_s), strict=bool(strict),
-                   optimizer_state=optimizer_state, capture_dir=capture_dir, max_skipped_steps=max_skipped,
-                   rerun_on_detect=rerun_on_detect)
+                   optimizer_state=flags["optimizer_state"], capture_dir=capture_dir,
+                   max_skipped_steps=max_skipped, rerun_on_detect=flags["rerun_on_detect"])
+
+
+#: Valid ranges of the integer options, (minimum, maximum or None): for arguments and variables alike.
+#: Most frames the ring buffer may keep (max_frames). The watcher keeps whole batch records
+#: until they cover the ring, so an unbounded value would keep every batch of the run.
+MAX_FRAMES_LIMIT = 100_000
+
+_INT_RANGE = {
+    "max_frames": (1, MAX_FRAMES_LIMIT),
+    "every_n_batches": (1, None),
+    "abort_after_batch": (0, None),
+    "max_skipped_steps": (1, None),
+}
+
+
+def _ints(option: str) -> Callable[[str, str], int]:
+    return lambda var, raw: _env.parse_int(var, raw, *_INT_RANGE[option])
+
+
+#: option -> (its TENSORWATCH_* variable, the parser of the variable's text)
+_ENV_OPTIONS = {
+    "max_frames": (_env.ENV_MAX_FRAMES, _ints("max_frames")),
+    "every_n_batches": (_env.ENV_EVERY_N_BATCHES, _ints("every_n_batches")),
+    "on_detect": (_env.ENV_ON_DETECT, lambda var, raw: _env.parse_choice(var, raw, ON_DETECT)),
+    "gradients": (_env.ENV_GRADIENTS, _env.parse_bool),
+    "include": (_env.ENV_INCLUDE, _env.parse_list),
+    "exclude": (_env.ENV_EXCLUDE, _env.parse_list),
+    "trace_batches": (_env.ENV_TRACE_BATCHES, _env.parse_batches),
+    "abort_after_batch": (_env.ENV_ABORT_AFTER_BATCH, _ints("abort_after_batch")),
+    "check": (_env.ENV_CHECK, lambda var, raw: _env.parse_choice(var, raw, CHECK)),
+    "optimizer_state": (_env.ENV_OPTIMIZER_STATE, _env.parse_bool),
+    "capture_dir": (_env.ENV_CAPTURE_DIR, lambda var, raw: raw),
+    "max_skipped_steps": (_env.ENV_MAX_SKIPPED_STEPS, _ints("max_skipped_steps")),
+    "rerun_on_detect": (_env.ENV_RERUN_ON_DETECT, _env.parse_bool),
+    "flush_timeout_s": (_env.ENV_FLUSH_TIMEOUT_SECONDS, lambda var, raw: _env.parse_float(var, raw, 0.0)),
+}
+
+#: The effective defaults (what an option left at None becomes when its variable is unset).
+DEFAULTS = {f.name: f.default for f in fields(WatchConfig)}

@@ -103,6 +103,10 @@ class NonFiniteEvent:
     phase: str = "forward"
     #: path of the captured inputs of the batch (capture_dir), when one was written
     capture: Optional[str] = None
+    #: rerun_on_detect: True when a replay of the batch found the same inf/nan (numeric), False
+    #: when it did not (transient: suspect the device on `host`), None when not re-run
+    reproduced: Optional[bool] = None
+    host: Optional[str] = None
     #: W3C trace id (32 hex digits) every sink shares: the detection span's trace, the metric
     #: exemplar, the JSON lines field. Made here when not given; "" when unknown (old logs).
     trace_id: Optional[str] = None
@@ -167,6 +171,29 @@ class SkipStreakEvent:
 
 
 @dataclass(frozen=True)
+class StoppedByRankEvent:
+    """This rank stopped because another rank detected inf/nan first (multi-rank runs): the
+    fields name the first rank's detection; this rank saw no non-finite value of its own."""
+
+    batch_number: int  # the first rank's batch of the detection
+    rank: int  # this rank
+    first_rank: int
+    module: str  # where the first rank found it
+    module_class: str
+    tensor: str
+    kind: str
+    time: float
+    #: this rank's batch when it stopped (the optimizer step's or the next batch's)
+    stopped_at_batch: Optional[int] = None
+    event: str = field(default="stopped_by_rank", init=False)
+
+    @property
+    def frames(self) -> Tuple[Frame, ...]:
+        """No frames: they are in the first rank's report."""
+        return ()
+
+
+@dataclass(frozen=True)
 class OverflowCheckEvent:
     """A detect_overflow(var, ctx) call that found inf/nan in an intermediate tensor."""
 
@@ -180,7 +207,7 @@ class OverflowCheckEvent:
 
 
 Event = Union[NonFiniteEvent, BatchTraceEvent, AbortAfterBatchEvent, OverflowCheckEvent, SkippedStepEvent,
-              SkipStreakEvent]
+              SkipStreakEvent, StoppedByRankEvent]
 
 
 @dataclass(frozen=True)

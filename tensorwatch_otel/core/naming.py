@@ -15,6 +15,35 @@ _CHILD_CACHE_MAX = 100_000
 _dataclass_fields: Dict[type, Tuple[str, ...]] = {}
 
 
+# Path segments that wrappers add around the user's model: torch.compile's OptimizedModule,
+# FSDP1, activation-checkpoint wrappers, DDP / DataParallel at the root.
+WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_offload_wrapped_module")
+ROOT_WRAPPERS = ("DistributedDataParallel", "DataParallel", "OptimizedModule", "FullyShardedDataParallel")
+
+
+def unwrap_root(model):
+    """The user's model inside the root wrappers (DDP, DataParallel, torch.compile, FSDP1)."""
+    seen = 0
+    while type(model).__name__ in ROOT_WRAPPERS and seen < 8:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None) \
+            or getattr(model, "_fsdp_wrapped_module", None)
+        if inner is None:
+            break
+        model, seen = inner, seen + 1
+    return model
+
+
+INNER_WRAPPERS = ("FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper")
+
+
+def user_path(path: str) -> str:
+    """`path` (relative to the user's model) with wrapper segments dropped, so one model's
+    single-GPU and multi-GPU runs share dashboards."""
+    if not path or not any(seg in path for seg in WRAPPER_SEGMENTS):
+        return path
+    return ".".join(p for p in path.split(".") if p not in WRAPPER_SEGMENTS)
+
+
 def input_name(i: int) -> str:
     return INPUT_NAMES[i] if i < 64 else f"input[{i}]"
 
@@ -47,3 +76,14 @@ def dataclass_fields(obj) -> Tuple[str, ...]:
             not isinstance(obj, type) else ()
         _dataclass_fields[tp] = names
     return names
+
+
+def module_class_name(module) -> str:
+    """The class name users wrote: FSDP2's fully_shard() swaps a module's class for a generated
+    `FSDP<Name>` subclass, which is skipped here (`FSDPLinear` reports as `Linear`)."""
+    cls = type(module)
+    if cls.__module__.startswith("torch.distributed.fsdp"):
+        for base in cls.__mro__[1:]:
+            if not base.__module__.startswith("torch.distributed.fsdp"):
+                return base.__name__
+    return cls.__name__

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .events import Frame, TensorStat
+from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
 
 
@@ -18,10 +19,12 @@ class ModuleInfo:
 
     __slots__ = ("path", "cls", "params", "kw_names", "is_root", "recorded")
 
-    def __init__(self, path: str, module: torch.nn.Module, is_root: bool, recorded: bool):
+    def __init__(self, path: str, module: torch.nn.Module, is_root: bool, recorded: bool,
+                 cls: Optional[str] = None, params: Optional[dict] = None):
         self.path = path
-        self.cls = type(module).__name__
-        self.params = module._parameters  # live dict: a replaced parameter is seen at once
+        self.cls = cls or module_class_name(module)
+        # live dict: a replaced parameter is seen at once
+        self.params = module._parameters if params is None else params
         self.kw_names: Dict[str, str] = {}
         self.is_root = is_root
         self.recorded = recorded
@@ -44,18 +47,26 @@ class Record:
         self.detected = False  # one detection per record (check="module" checks every frame)
         self.header = header and phase == "forward"  # its first frame starts a batch in the report
 
-    def readback(self) -> None:
-        """Bring the not yet read stats to the host: one transfer."""
+    def readback(self, extra: Optional[torch.Tensor] = None) -> Optional[float]:
+        """Bring the not yet read stats to the host: one transfer. `extra`, a 0-d tensor (the
+        loss scale), travels in the same transfer; its value is returned."""
         stats = self.stats
         have = len(self.host)
-        if have >= len(stats):
-            return
         pending = stats[have:] if have else stats
+        if extra is not None:
+            pending = pending + [extra]
+        if not pending:
+            return None
         try:
             stacked = torch.stack(pending)
         except RuntimeError:  # stats on several devices (a model split over GPUs)
-            stacked = torch.stack([s.to("cpu") for s in pending])
-        self.host += stacked.to("cpu", copy=True).tolist()
+            stacked = torch.stack([s.to("cpu").to(torch.float64) for s in pending])
+        values = stacked.to("cpu", copy=True).tolist()
+        if extra is not None:
+            self.host += values[:-1]
+            return values[-1]
+        self.host += values
+        return None
 
     def materialize(self, lo: int = 0, hi: Optional[int] = None) -> Tuple[Frame, ...]:
         host, dtypes = self.host, self.dtypes

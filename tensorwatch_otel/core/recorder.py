@@ -62,6 +62,13 @@ class FrameRecorder:
         value(rec, output, "output", items, 0)
         rec.frames.append((info, items, start))
 
+    def weights_frame(self, rec: Record, info: ModuleInfo) -> None:
+        """A frame of a module's own weights only (a module whose call cannot be hooked)."""
+        items: list = []
+        start = len(rec.dtypes)
+        self.params(rec, info, items)
+        rec.frames.append((info, items, start))
+
     def params(self, rec: Record, info: ModuleInfo, items: list) -> None:
         for name, p in info.params.items():
             if p is not None:

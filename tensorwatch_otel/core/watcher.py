@@ -1,15 +1,15 @@
 """The watcher: forward hooks that record a frame per module call, read the batch's statistics
 back in one host transfer when the batch ends, and hand events to the sinks.
 
-A batch is one finished forward of the watched (root) module, as in transformers.debug_utils:
-with gradient accumulation every micro-batch forward is a batch; eval forwards count too, and
-`generate()` counts one batch per decoding step (every call of the model's forward).
-The sinks are given to it (the port in core/ports.py): the core imports no sink.
+A batch ends when the outermost watched call ends: the root's forward, as in
+transformers.debug_utils (with gradient accumulation every micro-batch forward is a batch; eval
+forwards count too, `generate()` one batch per decoding step), or, for a model used through
+its submodules (`model.encode(...)`, a LightningModule calling `self.net(x)`), each outermost
+submodule call. The sinks are given to it (the port in core/ports.py): the core imports no sink.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import threading
 import time
@@ -18,19 +18,26 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import naming
 from .behaviour import Behaviour
 from .config import WatchConfig
 from .errors import AbortAfterBatch, NonFiniteDetected
 from .events import AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Frame, NonFiniteEvent, merge_kinds
+from .fleet import FleetStop
 from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
+from .backward import BackwardRecorder, producer_frame
+from .capture import BatchCapture
+from .rerun import host, replay_would_block, rerun_batch
+from .attach import place_hooks
+from .steps import PendingGradients, ScaleReader, SkipCounter
 
 log = logging.getLogger(__name__)
 
 _MAX_PENDING = 2_000_000  # stat slots held before an early read-back (no root forward seen)
-_WEIGHT_REFRESH = 32  # batches between full weight re-measurements (see _end_batch)
+_WEIGHT_REFRESH = 32  # no-grad batches between full weight re-measurements (see _end_batch)
 
 # Watchers alive in this process, for detect_overflow(); weak so a dropped watcher goes away.
 ACTIVE: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
@@ -54,48 +61,48 @@ class Watcher:
         self._handles: list = []
         self._lock = threading.Lock()
         self._attached = False
-        self._root_depth = 0
+        self._depth = 0  # watched module calls in progress (pre-hook +1, forward hook -1)
         self._recorder = FrameRecorder(model)
         self._rec = Record(0)
         self._history = History(config.max_frames)
-        self._grad_rec: Optional[Record] = None
+        self._backward = BackwardRecorder(lambda: max(self.batch_number - 1, 0),
+                                          lambda: self._attached and self._watches(max(self.batch_number - 1, 0)),
+                                          self._backward_done, self._hook_failed)
         self.grad_scaler = grad_scaler
+        self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
+        self._pending: Optional[PendingGradients] = None  # non-finite gradients no step consumed yet
+        self._skips = SkipCounter(config.max_skipped_steps)
+        self._steps = None  # the StepTracker (core/attach.py)
+        self._optim_state = None
+        self._compiled = False
+        self._compile_warned = False
+        self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
+        self._owners: Dict[int, Tuple[ModuleInfo, str]] = {}  # id(param) -> (module, name)
+        self._grad_acts = config.gradients
+        self._capture = BatchCapture(config.capture_dir or "", current_rank()) \
+            if config.capture_dir or config.rerun_on_detect else None
+        self._replaying = False
         self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
+        self._fleet = FleetStop(self._record_durable, lambda: self.batch_number, config.on_detect == "raise")
         self._attach()
 
     # ---------------------------------------------------------------- lifetime
     def _attach(self) -> None:
-        cfg = self.config
-        seen = set()
-        for path, module in self.model.named_modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            is_root = module is self.model
-            recorded = self._included(path)
-            if not (recorded or is_root):
-                continue
-            info = ModuleInfo(path, module, is_root, recorded)
-            if is_root:
-                self._handles.append(module.register_forward_pre_hook(self._root_pre_hook))
-            self._handles.append(module.register_forward_hook(
-                self._make_hook(info), with_kwargs=True, always_call=True))
-            if cfg.gradients and recorded:
-                for name, p in module.named_parameters(recurse=False):
-                    if p.requires_grad:
-                        self._handles.append(p.register_post_accumulate_grad_hook(
-                            self._make_grad_hook(info, name + ".grad")))
+        place_hooks(self)
         self._attached = True
         ACTIVE.add(self)
-
-    def _included(self, path: str) -> bool:
-        cfg = self.config
-        label = path or "(root)"
-        if cfg.include and not any(fnmatch.fnmatchcase(label, p) for p in cfg.include):
-            return False
-        return not any(fnmatch.fnmatchcase(label, p) for p in cfg.exclude)
+        if getattr(self.model, "_compiled_call_impl", None) is not None:
+            self._compiled_away()  # model.compile() in place: even the root's hooks run in the graph
+        if self._compiled:
+            log.warning(
+                "tensorwatch_otel: %s is compiled with torch.compile: module hooks do not run inside "
+                "compiled graphs, so each batch records the compiled call's inputs and outputs and "
+                "the weights of every module%s; an inf/nan born inside the graph is reported at the "
+                "model's output. Watch the model before compiling it only to debug in eager mode.",
+                naming.module_class_name(naming.unwrap_root(self.model)),
+                " and their gradients" if self.config.gradients else "")
 
     def detach(self) -> None:
         """Remove every hook, flush the sinks and close those the watcher created. Idempotent."""
@@ -107,6 +114,8 @@ class Watcher:
         for h in handles:
             h.remove()
         ACTIVE.discard(self)
+        if self._pending is not None:  # bad gradients no step consumed: the run skipped it
+            self._skipped()
         self._fanout.flush(self.config.flush_timeout_s)
         for s in self._owned:
             try:
@@ -121,7 +130,11 @@ class Watcher:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.detach()
+        try:
+            if exc[0] is None:
+                self._fleet.at_exit()  # multi-rank: a stop held for a later stop point is raised now
+        finally:
+            self.detach()
 
     @property
     def sinks(self) -> List[Sink]:
@@ -140,39 +153,78 @@ class Watcher:
     def _make_hook(self, info: ModuleInfo):
         record = self.behaviour.record
         recorder = self._recorder
+        graph_task = torch._C._current_graph_task_id
+        compiling = torch.compiler.is_compiling
 
         def hook(module, args, kwargs, output):
-            if self._active and info.recorded and torch._C._current_graph_task_id() == -1 \
-                    and not torch.compiler.is_compiling():
-                # -1: not inside backward, so this is no checkpoint recomputation
-                rec = self._rec
-                try:
-                    with torch.no_grad():
-                        record(recorder, rec, info, args, kwargs, output)
-                except Exception as exc:  # a frame we cannot take must not stop training
-                    self._hook_failed(info, exc)
-                if self.config.check == "module":
-                    rec.readback()
+            if self._replaying:
+                return
+            if compiling():
+                self._compiled_away()
+                return
+            outside_backward = graph_task() == -1  # inside: checkpoint recomputation, not a batch
+            try:
+                if self._active and info.recorded and outside_backward:
+                    rec = self._rec
                     try:
+                        with torch.no_grad():
+                            if info.is_root and self._weight_infos:
+                                for winfo, _ in self._weight_infos:
+                                    recorder.weights_frame(rec, winfo)
+                            record(recorder, rec, info, args, kwargs, output)
+                        if self._grad_acts and torch.is_grad_enabled():
+                            self._backward.hook_activations(info, args, output)
+                    except Exception as exc:  # a frame we cannot take must not stop training
+                        self._hook_failed(info, exc)
+                    if self.config.check == "module":
+                        rec.readback()
                         self._check(rec, len(rec.frames) - 1)
-                    finally:  # a detection in the root's own frame must still end the batch
-                        if info.is_root:
-                            self._root_depth = max(self._root_depth - 1, 0)
-                            if self._root_depth == 0:
-                                self._end_batch()
-                    if info.is_root:
-                        return
-                elif len(rec.stats) > _MAX_PENDING:
-                    rec.readback()
-            if info.is_root:
-                self._root_depth -= 1
-                if self._root_depth <= 0:
-                    self._root_depth = 0
-                    self._end_batch()
+                    elif len(rec.stats) > _MAX_PENDING:
+                        rec.readback()
+            finally:  # a detection in the outermost frame must still end the batch
+                self._depth -= 1
+                if self._depth <= 0:
+                    self._depth = 0
+                    if outside_backward:
+                        self._end_call(info.is_root)
         return hook
 
-    def _root_pre_hook(self, module, args):
-        self._root_depth += 1
+    def _pre_hook(self, module, args):
+        if self._replaying or torch.compiler.is_compiling():
+            return
+        if self._depth == 0:  # an outermost call starts
+            try:  # multi-rank: the stop published by a rank may be raised here
+                self._fleet.at_batch_start()
+            except NonFiniteDetected:
+                self._active = False  # the call never runs: the always-called hook records nothing
+                raise
+            if torch.is_grad_enabled():
+                # Training batches always measure live weights (fused optimizers, `.data` writes
+                # and in-place casts move no _version); no-grad batches (eval, generate) reuse
+                # them until a step, a version/storage/dtype change, or every 32 batches.
+                self._recorder.invalidate_weights()
+            if self._pending is not None and (self._pending.was_reset() or (
+                    self._scale is not None and self._scale.dropped_since_read())):
+                self._skipped()  # the bad gradients were reset (or the scaler backed off) without a step
+        self._depth += 1
+
+    def _capture_hook(self, module, args, kwargs):
+        if self._depth == 0 and not torch.compiler.is_compiling():
+            self._capture.hold(self.batch_number, args, kwargs)  # references only
+
+    def _probe(self, model: torch.nn.Module, sink: Sink) -> "Watcher":
+        """A silent watcher that checks every module as it returns (for the re-run)."""
+        return Watcher(model, [sink], WatchConfig.build(check="module", on_detect="report", max_frames=1,
+                                                        environ={}))
+
+    def _compiled_away(self) -> None:
+        if not self._compile_warned and not self._compiled:
+            self._compile_warned = True
+            log.warning(
+                "tensorwatch_otel: the watched model runs under torch.compile (compiled after watch(), or "
+                "in place with model.compile()): its hooks are compiled away and nothing of it is watched. "
+                "Call watch() on the compiled module (watch(torch.compile(model))) to watch its "
+                "inputs, outputs and every weight.")
 
     def _hook_failed(self, info: ModuleInfo, exc: Exception) -> None:
         self._failed_hooks += 1
@@ -183,6 +235,22 @@ class Watcher:
                       type(exc).__name__, exc)
 
     # ---------------------------------------------------------------- batch end
+    def _end_call(self, root: bool) -> None:
+        """The outermost watched call ended."""
+        if root or self.behaviour.outermost_call_ends_batch or self.batch_number in self.config.trace_batches:
+            self._end_batch()
+        elif self._rec.frames:
+            # the peer's batches end with the root only: check what this call added, keep the
+            # frames in the ring, and carry on in the same batch (bounded memory)
+            rec = self._rec
+            self._rec = Record(rec.batch_number, header=False)
+            rec.readback()
+            try:
+                if self.config.check == "batch":
+                    self._check(rec, 0)
+            finally:
+                self._history.keep(rec)
+
     def _end_batch(self) -> None:
         rec = self._rec
         b = self.batch_number
@@ -191,24 +259,31 @@ class Watcher:
         self._active = self._attached and self._watches(b + 1)
         self._recorder.end_batch()
         if self.batch_number % _WEIGHT_REFRESH == 0:
-            # writes through `.data` do not move _version: every weight is measured afresh now and then
-            self._recorder.invalidate_weights()
-        if rec.frames:
-            rec.readback()
-            try:
-                self._finish(rec)
-            finally:  # a batch that raised NonFiniteDetected still precedes the next ring
-                self._history.keep(rec)
+            self._recorder.invalidate_weights()  # `.data` writes between no-grad batches
+        scale_t = self._scale.tensor() if self._scale is not None else None
+        scale = None
+        if rec.frames or scale_t is not None:
+            scale = rec.readback(scale_t)
+            if scale_t is not None and self._scale.update(scale) and not self.config.gradients:
+                self._skipped()  # the scale dropped: the scaler skipped a step
+            if scale is None and self._scale is not None:
+                scale = self._scale.last  # no scale tensor yet: the scaler's init_scale
+            if rec.frames:
+                try:
+                    self._finish(rec, scale)
+                finally:  # a batch that raised NonFiniteDetected still precedes the next ring
+                    self._history.keep(rec)
         cfg = self.config
         if cfg.abort_after_batch is not None and self.batch_number > cfg.abort_after_batch:
             self._abort()
 
-    def _finish(self, rec: Record) -> None:
+    def _finish(self, rec: Record, scale: Optional[float] = None) -> None:
         cfg = self.config
         traced = rec.batch_number in cfg.trace_batches
         rank = current_rank()
         if self._fanout.wants_batches:
-            self._fanout.on_batch(BatchStats(rec.batch_number, rank, time.time(), rec))
+            self._fanout.on_batch(BatchStats(rec.batch_number, rank, time.time(), rec, grad_scale=scale,
+                                             steps_skipped=self.steps_skipped))
         if traced:
             self._fanout.on_event(BatchTraceEvent(rec.batch_number, rank, rec.materialize(), time.time()))
         if cfg.check == "batch" and (self.behaviour.detect_in_traced_batches or not traced):
@@ -232,17 +307,35 @@ class Watcher:
         frames = self._ring(rec, fi)
         last = frames[-1]
         first = last.first_nonfinite()
+        capture = self._capture.write(rec.batch_number) if self._capture is not None and self.config.capture_dir \
+            else None
+        reproduced = None
+        if self.config.rerun_on_detect and rec.phase == "forward" and self._capture is not None \
+                and not replay_would_block(self.model):
+            self._replaying = True
+            try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
+                reproduced = rerun_batch(naming.unwrap_root(self.model), self._capture, NonFiniteEvent(
+                    rec.batch_number, 0, last.module, last.module_class, first.name if first else "", "",
+                    (), 0.0), self._probe)
+            finally:
+                self._replaying = False
         event = NonFiniteEvent(
             batch_number=rec.batch_number, rank=current_rank(), module=last.module,
             module_class=last.module_class, tensor=first.name if first else "",
-            kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time())
+            kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time(), phase=rec.phase,
+            capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None)
+        raising = self.config.on_detect == "raise"
+        if self._fleet.active():
+            event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
         self.detections += 1
         self._fanout.on_event(event)
-        if self.config.on_detect == "raise":
+        if raising:
             self._fanout.flush(self.config.flush_timeout_s)
             # drop what the aborted batch left behind so a caught exception leaves a clean state
             self._recorder.acts_seen.clear()
-            raise NonFiniteDetected(self.behaviour.detection_message(event), event)
+            exc = NonFiniteDetected(self.behaviour.detection_message(event), event)
+            if not self._fleet.defer(exc):  # multi-rank: raised at the ranks' common stop point
+                raise exc
 
     def _abort(self) -> None:
         cfg = self.config
@@ -251,31 +344,53 @@ class Watcher:
         self._fanout.flush(cfg.flush_timeout_s)
         raise AbortAfterBatch(self.behaviour.abort_message(self.batch_number, cfg.abort_after_batch))
 
-    # ---------------------------------------------------------------- gradients
-    def _make_grad_hook(self, info: ModuleInfo, name: str):
-        def hook(p):
-            if not self._attached or not self._watches(max(self.batch_number - 1, 0)):
-                return
-            g = p.grad
-            if g is None:
-                return
-            rec = self._grad_rec
-            if rec is None:
-                rec = self._grad_rec = Record(max(self.batch_number - 1, 0), phase="backward")
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            try:
-                with torch.no_grad():
-                    self._recorder.one(rec, info, g, name)
-            except Exception as exc:
-                self._hook_failed(info, exc)
-        return hook
-
-    def _end_backward(self) -> None:
-        rec, self._grad_rec = self._grad_rec, None
-        if rec is None or not rec.frames:
-            return
+    # ---------------------------------------------------------------- gradients and steps
+    def _backward_done(self, rec: Record, owners: List[Optional[torch.Tensor]], gids: List[int]) -> None:
         rec.readback()
-        self._check(rec, 0)
+        fi = rec.first_nonfinite_frame(0)
+        if fi is not None:
+            j = producer_frame(rec, fi, gids)
+            if j != fi:  # one gradient, two names: keep the producer's frame only
+                del rec.frames[fi], owners[fi]
+                fi = j - 1
+        if self._pending is not None and (fi is None or self._pending.was_reset(by_version=False)):
+            self._skipped()  # the bad gradients were reset (set to None, or finite now): no step took them
+        if fi is None:
+            return
+        # Not a detection yet: only a step that consumes these gradients makes one; a step
+        # skipped instead (GradScaler) is counted as such.
+        self._pending = PendingGradients(rec, fi, [p for p in owners[fi:] if p is not None][:1])
+
+    def _before_step(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._skips.step_taken()
+            self._detected(pending.record, pending.frame)
+        self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
+
+    def _after_step(self, optimizer) -> None:
+        self._recorder.invalidate_weights()  # any optimizer, fused ones included
+        self._skips.step_taken()
+        if self._optim_state is not None and self._attached and self._watches(max(self.batch_number - 1, 0)):
+            rec = self._optim_state.record(optimizer, max(self.batch_number - 1, 0))
+            if rec.frames:
+                rec.readback()  # one transfer per step
+                self._check(rec, 0)
+
+    def _skipped(self) -> None:
+        pending, self._pending = self._pending, None
+        scale = self._scale.last if self._scale is not None else None
+        for event in self._skips.skipped(pending, max(self.batch_number - 1, 0), current_rank(), scale):
+            self._fanout.on_event(event)
+
+    @property
+    def steps_skipped(self) -> int:
+        """Optimizer steps skipped so far (non-finite gradients no step consumed)."""
+        return self._skips.total
+
+    def _record_durable(self, event) -> None:
+        self._fanout.on_event(event)
+        self._fanout.flush(self.config.flush_timeout_s)
 
     # ---------------------------------------------------------------- detect_overflow
     def overflow_check(self, event) -> None:

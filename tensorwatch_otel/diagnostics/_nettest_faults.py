@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Mapping
 
-ENV_VAR = "TENSORWATCH_NETTEST_FAULT"
+from ..core.env import ENV_NETTEST_FAULT as ENV_VAR
 KINDS = ("absent", "hang", "wrong_value")
 
 

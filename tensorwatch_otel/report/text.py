@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence
 
-from ..core.events import BatchTraceEvent, Frame, NonFiniteEvent, TensorStat
+from ..core.events import BatchTraceEvent, Frame, NonFiniteEvent, StoppedByRankEvent, TensorStat
 
 PREFIX = " " * 17
 HEADER = f"{'abs min':8} {'abs max':8} metadata"
@@ -50,7 +50,7 @@ def render_detection(event: NonFiniteEvent) -> str:
     parts = overflow_lines(event.frames[-1]) if event.frames else []
     parts += [
         f"\nDetected inf/nan during batch_number={event.batch_number}",
-        f"Last {len(event.frames)} forward frames:",
+        f"Last {len(event.frames)} {getattr(event, 'phase', 'forward') or 'forward'} frames:",
         HEADER,
         "\n".join(frame_text(f) for f in event.frames),
         "\n\n",
@@ -82,6 +82,14 @@ def summary_line(event: NonFiniteEvent) -> str:
     where = event.module or "(root)"
     return (f"tensorwatch_otel: {event.kind} in {where} {event.module_class} {event.tensor} "
             f"during batch_number={event.batch_number} (rank {event.rank})\n")
+
+
+def stopped_line(event: StoppedByRankEvent) -> str:
+    """One line for a rank stopped by another rank's detection (its report is on that rank)."""
+    where = event.module or "(root)"
+    at = "" if event.stopped_at_batch is None else f" at batch_number={event.stopped_at_batch}"
+    return (f"tensorwatch_otel: rank {event.rank} stopped{at}: rank {event.first_rank} detected {event.kind} "
+            f"in {where} {event.module_class} {event.tensor} during batch_number={event.batch_number}\n")
 
 
 def print_overflow_check(ctx: str, has_nan: bool, has_inf: bool) -> None:

@@ -10,7 +10,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, Event, Frame, NonFiniteEvent,
-                           OverflowCheckEvent, SkipStreakEvent, label_for_module)
+                           OverflowCheckEvent, SkipStreakEvent, StoppedByRankEvent, label_for_module)
 
 _SDK_DEFAULT_EVENT_LIMIT = 128
 
@@ -104,6 +104,20 @@ class SpanBuilder:
             t = int(event.time * 1e9)
             span = self._tracer.start_span("tensorwatch.abort_after_batch", context=ctx, start_time=t, attributes={
                 "tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank})
+            span.end(end_time=t)
+        elif isinstance(event, StoppedByRankEvent):
+            t = int(event.time * 1e9)
+            attrs = {"tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank,
+                     "tensorwatch.first_rank": event.first_rank,
+                     "tensorwatch.module.path": label_for_module(event.module),
+                     "tensorwatch.module.class": event.module_class, "tensorwatch.tensor": event.tensor,
+                     "tensorwatch.nonfinite.kind": event.kind}
+            if event.stopped_at_batch is not None:
+                attrs["tensorwatch.stopped_at_batch"] = event.stopped_at_batch
+            span = self._tracer.start_span("tensorwatch.stopped_by_rank", context=ctx, start_time=t,
+                                           attributes=attrs)
+            span.set_status(Status(StatusCode.ERROR, f"stopped: rank {event.first_rank} detected {event.kind} "
+                                                     f"during batch {event.batch_number}"))
             span.end(end_time=t)
         elif isinstance(event, SkipStreakEvent):
             t = int(event.time * 1e9)

@@ -3,21 +3,52 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from typing import Optional
 
 from ..report.codec import to_line
-from ..core.events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent, SkipStreakEvent
+from ..core.events import (AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent, SkipStreakEvent,
+                           StoppedByRankEvent)
+from ..core.rank import current_rank
 from ._base import Sink
 
 # fsynced before on_event returns: what may precede an exception that ends the run. A single
 # skipped optimizer step is flushed but not fsynced (there can be many).
-_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent, SkipStreakEvent)
+_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent, StoppedByRankEvent, SkipStreakEvent)
+
+
+def _check_writable(path: str) -> None:
+    """ValueError naming `path` unless a file can be appended there: not a directory, and the
+    nearest existing folder on the way takes a new file (tried, so root and read-only mounts
+    are judged right). Checked once at construction; later failures are sink failures."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"JsonlLog path={path!r}: {why}; expected a file path such as 'run/events.jsonl'")
+
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise bad("is a directory")
+    if os.path.exists(path):
+        if os.path.isfile(path) and not os.access(path, os.W_OK):
+            raise bad("the file is not writable")
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):  # folders still to create: the first existing one decides
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise bad(f"{folder!r} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise bad(f"cannot create files in {folder!r} ({exc.strerror or exc})") from None
 
 
 class JsonlLog(Sink):
     """Appends events to `path` (created with its folder). Detections are flushed and fsynced
     before on_event returns, so a process that dies right after loses nothing.
+
+    A path that is a directory, or whose folder cannot take a new file, raises ValueError here
+    rather than failing at the first event.
 
     With several ranks, `{rank}` in the path gives one file per rank (e.g. `events-{rank}.jsonl`).
     """
@@ -25,7 +56,8 @@ class JsonlLog(Sink):
     def __init__(self, path: str, rank: Optional[int] = None):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"JsonlLog path: expected a file path, got {path!r}")
-        self.path = str(path)
+        self.path = os.fspath(path)
+        _check_writable(self.path.replace("{rank}", str(current_rank() if rank is None else rank)))
         self._rank = rank
         self._file = None
         self._lock = threading.Lock()

@@ -18,7 +18,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from ..core.events import BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, label_for_module
+from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
+                           label_for_module)
 from .otel_env import shutdown_bounded
 from .._version import __version__
 from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # noqa: F401 (re-export)
@@ -115,6 +116,9 @@ class OtelTelemetry(Sink):
         meter.create_observable_gauge("tensorwatch.tensor.range_used", [self._observe_range_used], unit="1",
                                       description="abs max divided by the largest finite value of the tensor's "
                                                   f"dtype, largest {window}")
+        self._stopped = meter.create_counter(
+            "tensorwatch.stopped_by_rank.events", unit="{event}",
+            description="Stops of this rank because another rank (tensorwatch.first_rank) detected inf/nan first")
         self._skipped = meter.create_counter(
             "tensorwatch.optimizer.steps_skipped", unit="{step}",
             description="Optimizer steps skipped because the gradients held inf/nan")
@@ -179,6 +183,14 @@ class OtelTelemetry(Sink):
             if isinstance(event, SkippedStepEvent):
                 return  # one per skip: the counter says it; a streak gets a span
         ctx = otel_context.get_current()
+        if isinstance(event, StoppedByRankEvent):
+            self._stopped.add(1, {
+                "tensorwatch.module.path": label_for_module(event.module),
+                "tensorwatch.module.class": event.module_class,
+                "tensorwatch.tensor": event.tensor,
+                "tensorwatch.rank": event.rank,
+                "tensorwatch.first_rank": event.first_rank,
+            })
         if isinstance(event, NonFiniteEvent):
             first = event.rank if event.first_rank is None else event.first_rank
             # In the detection's trace, so the exemplar names the span's trace id.

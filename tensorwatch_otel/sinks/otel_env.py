@@ -15,9 +15,8 @@ from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
-#: Protocols the OTLP exporters speak; the OpenTelemetry specification's default is http/protobuf.
-PROTOCOLS = ("grpc", "http/protobuf")
-DEFAULT_PROTOCOL = "http/protobuf"
+from ._otlp_check import DEFAULT_PROTOCOL, PROTOCOLS, OtlpConfigError, Target  # noqa: F401  (re-exported)
+
 #: Upper bound for flushing and shutting down the providers at interpreter exit.
 EXIT_TIMEOUT_S = 5.0
 
@@ -62,19 +61,30 @@ def _signal_wanted(signal: str, env: Mapping[str, str]) -> bool:
     return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or env.get(_SIGNAL_ENDPOINT[signal], "").strip())
 
 
-def _protocol(signal: str, env: Mapping[str, str]) -> str:
-    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-        value = env.get(name, "").strip().lower()
-        if value:
-            if value not in PROTOCOLS:
-                raise ValueError(f"{name}={value!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
-            return value
-    return DEFAULT_PROTOCOL
+def application_providers() -> Tuple[Optional[Any], Optional[Any]]:
+    """(tracer_provider, meter_provider) the application installed globally, with
+    ``trace.set_tracer_provider``/``metrics.set_meter_provider`` or through
+    ``opentelemetry-instrument``; None for a signal that only has the API's proxy or no-op."""
+    from opentelemetry import metrics, trace
+    from opentelemetry.metrics import NoOpMeterProvider
+
+    try:  # the API's placeholder until a provider is set; private, so looked up defensively
+        from opentelemetry.metrics._internal import _ProxyMeterProvider as proxy_meter
+    except ImportError:  # pragma: no cover - other API versions
+        proxy_meter = NoOpMeterProvider
+    tp: Any = trace.get_tracer_provider()
+    if isinstance(tp, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+        tp = None
+    mp: Any = metrics.get_meter_provider()
+    if isinstance(mp, (proxy_meter, NoOpMeterProvider)):
+        mp = None
+    return tp, mp
 
 
 def _span_exporter(protocol: str):
     # The exporters read their endpoint, headers, timeout, compression and TLS files from the
     # environment themselves (generic and per-signal variables, with the spec's precedence).
+    # Only the protocol is ours to choose (resolve() in _otlp_check).
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
@@ -94,33 +104,53 @@ DEFAULT_SERVICE_NAME = "tensorwatch-otel"  # when neither OTEL_SERVICE_NAME nor 
 
 
 def make_resource(rank: int):
-    """The SDK resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, SDK defaults) plus the rank
-    as ``service.instance.id`` unless the user already set one."""
+    """The SDK resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, SDK defaults) plus
+    ``tensorwatch.rank``. ``service.instance.id`` stays unique per process (the SDK's random
+    UUID, or one of ours on SDKs without it) so two jobs on one collector never share one;
+    an id the user gives in OTEL_RESOURCE_ATTRIBUTES wins."""
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
-    # Recent SDKs put a random UUID in service.instance.id; the rank is the useful identity of
-    # a training process, but an id the user gave in OTEL_RESOURCE_ATTRIBUTES wins.
     detected = OTELResourceDetector().detect().attributes
-    attrs = {}
-    if "service.instance.id" not in detected:
-        attrs["service.instance.id"] = str(rank)
+    attrs: dict = {"tensorwatch.rank": int(rank)}
     if "service.name" not in detected:
         # the SDK would say unknown_service; the shipped Jaeger links look for this name
         attrs["service.name"] = DEFAULT_SERVICE_NAME
-    return Resource.create(attrs)
+    resource = Resource.create(attrs)
+    if "service.instance.id" not in resource.attributes:
+        resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
+    return resource
 
 
-def configure_from_env(rank: int = 0) -> Optional[Tuple[Any, Any]]:
+_instance_id: Tuple[int, str] = (-1, "")
+
+
+def _process_instance_id() -> str:
+    """A random UUID for this process (a fork gets its own)."""
+    global _instance_id
+    import uuid
+
+    if _instance_id[0] != os.getpid():
+        _instance_id = (os.getpid(), str(uuid.uuid4()))
+    return _instance_id[1]
+
+
+def configure_from_env(rank: int = 0, *, traces: bool = True,
+                       metrics: bool = True) -> Optional[Tuple[Any, Any]]:
     """(tracer_provider, meter_provider) exporting over OTLP as the OTEL_* variables say, or None
     when OTEL_SDK_DISABLED=true or no OTLP endpoint variable is set.
 
-    A signal switched off (``OTEL_TRACES_EXPORTER=none``, or only the other signal's endpoint
-    set) gets the API's no-op provider. Spans go through a BatchSpanProcessor (bounded queue,
-    its own thread; OTEL_BSP_* honoured), metrics through a PeriodicExportingMetricReader
+    ``traces``/``metrics`` False: that signal gets the API's no-op provider (the application
+    exports it through its own provider). A signal switched off (``OTEL_TRACES_EXPORTER=none``,
+    or only the other signal's endpoint set) gets the no-op provider too. The protocol is
+    OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL, else grpc for an endpoint on port 4317, else
+    http/protobuf. Spans go through a BatchSpanProcessor (bounded queue, its own thread;
+    OTEL_BSP_* honoured), metrics through a PeriodicExportingMetricReader
     (OTEL_METRIC_EXPORT_INTERVAL honoured). Both shut down at interpreter exit, bounded by
     EXIT_TIMEOUT_S so a dead collector cannot hold the process. Providers are not made global.
-    The SDK's per-attempt export errors are let through once per REPEAT_LOG_PERIOD_S.
-    Raises ValueError for an unsupported OTEL_EXPORTER_OTLP_PROTOCOL.
+    The SDK's per-attempt export errors are let through once per REPEAT_LOG_PERIOD_S; an export
+    failing because protocol and port do not match is explained in one warning.
+    Raises OtlpConfigError (a ValueError naming the variable) for an unsupported protocol or an
+    endpoint that is not a URL, before anything is built.
     """
     env = os.environ
     if sdk_disabled(env) or not otlp_configured(env):
@@ -128,36 +158,57 @@ def configure_from_env(rank: int = 0) -> Optional[Tuple[Any, Any]]:
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.trace import NoOpTracerProvider
 
+    from ._otlp_check import MismatchCheck, checked_metric_exporter, checked_span_exporter, resolve
+
+    wanted = [s for s, on in (("traces", traces), ("metrics", metrics)) if on and _signal_wanted(s, env)]
+    targets = {signal: resolve(signal, env) for signal in wanted}  # every check before building
     resource = make_resource(rank)
     tracer_provider: Any = NoOpTracerProvider()
     meter_provider: Any = NoOpMeterProvider()
     to_shut: List[Any] = []
+    try:
+        if "traces" in targets:
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    if _signal_wanted("traces", env):
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            t = targets["traces"]
+            exporter = checked_span_exporter(_span_exporter(t.protocol), MismatchCheck(t))
+            tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+            to_shut.append(tracer_provider)
+            # BatchSpanProcessor reads OTEL_BSP_MAX_QUEUE_SIZE (default 2048) and drops when full.
+            tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+            _log_protocol(t)
 
-        protocol = _protocol("traces", env)
-        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        # BatchSpanProcessor reads OTEL_BSP_MAX_QUEUE_SIZE (default 2048) and drops when full.
-        tracer_provider.add_span_processor(BatchSpanProcessor(_span_exporter(protocol)))
-        to_shut.append(tracer_provider)
-        log.debug("tensorwatch_otel: OTLP traces over %s", protocol)
+        if "metrics" in targets:
+            from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-    if _signal_wanted("metrics", env):
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
-        protocol = _protocol("metrics", env)
-        reader = PeriodicExportingMetricReader(_metric_exporter(protocol))
-        meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
-        to_shut.append(meter_provider)
-        log.debug("tensorwatch_otel: OTLP metrics over %s", protocol)
+            t = targets["metrics"]
+            exporter = checked_metric_exporter(_metric_exporter(t.protocol), MismatchCheck(t))
+            reader = PeriodicExportingMetricReader(exporter)
+            meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
+            to_shut.append(meter_provider)
+            _log_protocol(t)
+    except Exception:
+        shutdown_bounded(to_shut, EXIT_TIMEOUT_S)  # no half-built pipeline stays behind
+        raise
 
     if to_shut:
         atexit.register(shutdown_bounded, to_shut, EXIT_TIMEOUT_S)
         quiet_repeated_export_errors()
     return tracer_provider, meter_provider
+
+
+_told_grpc_by_port: set = set()
+
+
+def _log_protocol(t: Target) -> None:
+    if t.protocol_var is None and t.protocol == "grpc" and t.endpoint not in _told_grpc_by_port:
+        _told_grpc_by_port.add(t.endpoint)
+        log.info("tensorwatch_otel: %s=%s is on the OTLP/gRPC port and OTEL_EXPORTER_OTLP_PROTOCOL is "
+                 "unset: exporting over grpc", t.endpoint_var, t.endpoint)
+    else:
+        log.debug("tensorwatch_otel: OTLP %s over %s to %s", t.signal, t.protocol, t.endpoint)
 
 
 class RepeatFilter(logging.Filter):

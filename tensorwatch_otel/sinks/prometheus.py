@@ -10,6 +10,7 @@ import atexit
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
@@ -19,7 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
-from ..core.events import BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, label_for_module
+from ..core import env as _env
+from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
+                           label_for_module)
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
 from ._base import Sink
 
@@ -31,8 +34,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SERIES = 10_000
 #: After a detection, how long the process waits at exit (or close) for one more scrape.
 DEFAULT_LINGER_S = 30.0
-ENV_MAX_SERIES = "TENSORWATCH_PROMETHEUS_MAX_SERIES"
-ENV_LINGER = "TENSORWATCH_PROMETHEUS_LINGER_SECONDS"
+ENV_MAX_SERIES = _env.ENV_PROMETHEUS_MAX_SERIES
+ENV_LINGER = _env.ENV_PROMETHEUS_LINGER_SECONDS
 # Time left for the HTTP response to reach Prometheus after the collector produced it.
 _RESPONSE_GRACE_S = 0.5
 
@@ -55,6 +58,37 @@ def _env_number(name: str, arg: str, value, default, cast, minimum):
     return number
 
 
+_MAX_PORT = 65535
+
+
+def _check_port(port) -> Optional[int]:
+    """None, or a TCP port number 0..65535 (an int or a string of digits)."""
+    if port is None:
+        return None
+    number = None
+    if isinstance(port, int) and not isinstance(port, bool):
+        number = port
+    elif isinstance(port, str) and port.strip().isdigit():
+        number = int(port)
+    if number is None or not 0 <= number <= _MAX_PORT:
+        raise ValueError(f"port={port!r}: expected a TCP port number 0..{_MAX_PORT} (0 picks a free one) "
+                         "or None (no HTTP server)")
+    return number
+
+
+def _check_addr(addr) -> str:
+    if not isinstance(addr, str) or not addr.strip():
+        raise ValueError(f"addr={addr!r}: expected the address to listen on, e.g. '127.0.0.1' or '0.0.0.0'")
+    return addr.strip()
+
+
+def _check_registry(registry):
+    if not all(callable(getattr(registry, m, None)) for m in ("register", "unregister", "collect")):
+        raise ValueError(f"registry={registry!r}: expected a prometheus_client CollectorRegistry or None "
+                         "(the global one)")
+    return registry
+
+
 class _TensorwatchCollector(Collector):
     def __init__(self, sink: "PrometheusMetrics"):
         self._sink = sink
@@ -74,6 +108,9 @@ class PrometheusMetrics(Sink):
     - ``port``: serve ``/metrics`` there on ``addr`` (127.0.0.1 by default). When ``LOCAL_RANK``
       is set each process serves ``port + LOCAL_RANK``. ``port=0`` picks a free port (see
       ``.port``). A port already taken is logged once as an error and training goes on.
+      A port outside 0..65535 (LOCAL_RANK included), an ``addr`` that is no address and a
+      ``registry`` that is no registry raise ``ValueError`` naming the argument, and leave
+      nothing behind (no collector registered, no server thread).
     - ``registry``: the ``CollectorRegistry`` to register into (default: prometheus_client's
       global one, so an existing ``start_http_server`` exposes the series too).
     - ``include``/``exclude``: glob patterns on module paths (the root is ``(root)``).
@@ -111,6 +148,7 @@ class PrometheusMetrics(Sink):
         self._window = Window(self._wanted, self.max_series, window_seconds(window_s), "Prometheus")
         # (module, class, tensor, rank, first_rank) -> [count, trace id, time of the last detection]
         self._nonfinite: Dict[Tuple[str, str, str, int, int], list] = {}
+        self._stopped: Dict[Tuple[str, str, str, int, int], int] = {}  # StoppedByRankEvents, same key
         # optimizer steps skipped: SkippedStepEvents seen, and the core's count in BatchStats;
         # the counter shows the larger, whichever of the two arrives first
         self._skips = [0, 0]
@@ -123,22 +161,30 @@ class PrometheusMetrics(Sink):
         self._unscraped_detection = False
         self._closed = False
 
-        self.registry = REGISTRY if registry is None else registry
+        # Every argument is checked before anything is registered or bound, and a failure after
+        # that undoes it, so a corrected PrometheusMetrics in the same process starts clean.
+        port = _check_port(port)
+        addr = _check_addr(addr)
+        self.registry = REGISTRY if registry is None else _check_registry(registry)
         self._collector = _TensorwatchCollector(self)
         self._registered = False
-        try:
-            self.registry.register(self._collector)
-            self._registered = True
-        except ValueError as exc:  # names already taken by another PrometheusMetrics
-            log.error("tensorwatch_otel: PrometheusMetrics could not register its series: %s; "
-                      "close the other PrometheusMetrics first or pass registry=", exc)
-
         self.port: Optional[int] = None
         self.addr = addr
         self._server = None
         self._server_thread: Optional[threading.Thread] = None
-        if port is not None:
-            self._serve(int(port), addr)
+        try:
+            try:
+                self.registry.register(self._collector)
+                self._registered = True
+            except ValueError as exc:  # names already taken by another PrometheusMetrics
+                log.error("tensorwatch_otel: PrometheusMetrics could not register its series: %s; "
+                          "close the other PrometheusMetrics first or pass registry=", exc)
+            if port is not None:
+                self._serve(port, addr)
+        except BaseException:
+            self._closed = True
+            self._stop()
+            raise
 
     # -- serving ------------------------------------------------------------------------
     def _serve(self, base_port: int, addr: str) -> None:
@@ -150,8 +196,13 @@ class PrometheusMetrics(Sink):
             except ValueError:
                 log.error("tensorwatch_otel: LOCAL_RANK=%r is not an integer; serving on %d",
                           local_rank, base_port)
+        if port > _MAX_PORT:
+            raise ValueError(f"port={base_port} plus LOCAL_RANK={local_rank} is {port}: expected a TCP "
+                             f"port number 0..{_MAX_PORT}")
         try:
             self._server, self._server_thread = start_http_server(port, addr=addr, registry=self.registry)
+        except socket.gaierror as exc:
+            raise ValueError(f"addr={addr!r}: not an address to listen on ({exc})") from None
         except OSError as exc:
             log.error("tensorwatch_otel: cannot serve Prometheus metrics on %s:%d (%s); training "
                       "goes on without the /metrics endpoint. Choose a free port "
@@ -193,12 +244,16 @@ class PrometheusMetrics(Sink):
             self._streak = event.streak
             self._set_scale(event.time, event.scale)
             return
-        if not isinstance(event, NonFiniteEvent):
+        if not isinstance(event, (NonFiniteEvent, StoppedByRankEvent)):
             return
         first = event.first_rank
         key = (label_for_module(event.module), event.module_class, event.tensor, event.rank,
                event.rank if first is None else first)
         with self._lock:
+            if isinstance(event, StoppedByRankEvent):
+                self._stopped[key] = self._stopped.get(key, 0) + 1
+                self._unscraped_detection = True  # this rank stops now: let the scrape see why
+                return
             entry = self._nonfinite.setdefault(key, [0, None, None])
             entry[0] += 1
             if event.trace_id:
@@ -294,6 +349,10 @@ class PrometheusMetrics(Sink):
                                         "where one appeared and the rank that detected first "
                                         "(exemplar: the detection span's trace_id)",
                                         labels=("module", "module_class", "tensor", "rank", "first_rank"))
+        stopped_f = CounterMetricFamily("tensorwatch_stopped_by_rank_events",
+                                        "Stops of this rank because first_rank detected inf/nan first "
+                                        "(module and tensor: where first_rank found it)",
+                                        labels=("module", "module_class", "tensor", "rank", "first_rank"))
         batches_f = CounterMetricFamily("tensorwatch_batches", "Watched batches", labels=("rank",))
         number = GaugeMetricFamily("tensorwatch_batch_number", "Number of the last watched batch (0-based)",
                                    labels=("rank",))
@@ -332,8 +391,11 @@ class PrometheusMetrics(Sink):
             scale_f.add_metric((r,), scale)
         with self._lock:
             counts = [(k, list(v)) for k, v in self._nonfinite.items()]
+            stopped = list(self._stopped.items())
         for (module, cls, tensor, ev_rank, first), (n, trace_id, t) in counts:
             ex = None if trace_id is None else Exemplar({"trace_id": trace_id}, 1.0, t)
             nonfinite.add_metric((module, cls, tensor, str(ev_rank), str(first)), n, exemplar=ex)
-        return [amax, amin, used, nonfinite, batches_f, number, dropped_f, skipped_f, scale_f,
+        for (module, cls, tensor, ev_rank, first), n in stopped:
+            stopped_f.add_metric((module, cls, tensor, str(ev_rank), str(first)), n)
+        return [amax, amin, used, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f, scale_f,
                 streaks_f, streak_f]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, TextIO
 
-from ..core.events import BatchTraceEvent, NonFiniteEvent, SkipStreakEvent
-from ..report.text import render_detection, render_trace, summary_line
+from ..core.events import BatchTraceEvent, NonFiniteEvent, SkipStreakEvent, StoppedByRankEvent
+from ..report.text import render_detection, render_trace, stopped_line, summary_line
 from ._base import Sink
 
 
@@ -32,6 +32,8 @@ class TextReport(Sink):
         if isinstance(event, NonFiniteEvent):
             self._reports += 1
             self._write(render_detection(event) if self._reports == 1 else summary_line(event))
+        elif isinstance(event, StoppedByRankEvent):
+            self._write(stopped_line(event))
         elif isinstance(event, BatchTraceEvent):
             if self.all_ranks or event.rank == 0:
                 self._write(render_trace(event))

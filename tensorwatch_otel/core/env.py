@@ -1,0 +1,138 @@
+"""Every TENSORWATCH_* environment variable: one documented constant each, and the parsers that
+turn a variable's text into an option value (an error names the variable and the valid range).
+
+Nothing here reads the environment at import; watch() and the sinks read it when they are built.
+Precedence everywhere: argument, then environment variable, then default.
+"""
+
+from __future__ import annotations
+
+from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
+
+# -- watch() options (read by WatchConfig.build; an argument left at None falls back to them) -----
+#: ``max_frames``: frames in the ring buffer that ends with the first bad one (integer >= 1; 21).
+ENV_MAX_FRAMES = "TENSORWATCH_MAX_FRAMES"
+#: ``every_n_batches``: watch one batch in N (integer >= 1; 1).
+ENV_EVERY_N_BATCHES = "TENSORWATCH_EVERY_N_BATCHES"
+#: ``on_detect``: ``raise`` (default) or ``report``.
+ENV_ON_DETECT = "TENSORWATCH_ON_DETECT"
+#: ``gradients``: also watch gradients (``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``; off).
+ENV_GRADIENTS = "TENSORWATCH_GRADIENTS"
+#: ``include``: module path globs to watch, comma-separated (``encoder.*,lm_head``; all modules).
+ENV_INCLUDE = "TENSORWATCH_INCLUDE"
+#: ``exclude``: module path globs to leave out, comma-separated (none).
+ENV_EXCLUDE = "TENSORWATCH_EXCLUDE"
+#: ``trace_batches``: batch numbers (0-based) to trace frame by frame, comma-separated (none).
+ENV_TRACE_BATCHES = "TENSORWATCH_TRACE_BATCHES"
+#: ``abort_after_batch``: stop with AbortAfterBatch once this batch has finished (integer >= 0; never).
+ENV_ABORT_AFTER_BATCH = "TENSORWATCH_ABORT_AFTER_BATCH"
+#: ``check``: ``batch`` (one read-back per batch, default) or ``module`` (after every module call).
+ENV_CHECK = "TENSORWATCH_CHECK"
+#: ``optimizer_state``: also measure optimizer state tensors after each step (boolean; off).
+ENV_OPTIMIZER_STATE = "TENSORWATCH_OPTIMIZER_STATE"
+#: ``capture_dir``: on a detection, save the batch's inputs and RNG states under this folder (off).
+ENV_CAPTURE_DIR = "TENSORWATCH_CAPTURE_DIR"
+#: ``max_skipped_steps``: optimizer steps skipped in a row before an alert event (integer >= 1; 20).
+ENV_MAX_SKIPPED_STEPS = "TENSORWATCH_MAX_SKIPPED_STEPS"
+#: ``rerun_on_detect``: rerun the failing batch to confirm a detection (boolean; off).
+ENV_RERUN_ON_DETECT = "TENSORWATCH_RERUN_ON_DETECT"
+#: ``flush_timeout_s``: most seconds a detection waits for the sinks to record it (number >= 0; 5).
+ENV_FLUSH_TIMEOUT_SECONDS = "TENSORWATCH_FLUSH_TIMEOUT_SECONDS"
+
+# -- sinks that watch(sinks=None) adds to the text report ------------------------------------------
+#: Serve Prometheus ``/metrics`` on this port plus LOCAL_RANK (0..65535; off when unset).
+ENV_PROMETHEUS_PORT = "TENSORWATCH_PROMETHEUS_PORT"
+#: Address the Prometheus endpoint binds (``127.0.0.1``).
+ENV_PROMETHEUS_ADDR = "TENSORWATCH_PROMETHEUS_ADDR"
+#: ``PrometheusMetrics(max_series=)``: (module, tensor) pairs per gauge (integer >= 1; 10000).
+ENV_PROMETHEUS_MAX_SERIES = "TENSORWATCH_PROMETHEUS_MAX_SERIES"
+#: ``PrometheusMetrics(linger_s=)``: after a detection, seconds to wait at exit for a scrape (>= 0; 30).
+ENV_PROMETHEUS_LINGER_SECONDS = "TENSORWATCH_PROMETHEUS_LINGER_SECONDS"
+#: Append the JSON lines event log to this path (``{rank}`` in it: one file per rank; off when unset).
+ENV_JSONL = "TENSORWATCH_JSONL"
+
+# -- test suite only -------------------------------------------------------------------------------
+#: ``nettest`` fault injection, ``KIND:RANK[,KIND:RANK]`` (for the test suite).
+ENV_NETTEST_FAULT = "TENSORWATCH_NETTEST_FAULT"
+
+#: Every variable above, in the order the documentation lists them.
+ALL: Tuple[str, ...] = (
+    ENV_MAX_FRAMES, ENV_EVERY_N_BATCHES, ENV_ON_DETECT, ENV_GRADIENTS, ENV_INCLUDE, ENV_EXCLUDE,
+    ENV_TRACE_BATCHES, ENV_ABORT_AFTER_BATCH, ENV_CHECK, ENV_OPTIMIZER_STATE, ENV_CAPTURE_DIR,
+    ENV_MAX_SKIPPED_STEPS, ENV_RERUN_ON_DETECT, ENV_FLUSH_TIMEOUT_SECONDS,
+    ENV_PROMETHEUS_PORT, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_MAX_SERIES, ENV_PROMETHEUS_LINGER_SECONDS,
+    ENV_JSONL, ENV_NETTEST_FAULT,
+)
+
+_TRUE: FrozenSet[str] = frozenset({"1", "true", "yes", "on"})
+_FALSE: FrozenSet[str] = frozenset({"0", "false", "no", "off"})
+
+
+class ConfigError(ValueError):
+    """An invalid option or variable; the message names it and the valid range."""
+
+
+def text(environ: Mapping[str, str], name: str) -> Optional[str]:
+    """The variable's value without surrounding blanks, or None when unset or blank."""
+    raw = environ.get(name, "")
+    raw = raw.strip() if isinstance(raw, str) else ""
+    return raw or None
+
+
+def parse_int(name: str, raw: str, minimum: int, maximum: Optional[int] = None) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        rng = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ConfigError(f"{name}={raw!r}: expected an integer {rng}")
+    return value
+
+
+def parse_float(name: str, raw: str, minimum: float) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not value >= minimum:
+        raise ConfigError(f"{name}={raw!r}: expected a number >= {minimum:g}")
+    return value
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected one of 1, true, yes, on (or 0, false, no, off)")
+
+
+def parse_choice(name: str, raw: str, choices: Sequence[str]) -> str:
+    if raw.lower() in choices:
+        return raw.lower()
+    if raw not in choices:
+        raise ConfigError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return raw
+
+
+def parse_list(name: str, raw: str) -> Tuple[str, ...]:
+    """Comma-separated items, blanks dropped."""
+    items = tuple(p.strip() for p in raw.split(","))
+    return tuple(p for p in items if p)
+
+
+def parse_batches(name: str, raw: str) -> Tuple[int, ...]:
+    """Comma-separated batch numbers (integers >= 0)."""
+    out = []
+    for part in parse_list(name, raw):
+        try:
+            n = int(part)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise ConfigError(f"{name}={raw!r}: {part!r} is not a batch number; expected integers >= 0 "
+                           f"separated by commas")
+        out.append(n)
+    return tuple(out)

@@ -1,0 +1,49 @@
+"""Optimizer state as the watcher sees it (`optimizer_state=True`): after each optimizer step,
+every state tensor (Adam's exp_avg and exp_avg_sq, any optimizer's tensors) is measured like a
+weight, named `<param>.<key>` under the module that owns the parameter. A finite but huge
+gradient can make exp_avg_sq inf while weights and activations stay finite: the parameter then
+silently stops learning; this is where that shows."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from .record import ModuleInfo, Record
+from .stats import measure
+
+
+class OptimizerStateReader:
+    def __init__(self, owners: Dict[int, Tuple[ModuleInfo, str]]):
+        self._owners = owners  # id(param) -> (module info, parameter name)
+
+    def record(self, optimizer, batch_number: int) -> Record:
+        """One frame per parameter with state, in the optimizer's parameter order."""
+        rec = Record(batch_number, phase="optimizer")
+        state = optimizer.state
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    owner = self._owners.get(id(p))
+                    st = state.get(p) if owner is not None else None
+                    if not st:
+                        continue
+                    info, pname = owner
+                    items: list = []
+                    start = len(rec.dtypes)
+                    for key, v in st.items():
+                        # the step counter is a scalar, not a statistic of the parameter
+                        if not isinstance(v, torch.Tensor) or v.numel() <= 1 or not v.is_floating_point():
+                            continue
+                        r = measure(v)
+                        name = f"{pname}.{key}"
+                        if r.__class__ is str:
+                            items.append((name, r))
+                            continue
+                        rec.stats += r
+                        rec.dtypes.append(v.dtype)
+                        items.append(name)
+                    if items:
+                        rec.frames.append((info, items, start))
+        return rec

@@ -1,0 +1,162 @@
+"""Optimizer steps as the watcher sees them: weights change at a step, a non-finite gradient
+is a detection only when a step consumes it, and a step that does not happen while the
+gradients hold inf/nan (a GradScaler skip, or gradients reset without a step) is a skipped
+step: counted, reported, and an alert of its own when `max_skipped_steps` come in a row.
+
+Steps are seen through torch's global optimizer step hooks (any optimizer, fused or not);
+each watcher keeps the handles and removes them on detach.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+import time
+
+from .events import SkippedStepEvent, SkipStreakEvent, merge_kinds
+from .record import Record
+
+log = logging.getLogger(__name__)
+
+
+class PendingGradients:
+    """Non-finite gradients at the end of a backward, not yet consumed by a step.
+
+    `marks` remember, for the first bad parameters, which gradient tensor held the bad values
+    and at which version: if it is gone or was written since (zero_grad, GradScaler.unscale_),
+    the gradients were reset; unchanged means they are still accumulating."""
+
+    __slots__ = ("record", "frame", "marks")
+
+    def __init__(self, record: Record, frame: int, params: List[torch.Tensor]):
+        self.record = record
+        self.frame = frame
+        self.marks: List[Tuple[weakref.ref, int, int]] = []
+        for p in params[:4]:
+            g = p.grad
+            if g is not None:
+                self.marks.append((weakref.ref(p), id(g), g._version))
+
+    def was_reset(self, by_version: bool = True) -> bool:
+        """True when a bad gradient is gone, replaced, or (`by_version`) written in place since.
+        After a backward only replacement counts: accumulation writes in place too."""
+        for ref, gid, version in self.marks:
+            p = ref()
+            if p is None:
+                return True
+            g = p.grad
+            if g is None or id(g) != gid or (by_version and g._version != version):
+                return True
+        return not self.marks
+
+
+class StepTracker:
+    """Registers the global step hooks and tells the watcher which steps concern its model."""
+
+    def __init__(self, model: torch.nn.Module, on_pre_step: Callable[[], None],
+                 on_post_step: Callable[[torch.optim.Optimizer], None]):
+        self._param_ids = {id(p) for p in model.parameters()}
+        self._mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[int, bool]]" = weakref.WeakKeyDictionary()
+        self._on_pre = on_pre_step
+        self._on_post = on_post_step
+        self.steps = 0
+        self.handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+
+    def _concerns(self, optimizer) -> bool:
+        groups = len(optimizer.param_groups)
+        seen = self._mine.get(optimizer)
+        if seen is not None and seen[0] == groups:
+            return seen[1]
+        ids = self._param_ids
+        mine = any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+        try:
+            self._mine[optimizer] = (groups, mine)
+        except TypeError:
+            pass
+        return mine
+
+    def _pre(self, optimizer, args, kwargs) -> None:
+        if self._concerns(optimizer):
+            self._on_pre()
+
+    def _post(self, optimizer, args, kwargs) -> None:
+        if self._concerns(optimizer):
+            self.steps += 1
+            self._on_post(optimizer)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class ScaleReader:
+    """The GradScaler's scale, read with the batch's statistics (no sync of its own). A drop
+    of the scale between two batches is a skipped step when gradients are not watched."""
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+        # the scaler makes its scale tensor at the first scale(): until then it is init_scale
+        init = getattr(scaler, "_init_scale", None)
+        self.last: Optional[float] = float(init) if getattr(scaler, "_scale", None) is None and init else None
+
+    def tensor(self) -> Optional[torch.Tensor]:
+        s = getattr(self.scaler, "_scale", None)
+        if isinstance(s, torch.Tensor) and s.numel() == 1:
+            return s.reshape(())
+        return None
+
+    def dropped_since_read(self) -> bool:
+        """The scale is lower now than at the last batch read (one host read: call only when
+        bad gradients are pending)."""
+        t = self.tensor()
+        if t is None or self.last is None:
+            return False
+        now = float(t)
+        if now < self.last:
+            self.last = now
+            return True
+        return False
+
+    def update(self, value: Optional[float]) -> int:
+        """Record the latest scale; the number of skips its drop says (0 or 1)."""
+        prev, self.last = self.last, value
+        if prev is not None and value is not None and value < prev:
+            return 1
+        return 0
+
+
+class SkipCounter:
+    """Skipped steps: the total, the streak, and the events they make."""
+
+    def __init__(self, max_streak: int):
+        self.max_streak = max_streak
+        self.total = 0
+        self.streak = 0
+
+    def step_taken(self) -> None:
+        self.streak = 0
+
+    def skipped(self, pending: Optional[PendingGradients], batch: int, rank: int, scale: Optional[float]) -> list:
+        self.total += 1
+        self.streak += 1
+        module = module_class = tensor = kind = ""
+        if pending is not None:
+            frame = pending.record.materialize(pending.frame, pending.frame + 1)[0]
+            first = frame.first_nonfinite()
+            module, module_class, kind = frame.module, frame.module_class, merge_kinds(frame.kind)
+            tensor = first.name if first else ""
+            batch = pending.record.batch_number
+        now = time.time()
+        events: list = [SkippedStepEvent(batch, rank, self.streak, scale, module, module_class, tensor, kind, now)]
+        if self.streak == self.max_streak:
+            log.warning("tensorwatch_otel: %d optimizer steps in a row were skipped (non-finite gradients%s): "
+                        "the loss scale is collapsing or every step overflows", self.streak,
+                        f", loss scale {scale:g}" if scale is not None else "")
+            events.append(SkipStreakEvent(batch, rank, self.streak, scale, now))
+        return events

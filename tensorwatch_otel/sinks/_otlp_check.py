@@ -1,0 +1,209 @@
+"""Checks of the OTLP settings that otel_env builds exporters from: the endpoint is a URL, the
+protocol follows the well-known gRPC port when none is set, and an export that fails because
+protocol and port do not match (http/protobuf to a gRPC port, gRPC to an HTTP port) says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Set, Tuple
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+#: Protocols the OTLP exporters speak; the OpenTelemetry specification's default is http/protobuf.
+PROTOCOLS = ("grpc", "http/protobuf")
+DEFAULT_PROTOCOL = "http/protobuf"
+#: The IANA port of OTLP/gRPC: an endpoint on it with no protocol variable set is exported to over gRPC.
+GRPC_PORT = 4317
+HTTP_PORT = 4318
+ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+ENV_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+#: After a failed export, the endpoint is probed at most once per this period until a mismatch is found.
+PROBE_PERIOD_S = 60.0
+PROBE_TIMEOUT_S = 1.0
+
+_HOST = re.compile(r"[A-Za-z0-9._%:-]+")
+
+
+class OtlpConfigError(ValueError):
+    """An OTEL_* variable the exporters cannot work with; the message names it."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one signal goes and how: the variables that said so, for messages."""
+
+    signal: str
+    endpoint_var: str
+    endpoint: str
+    host: str
+    port: Optional[int]
+    tls: bool
+    protocol: str
+    protocol_var: Optional[str]  # None: not set, chosen by default or by the port
+
+    def describe_protocol(self) -> str:
+        if self.protocol_var is not None:
+            return f"{self.protocol_var} is {self.protocol}"
+        return f"{ENV_PROTOCOL} is unset (so {self.protocol})"
+
+
+def _signal_var(signal: str, what: str) -> str:
+    return f"OTEL_EXPORTER_OTLP_{signal.upper()}_{what}"
+
+
+def resolve(signal: str, env: Mapping[str, str]) -> Target:
+    """The target of `signal` ("traces" or "metrics"), from the per-signal variables, then the
+    generic ones. Raises OtlpConfigError naming the variable for an unsupported protocol or an
+    endpoint that is not a URL."""
+    endpoint_var = _signal_var(signal, "ENDPOINT")
+    endpoint = env.get(endpoint_var, "").strip()
+    if not endpoint:
+        endpoint_var, endpoint = ENV_ENDPOINT, env.get(ENV_ENDPOINT, "").strip()
+    protocol, protocol_var = None, None
+    for name in (_signal_var(signal, "PROTOCOL"), ENV_PROTOCOL):
+        value = env.get(name, "").strip().lower()
+        if value:
+            if value not in PROTOCOLS:
+                raise OtlpConfigError(f"{name}={value!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
+            protocol, protocol_var = value, name
+            break
+    has_scheme = "://" in endpoint
+    parts = urlsplit(endpoint if has_scheme else "http://" + endpoint)
+    try:
+        port = parts.port
+    except ValueError:
+        port, parts = None, None
+    ok = (parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+          and _HOST.fullmatch(parts.hostname or "") is not None)
+    if ok and protocol is None:
+        protocol = "grpc" if port == GRPC_PORT else DEFAULT_PROTOCOL
+    # The gRPC exporter also takes a bare host:port; the HTTP one needs the scheme.
+    if not ok or (not has_scheme and protocol != "grpc"):
+        raise OtlpConfigError(f"{endpoint_var}={endpoint!r} is not a URL: expected e.g. "
+                              f"http://localhost:{HTTP_PORT} (OTLP/HTTP) or http://localhost:{GRPC_PORT} (OTLP/gRPC)")
+    return Target(signal, endpoint_var, endpoint, parts.hostname, port, parts.scheme == "https",
+                  protocol, protocol_var)
+
+
+def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
+    """What the server at host:port speaks: "http/1" (answers an HTTP/1.1 request with a status
+    line), "http/2" (opens with an HTTP/2 SETTINGS frame, as gRPC servers do), or None (no
+    answer, closed, or something else)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            s.sendall(b"GET / HTTP/1.1\r\nHost: " + host.encode("ascii", "replace") + b"\r\nConnection: close\r\n\r\n")
+            data = b""
+            deadline = time.monotonic() + timeout_s
+            while len(data) < 9 and time.monotonic() < deadline:
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                data += chunk
+    except (OSError, UnicodeError):
+        return None
+    if data.startswith(b"HTTP/1."):
+        return "http/1"
+    if len(data) >= 9 and data[3] == 0x04:  # frame header: length(3) type(1); 0x04 = SETTINGS
+        return "http/2"
+    return None
+
+
+_reported: Set[Tuple[str, Optional[int], str]] = set()
+_reported_lock = threading.Lock()
+
+
+class MismatchCheck:
+    """After a failed export, probes the endpoint (rate limited) and logs one warning per
+    process and (host, port, protocol) when the server speaks the other protocol."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self._last_probe = float("-inf")
+        self._done = target.tls or target.port is None  # TLS: the plaintext probe cannot tell
+        self.mismatch: Optional[str] = None
+
+    def after_failure(self) -> None:
+        if self._done:
+            return
+        now = time.monotonic()
+        if now - self._last_probe < PROBE_PERIOD_S:
+            return
+        self._last_probe = now
+        t = self.target
+        spoken = probe(t.host, t.port)  # type: ignore[arg-type]
+        if t.protocol == "grpc" and spoken == "http/1":
+            self.mismatch = (f"tensorwatch_otel: OTLP {t.signal} export to {t.endpoint} ({t.endpoint_var}) failed: "
+                             f"that port speaks HTTP/1.1 (OTLP/HTTP), not gRPC, and {t.describe_protocol()}; "
+                             f"set {ENV_PROTOCOL}=http/protobuf, or use the collector's OTLP/gRPC port "
+                             f"(usually {GRPC_PORT})")
+        elif t.protocol == "http/protobuf" and spoken == "http/2":
+            self.mismatch = (f"tensorwatch_otel: OTLP {t.signal} export to {t.endpoint} ({t.endpoint_var}) failed: "
+                             f"that port speaks gRPC (HTTP/2), not OTLP/HTTP, and {t.describe_protocol()}; "
+                             f"set {ENV_PROTOCOL}=grpc, or use the collector's OTLP/HTTP port (usually {HTTP_PORT})")
+        if self.mismatch is None:
+            return
+        self._done = True
+        key = (t.host, t.port, t.protocol)
+        with _reported_lock:
+            if key in _reported:
+                return
+            _reported.add(key)
+        log.warning("%s", self.mismatch)
+
+
+def checked_span_exporter(inner: Any, check: MismatchCheck) -> Any:
+    """`inner` (an OTLP SpanExporter) with the mismatch check after each failed export."""
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class CheckedSpanExporter(SpanExporter):
+        def export(self, spans):
+            result = SpanExportResult.FAILURE
+            try:
+                result = inner.export(spans)
+                return result
+            finally:
+                if result is not SpanExportResult.SUCCESS:
+                    check.after_failure()
+
+        def shutdown(self):
+            return inner.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return inner.force_flush(timeout_millis)
+
+    return CheckedSpanExporter()
+
+
+def checked_metric_exporter(inner: Any, check: MismatchCheck) -> Any:
+    """`inner` (an OTLP MetricExporter) with the mismatch check after each failed export."""
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    class CheckedMetricExporter(MetricExporter):
+        def __init__(self):
+            super().__init__(preferred_temporality=inner._preferred_temporality,
+                             preferred_aggregation=inner._preferred_aggregation)
+
+        def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
+            result = MetricExportResult.FAILURE
+            try:
+                result = inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+                return result
+            finally:
+                if result is not MetricExportResult.SUCCESS:
+                    check.after_failure()
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return inner.force_flush(timeout_millis=timeout_millis)
+
+        def shutdown(self, *args, **kwargs) -> None:
+            return inner.shutdown(*args, **kwargs)
+
+    return CheckedMetricExporter()

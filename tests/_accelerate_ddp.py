@@ -1,0 +1,78 @@
+"""Run under torchrun (2 ranks, CPU, gloo): accelerate prepares (DDP-wraps) a tiny model watched
+before prepare; both ranks overflow at batch 2. Prints `OBSERVED {json}` per rank."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from tensorwatch_otel import NonFiniteDetected, watch
+from tensorwatch_otel.sinks import Sink
+
+torch.set_num_threads(1)
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.boom = Scale()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.boom(self.inp(x)))
+
+
+class Quiet(Sink):
+    wants_batches = True
+
+    def __init__(self):
+        self.batches = []
+
+    def on_batch(self, stats):
+        self.batches.append(stats)
+
+    def on_event(self, event):
+        pass
+
+
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+model = Net()
+sink = Quiet()
+watcher = watch(model, sinks=[sink])  # before prepare: the user's module, the user's paths
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+prepared, opt = accelerator.prepare(model, opt)
+out = {"rank": accelerator.process_index, "wrapper": type(prepared).__name__,
+       "unwrapped_is_model": accelerator.unwrap_model(prepared) is model}
+try:
+    for step in range(5):
+        if step == 2:
+            model.boom.factor = 1e39
+        x = torch.randn(4, 8)
+        loss = prepared(x).pow(2).mean()
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    out["raised"] = None
+except NonFiniteDetected as exc:
+    ev = exc.event
+    out.update(raised="NonFiniteDetected", module=ev.module, tensor=ev.tensor, batch=ev.batch_number,
+               event_rank=ev.rank)
+finally:
+    watcher.detach()
+out["paths"] = sorted({f.module for b in sink.batches for f in b.frames})
+out["hooks_after"] = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in prepared.modules())
+print("OBSERVED " + json.dumps(out), flush=True)

@@ -1,0 +1,126 @@
+"""A tiny training job for the multi-rank tests, run under `python -m torch.distributed.run`
+(gloo on 127.0.0.1): DDP or FSDP2, one rank's input (or weight shard) made non-finite at a
+chosen batch. Each rank writes what happened to OUT/result-RANK.json.
+
+usage: _dist_train.py OUT --mode ddp|fsdp2|eval --bad RANK[,RANK] --at BATCH [--batches N]
+       [--linger S] [--inject input|shard]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tensorwatch_otel import NonFiniteDetected, watch
+from tensorwatch_otel.sinks import JsonlLog, TextReport
+
+torch.set_num_threads(1)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--mode", default="ddp", choices=("ddp", "fsdp2", "eval"))
+    ap.add_argument("--bad", default="", help="ranks whose values become non-finite")
+    ap.add_argument("--at", type=int, default=4)
+    ap.add_argument("--batches", type=int, default=12)
+    ap.add_argument("--linger", type=float, default=0.0, help="seconds the stopped process stays alive")
+    ap.add_argument("--inject", default="input", choices=("input", "shard", "grad"))
+    ap.add_argument("--gradients", action="store_true", help="watch(gradients=True)")
+    ap.add_argument("--on-detect", default="raise", choices=("raise", "report"))
+    ap.add_argument("--trace", type=int, action="append", default=[], help="batches to trace")
+    ap.add_argument("--watch-first", action="store_true", help="watch() before fully_shard()")
+    args = ap.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    bad = {int(r) for r in args.bad.split(",") if r}
+    torch.manual_seed(0)
+    net = Net()
+    sinks = [JsonlLog(os.path.join(args.out, "events-{rank}.jsonl")), TextReport(stream=sys.stderr)]
+    watcher = watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients,
+                    on_detect=args.on_detect) if args.watch_first else None
+    if args.mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in net.layers:
+            fully_shard(layer)
+        fully_shard(net)
+        model = net
+    elif args.mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(net)
+    else:
+        model = net
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0, "local_abs_max": {}}
+    gen = torch.Generator().manual_seed(100 + rank)
+    watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients,
+                                on_detect=args.on_detect)
+    try:
+        with watcher:
+            for b in range(args.batches):
+                x = torch.randn(4, 8, generator=gen)
+                if rank in bad and b == args.at:
+                    if args.inject == "shard":
+                        with torch.no_grad():
+                            net.layers[0].weight.to_local()[0, 0] = float("inf")
+                    elif args.inject == "input":
+                        x[0, 0] = float("inf")
+                if b in args.trace:  # what this rank holds of each weight, to compare with the trace
+                    result["local_abs_max"][str(b)] = {
+                        n: float((p.to_local() if hasattr(p, "to_local") else p).detach().abs().max())
+                        for n, p in net.named_parameters()}
+                if args.mode == "eval":
+                    with torch.no_grad():
+                        y = model(x)
+                        total = y.sum().reshape(1)
+                        dist.all_reduce(total)  # a collective per batch, as a metric would
+                else:
+                    loss = model(x).pow(2).mean()
+                    if rank in bad and b == args.at and args.inject == "grad":
+                        loss = loss * float("inf")  # the model's forward stays finite, its gradients do not
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                result["batches_done"] = b + 1
+    except NonFiniteDetected as exc:
+        ev = exc.event
+        result.update(stopped=True, time=time.time(), event=ev.event, first_rank=ev.first_rank,
+                      module=ev.module, module_class=ev.module_class, tensor=ev.tensor, kind=ev.kind,
+                      batch_number=ev.batch_number, stopped_at_batch=getattr(ev, "stopped_at_batch", None),
+                      message=str(exc))
+    result["polls"] = watcher._fleet.polls
+    result["param_names"] = [n for n, _ in net.named_parameters()]
+    result["module_classes"] = sorted({type(m).__name__ for m in net.modules()})
+    path = os.path.join(args.out, f"result-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    if result.get("stopped"):
+        if result["event"] == "nonfinite_detected":
+            time.sleep(args.linger)  # as a Prometheus sink lingering for its last scrape would
+        return 3
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

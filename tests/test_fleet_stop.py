@@ -1,0 +1,210 @@
+"""Stop together: under a real `python -m torch.distributed.run` (gloo on 127.0.0.1) a
+detection on one rank stops every rank at the same safe point, each raising NonFiniteDetected
+that names the first rank, while the detecting rank lingers (as a Prometheus sink would)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _diag_launch import clean_env
+from conftest import free_port
+from tensorwatch_otel.core.events import StoppedByRankEvent
+from tensorwatch_otel.report.codec import from_dict, read_events, to_dict
+from tensorwatch_otel.report.text import stopped_line
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parent / "_dist_train.py"
+LINGER_S = 30.0  # the detecting rank stays alive this long after its raise
+PG_TIMEOUT_S = 60.0  # the script's process group timeout: a rank left in a collective would wait this long
+
+
+def launch(tmp_path: Path, nproc: int, *args: str, timeout: float = 240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), str(tmp_path), *args]
+    env = clean_env({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(tmp_path))
+    ended = time.time()
+    results = {}
+    for r in range(nproc):
+        p = tmp_path / f"result-{r}.json"
+        assert p.exists(), f"rank {r} wrote no result\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        results[r] = json.loads(p.read_text())
+    return proc, results, ended
+
+
+def events_of(tmp_path: Path, rank: int):
+    return read_events(str(tmp_path / f"events-{rank}.jsonl"))
+
+
+def raw_lines(tmp_path: Path, rank: int):
+    return [json.loads(line) for line in (tmp_path / f"events-{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", [2, 0])
+def test_ddp_overflow_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, bad):
+    at = 4
+    proc, results, ended = launch(tmp_path, 3, "--mode", "ddp", "--bad", str(bad), "--at", str(at),
+                                  "--linger", str(LINGER_S))
+    assert proc.returncode != 0  # the job failed, as it should
+    det = results[bad]
+    assert det["event"] == "nonfinite_detected" and det["first_rank"] == bad
+    assert (det["module"], det["module_class"], det["tensor"], det["kind"], det["batch_number"]) == \
+        ("layers.0", "Linear", "input[0]", "inf", at)
+    # the detecting rank took part in the step's all-reduce and raised at its optimizer step
+    assert det["batches_done"] == at
+    detected_at = [e for e in events_of(tmp_path, bad) if e.event == "nonfinite_detected"][0].time
+    for r, res in results.items():
+        assert res["stopped"], res
+        assert res["first_rank"] == bad
+        assert (res["module"], res["tensor"], res["batch_number"]) == ("layers.0", "input[0]", at)
+        assert f"rank {bad}" in res["message"] or r == bad
+        if r != bad:
+            assert res["event"] == "stopped_by_rank"
+            assert at <= res["stopped_at_batch"] <= at + 1  # within two batches (here: the same step)
+            assert res["batches_done"] == at
+        # nobody waited for the collective timeout, nor for the detecting rank's linger
+        assert res["time"] - detected_at < 10.0
+    assert ended < detected_at + LINGER_S, "the launcher waited for the lingering detecting rank"
+    assert ended - detected_at < PG_TIMEOUT_S
+    # JSON lines: every rank carries first_rank; only the detecting rank counts a detection
+    for r in results:
+        lines = raw_lines(tmp_path, r)
+        kinds = [d["event"] for d in lines]
+        if r == bad:
+            assert kinds == ["nonfinite_detected"]
+        else:
+            assert kinds == ["stopped_by_rank"]
+            assert lines[0]["stopped_at_batch"] == at and lines[0]["frames"] == []
+        assert all(d["first_rank"] == bad and d["rank"] == r for d in lines)
+    # the stopped ranks' text report says who stopped them
+    assert f"rank {bad} detected inf in layers.0 Linear input[0] during batch_number={at}" in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_detect_in_the_same_step_the_first_publisher_wins(tmp_path):
+    at = 3
+    proc, results, _ = launch(tmp_path, 4, "--mode", "ddp", "--bad", "1,2", "--at", str(at), "--linger", "0")
+    first = results[1]["first_rank"]
+    assert first in (1, 2)
+    for r, res in results.items():
+        assert res["stopped"] and res["first_rank"] == first
+        assert res["event"] == ("nonfinite_detected" if r in (1, 2) else "stopped_by_rank"), res
+        assert res["batches_done"] == at
+    # each detecting rank counts its own detection, with the winner as first_rank
+    for r in (1, 2):
+        dets = [e for e in events_of(tmp_path, r) if e.event == "nonfinite_detected"]
+        assert [(e.rank, e.first_rank, e.batch_number) for e in dets] == [(r, first, at)]
+    for r in (0, 3):
+        assert [e.event for e in events_of(tmp_path, r)] == ["stopped_by_rank"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batches", [6, 3], ids=["next-batch", "last-batch"])
+def test_loop_without_optimizer_step_stops_at_the_next_batch_start(tmp_path, batches):
+    """Evaluation with an all-reduce per batch: no optimizer step, so every rank stops when the
+    next batch starts, after the detection batch's collective; when the detection batch is the
+    last one, when the watcher's with-block ends."""
+    at = 2
+    proc, results, _ = launch(tmp_path, 3, "--mode", "eval", "--bad", "1", "--at", str(at), "--linger", "0",
+                              "--batches", str(batches))
+    for r, res in results.items():
+        assert res["stopped"] and res["first_rank"] == 1, res
+        assert res["batches_done"] == at + 1  # batch `at` ran to its end, all-reduce included
+        if r != 1:
+            assert res["stopped_at_batch"] == at + 1
+
+
+@pytest.mark.slow
+def test_gradient_detection_stops_every_rank_one_step_later(tmp_path):
+    """gradients=True, rank 2's gradients turn inf in batch 3 (its forward stays finite): the
+    detection comes at the end of its backward, after the all-reduce the other ranks may already
+    have left, so the common stop point is the next batch's optimizer step. Nobody hangs."""
+    at = 3
+    proc, results, _ = launch(tmp_path, 3, "--mode", "ddp", "--inject", "grad", "--gradients", "--bad", "2",
+                              "--at", str(at), "--linger", "0")
+    det = results[2]
+    assert det["event"] == "nonfinite_detected" and det["batch_number"] == at and det["tensor"].endswith(".grad")
+    first = [d for d in raw_lines(tmp_path, 2) if d["event"] == "nonfinite_detected"][0]
+    assert first["frames"][-1]["phase"] == "backward"
+    # The step of batch `at` consumed the gradients, so every rank also sees the nan weights in
+    # the next forward; whoever published first is first_rank, and all ranks agree on it.
+    firsts = {res["first_rank"] for res in results.values()}
+    assert len(firsts) == 1, results
+    for res in results.values():
+        assert res["stopped"], res
+        assert res["batches_done"] == at + 1  # stopped at the optimizer step of batch at + 1
+
+
+@pytest.mark.slow
+def test_report_mode_stops_nobody_and_names_the_first_rank(tmp_path):
+    """on_detect="report": training goes on everywhere, nothing is checked per step, and the
+    detections still carry the rank that detected first."""
+    at, batches = 2, 5
+    proc, results, _ = launch(tmp_path, 3, "--mode", "ddp", "--bad", "2", "--at", str(at), "--batches", str(batches),
+                              "--on-detect", "report")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r, res in results.items():
+        assert not res.get("stopped") and res["batches_done"] == batches and res["polls"] == 0, res
+        events = events_of(tmp_path, r)
+        assert all(e.event == "nonfinite_detected" and e.first_rank == 2 for e in events), events
+    first = events_of(tmp_path, 2)[0]
+    assert (first.batch_number, first.module, first.tensor) == (at, "layers.0", "input[0]")
+
+
+@pytest.mark.slow
+def test_no_detection_no_stop(tmp_path):
+    proc, results, _ = launch(tmp_path, 2, "--mode", "ddp", "--batches", "6")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert all(not res.get("stopped") and res["batches_done"] == 6 for res in results.values())
+    # one store check per optimizer step, plus the first batch's start (no step seen yet) and the end
+    assert all(res["polls"] == 6 + 2 for res in results.values())
+
+
+def test_stopped_by_rank_event_round_trips_and_renders():
+    ev = StoppedByRankEvent(batch_number=4, rank=0, first_rank=2, module="layers.0", module_class="Linear",
+                            tensor="input[0]", kind="inf", time=1_800_000_000.25, stopped_at_batch=5)
+    d = to_dict(ev)
+    assert d["event"] == "stopped_by_rank" and d["first_rank"] == 2 and d["stopped_at_batch"] == 5
+    assert d["frames"] == [] and d["rank"] == 0
+    back = from_dict(json.loads(json.dumps(d)))
+    assert back == ev
+    assert stopped_line(ev) == ("tensorwatch_otel: rank 0 stopped at batch_number=5: rank 2 detected inf in "
+                                "layers.0 Linear input[0] during batch_number=4\n")
+
+
+def test_single_process_raises_at_once(tmp_path):
+    """Outside torch.distributed nothing changes: the detecting forward raises."""
+    import torch
+
+    from tensorwatch_otel import NonFiniteDetected, watch
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    x = torch.ones(1, 3)
+    x[0, 0] = float("inf")
+    with watch(model, sinks=[]) as w:
+        with pytest.raises(NonFiniteDetected) as info:
+            model(x)
+        assert info.value.event.first_rank == 0 and info.value.event.rank == 0
+        assert w._fleet.polls == 0
+
+
+def test_report_command_renders_a_stopped_rank(tmp_path, capsys):
+    from tensorwatch_otel.cli import main
+    from tensorwatch_otel.sinks import JsonlLog
+
+    ev = StoppedByRankEvent(batch_number=7, rank=3, first_rank=1, module="", module_class="Net",
+                            tensor="output", kind="nan", time=1_800_000_000.0, stopped_at_batch=8)
+    log = JsonlLog(str(tmp_path / "ev.jsonl"))
+    log.on_event(ev)
+    log.close()
+    assert main(["report", str(tmp_path / "ev.jsonl"), "--event", "stopped_by_rank"]) == 0
+    assert capsys.readouterr().out == ("tensorwatch_otel: rank 3 stopped at batch_number=8: rank 1 detected nan "
+                                       "in (root) Net output during batch_number=7\n")

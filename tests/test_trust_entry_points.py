@@ -1,0 +1,143 @@
+"""Models entered other than through their root forward (encode()/decode(), submodules called
+directly) and compiled models: batches end, memory stays bounded, the inf is found and named, and
+under torch.compile the watcher says once what it watches."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+
+import torch
+from torch import nn
+
+import pytest
+from _collect import Collect
+from tensorwatch_otel import DebugUnderflowOverflow, NonFiniteDetected, NonFiniteEvent, watch
+
+
+class EncDec(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.decoder = nn.Linear(8, 4)
+
+    def encode(self, x):
+        return self.encoder(x)
+
+    def decode(self, h):
+        return self.decoder(h)
+
+    def forward(self, x):
+        return self.decode(self.encode(x))
+
+
+def test_calls_without_the_root_forward_end_batches_and_stay_bounded():
+    model = EncDec()
+    w = watch(model, sinks=[Collect()], max_frames=21)
+    x = torch.randn(2, 4)
+    for _ in range(3000):
+        model.decode(model.encode(x))
+    assert w.batch_number == 6000  # each outermost call (encode, then decode) is a batch
+    assert len(w._rec.frames) == 0  # nothing left pending
+    assert sum(len(r.frames) for r in w._history.records) <= 21 + 3  # the ring's history only
+    with torch.no_grad():
+        model.decoder.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteDetected) as ei:
+        model.decode(model.encode(x))
+    ev = ei.value.event
+    assert (ev.module, ev.tensor, ev.batch_number) == ("decoder", "weight", 6001)
+    assert [f.module for f in ev.frames][-3:] == ["encoder.1", "encoder", "decoder"]
+    w.detach()
+
+
+def _peer_and_ours(run):
+    """stdout and exception text of the peer and of our drop-in on the same scenario."""
+    from transformers.debug_utils import DebugUnderflowOverflow as Peer
+
+    out = []
+    for cls in (Peer, DebugUnderflowOverflow):
+        torch.manual_seed(0)
+        model = EncDec()
+        dbg = cls(model, max_frames_to_save=5)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            try:
+                run(model)
+                err = None
+            except ValueError as exc:
+                err = str(exc)
+        out.append((buf.getvalue(), err))
+        if hasattr(dbg, "detach"):
+            dbg.detach()
+    return out
+
+
+def test_dropin_detects_where_the_peer_does_without_root_forward():
+    def run(model):
+        x = torch.randn(2, 4)
+        for i in range(50):
+            if i == 37:
+                with torch.no_grad():
+                    model.decoder.bias[1] = float("nan")
+            model.decode(model.encode(x))
+
+    (peer_out, peer_err), (ours_out, ours_err) = _peer_and_ours(run)
+    assert peer_err is not None and ours_err == peer_err
+    assert "Detected inf/nan during batch_number=0" in peer_out
+    assert ours_out == peer_out
+
+
+def _compile(module):
+    # the eager backend keeps the test fast; dynamo traces the hooks the same way for any backend
+    return torch.compile(module, backend="eager")
+
+
+def test_watch_compiled_model_records_inputs_outputs_weights_and_says_so(caplog):
+    torch.manual_seed(0)
+    model = EncDec()
+    compiled = _compile(model)
+    sink = Collect()
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        w = watch(compiled, sinks=[sink], on_detect="report")
+        x = torch.randn(2, 4)
+        compiled(x)
+        compiled(x)
+    said = [r for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert len(said) == 1
+    frames = sink.batches[-1].frames
+    assert [f.module for f in frames] == ["encoder.0", "decoder", ""]  # no _orig_mod. anywhere
+    assert frames[-1].module_class == "EncDec"
+    root = {t.name: t for t in frames[-1].tensors}
+    assert root["output"].abs_max == pytest.approx(compiled(x).abs().max().item())
+    with torch.no_grad():
+        model.encoder[0].weight[0, 0] = float("inf")
+    compiled(x)
+    w.detach()
+    (ev,) = sink.of(NonFiniteEvent)
+    assert (ev.module, ev.module_class, ev.tensor) == ("encoder.0", "Linear", "weight")
+
+
+def test_compiled_after_watch_is_said_once_not_silent(caplog):
+    model = EncDec()
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        w = watch(model, sinks=[Collect()])
+        compiled = _compile(model)
+        for _ in range(3):
+            compiled(torch.randn(2, 4))
+        w.detach()
+    said = [r for r in caplog.records if "compiled" in r.getMessage()]
+    assert len(said) == 1
+    assert "watch(torch.compile(model))" in said[0].getMessage()
+
+
+def test_model_compiled_in_place_is_said_at_watch(caplog):
+    model = EncDec()
+    model.compile(backend="eager")
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        w = watch(model, sinks=[Collect()])
+        said = [r for r in caplog.records if "torch.compile" in r.getMessage()]
+        model(torch.randn(2, 4))
+        w.detach()
+    assert len(said) == 1 and "model.compile()" in said[0].getMessage()
+    assert len([r for r in caplog.records if "torch.compile" in r.getMessage()]) == 1
