@@ -218,7 +218,7 @@ def test_records_give_the_same_numbers_as_built_frames(kw):
 
 # ---------------------------------------------------------------- a real Prometheus
 _SPIKE_SCRIPT = textwrap.dedent("""
-    import json, sys, time, torch
+    import json, os, sys, time, torch
     sys.path.insert(0, {tests!r})
     from _otel_fixtures import OverflowNet
     from tensorwatch_otel import watch
@@ -228,8 +228,10 @@ _SPIKE_SCRIPT = textwrap.dedent("""
     x = torch.randn(4, 8)
     w = watch(model)  # TENSORWATCH_PROMETHEUS_PORT in the environment
     with torch.no_grad():
+        spiked = False
         for step in range(100000):
-            if step == {spike_at}:
+            if not spiked and os.path.exists({trigger!r}):  # the test saw steady scrapes first
+                spiked = True
                 model.boom.factor = 1e4  # one batch, then back
                 model(x)
                 print(json.dumps({{"spike_time": time.time()}}), flush=True)
@@ -246,13 +248,15 @@ def test_real_prometheus_sees_a_one_batch_spike_in_its_next_scrape(tmp_path):
 
     port = free_port()
     env = dict(os.environ, TENSORWATCH_PROMETHEUS_PORT=str(port), TENSORWATCH_PROMETHEUS_LINGER_SECONDS="0")
-    script = _SPIKE_SCRIPT.format(tests=os.path.dirname(__file__), spike_at=400)
+    trigger = tmp_path / "spike-now"
+    script = _SPIKE_SCRIPT.format(tests=os.path.dirname(__file__), trigger=str(trigger))
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         with PrometheusServer(tmp_path, scrape_targets=[f"127.0.0.1:{port}"], scrape_interval="1s") as prom:
             sel = 'tensorwatch_tensor_abs_max{module="boom",tensor="output"}'
-            prom.wait_for(sel, timeout=60)
+            prom.wait_for(f"count_over_time({sel}[1m])", lambda r: r and float(r[0]["value"][1]) >= 2, timeout=60)
+            trigger.write_text("")
             spike_time = json.loads(proc.stdout.readline())["spike_time"]
             time.sleep(3)
             [series] = prom.query(f"{sel}[60s]")

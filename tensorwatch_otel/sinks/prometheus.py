@@ -344,15 +344,13 @@ class PrometheusMetrics(Sink):
                                  f"abs max divided by the largest finite value of the tensor's dtype, "
                                  f"largest over {window}",
                                  labels=("module", "module_class", "tensor", "dtype", "rank"))
+        nf_labels = ("module", "module_class", "tensor", "rank", "first_rank")
         nonfinite = CounterMetricFamily("tensorwatch_nonfinite_events",
                                         "inf/nan detections, labelled with the first module and tensor "
                                         "where one appeared and the rank that detected first "
-                                        "(exemplar: the detection span's trace_id)",
-                                        labels=("module", "module_class", "tensor", "rank", "first_rank"))
-        stopped_f = CounterMetricFamily("tensorwatch_stopped_by_rank_events",
-                                        "Stops of this rank because first_rank detected inf/nan first "
-                                        "(module and tensor: where first_rank found it)",
-                                        labels=("module", "module_class", "tensor", "rank", "first_rank"))
+                                        "(exemplar: the detection span's trace_id)", labels=nf_labels)
+        stopped_f = CounterMetricFamily("tensorwatch_stopped_by_rank_events", "Stops of this rank because "
+                                        "first_rank detected inf/nan first (in module, tensor)", labels=nf_labels)
         batches_f = CounterMetricFamily("tensorwatch_batches", "Watched batches", labels=("rank",))
         number = GaugeMetricFamily("tensorwatch_batch_number", "Number of the last watched batch (0-based)",
                                    labels=("rank",))
