@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..core import env as _env
 from ..core.events import BatchStats, label_for_module
 from ..core.stats import DTYPE_MAX, dtype_name
 
@@ -33,7 +34,7 @@ Key = Tuple[str, str]  # (module label, tensor)
 #: Seconds of batches the tensor gauges cover by default (set it to at least twice the
 #: scrape or export interval; 0 means the last watched batch only).
 DEFAULT_WINDOW_S = 60.0
-ENV_WINDOW = "TENSORWATCH_METRICS_WINDOW_SECONDS"
+ENV_WINDOW = _env.ENV_METRICS_WINDOW_SECONDS
 
 _LAYOUTS = 8  # distinct batch layouts remembered (train/eval forwards, generate() steps...)
 _UNSEEN = -1.0  # abs values and ratios are >= 0: a max below 0 means "not in this bucket"
