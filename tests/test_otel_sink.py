@@ -233,6 +233,25 @@ def test_span_is_in_the_event_trace_and_links_the_training_step_span(otel):
     assert link.context.trace_id == step.get_span_context().trace_id
 
 
+def test_detection_inside_a_step_span_joins_its_trace(otel):
+    """An event made while the application's span is open takes that trace id (the OTel sink
+    tells the core): the detection span is the step's child, exemplar and log name that trace."""
+    sink = otel.sink()
+    reader_ctx = None
+    with otel.tp.get_tracer("train").start_as_current_span("train_step") as step:
+        ev = detection(linear_frames(2, bad_at=1))  # the watcher makes it on the training thread
+        sink.on_event(ev)
+        reader_ctx = step.get_span_context()
+    data = otel.reader.get_metrics_data()
+    sink.flush(5)
+    [span] = otel.finished("tensorwatch.nonfinite_detected")
+    assert ev.trace_id == format(reader_ctx.trace_id, "032x") == format(span.context.trace_id, "032x")
+    assert span.parent.span_id == reader_ctx.span_id and not span.links
+    [dp] = [dp for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+            if m.name == "tensorwatch.nonfinite.events" for dp in m.data.data_points]
+    assert [e.trace_id for e in dp.exemplars] == [reader_ctx.trace_id]
+
+
 def test_span_without_trace_id_is_a_child_of_the_step(otel):
     """An event read back from an old log has no trace id: the span is made as before."""
     import dataclasses

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Tuple, Union
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 # Notes for values that have no statistics. The report prints them right-aligned in 17 columns.
 NOTE_NONE = "None"
@@ -43,6 +43,30 @@ def merge_kinds(*kinds: str) -> str:
     """Union of kinds: merge_kinds('inf', 'nan') == 'inf,nan'."""
     parts = {p for k in kinds for p in k.split(",") if p}
     return ",".join(k for k in ("inf", "nan") if k in parts)
+
+
+# A tracing sink may say which trace the detecting thread is in (the core imports no tracing
+# library): then the detection joins the application's trace instead of starting its own.
+_trace_id_source: Optional[Callable[[], Optional[str]]] = None
+
+
+def set_trace_id_source(source: Optional[Callable[[], Optional[str]]]) -> None:
+    """`source()` returns the 32-hex trace id of the caller's current (sampled) span, or None."""
+    global _trace_id_source
+    _trace_id_source = source
+
+
+def new_trace_id() -> str:
+    """The current span's trace id when a source knows one, else a random 128-bit id."""
+    source = _trace_id_source
+    if source is not None:
+        try:
+            tid = source()
+        except Exception:  # a tracing library's trouble must not stop a detection
+            tid = None
+        if tid:
+            return tid
+    return format(secrets.randbits(128) or 1, "032x")
 
 
 @dataclass(frozen=True)
@@ -115,7 +139,7 @@ class NonFiniteEvent:
         if self.first_rank is None:
             object.__setattr__(self, "first_rank", self.rank)
         if self.trace_id is None:
-            object.__setattr__(self, "trace_id", format(secrets.randbits(128) or 1, "032x"))
+            object.__setattr__(self, "trace_id", new_trace_id())
 
 
 @dataclass(frozen=True)

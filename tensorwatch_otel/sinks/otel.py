@@ -19,7 +19,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
-                           label_for_module)
+                           label_for_module, set_trace_id_source)
 from .otel_env import shutdown_bounded
 from .._version import __version__
 from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # noqa: F401 (re-export)
@@ -36,6 +36,12 @@ SCOPE = "tensorwatch_otel"
 DEFAULT_MAX_SERIES = 1999
 _QUEUE_SIZE = 1024
 _STOP = object()
+
+
+def _current_trace_id() -> Optional[str]:
+    """The trace of the caller's current span, when it is valid and sampled (kept by backends)."""
+    sc = trace.get_current_span().get_span_context()
+    return format(sc.trace_id, "032x") if sc.is_valid and sc.trace_flags.sampled else None
 
 
 def _export_interval_s(provider: Any) -> float:
@@ -88,6 +94,9 @@ class OtelTelemetry(Sink):
         self._meter_provider = meter_provider
         self._tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
         self._spans = SpanBuilder(self._tracer, tracer_provider)
+        # Detections made while the application has a span open join its trace (the event's
+        # trace_id is that span's), so every sink names the trace the detection span is in.
+        set_trace_id_source(_current_trace_id)
         meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
         self.max_series = max_series
         self._wanted = ModuleFilter(include, exclude)
@@ -193,8 +202,11 @@ class OtelTelemetry(Sink):
             })
         if isinstance(event, NonFiniteEvent):
             first = event.rank if event.first_rank is None else event.first_rank
-            # In the detection's trace, so the exemplar names the span's trace id.
-            dctx = _detection_context(event.trace_id, ctx) if event.trace_id else None
+            # In the detection's trace, so the exemplar names the span's trace id: a child of the
+            # current span when the event took its trace id, else a trace of its own.
+            current = trace.get_current_span(ctx).get_span_context()
+            joined = current.is_valid and format(current.trace_id, "032x") == event.trace_id
+            dctx = _detection_context(event.trace_id, ctx) if event.trace_id and not joined else None
             self._nonfinite.add(1, {
                 "tensorwatch.module.path": label_for_module(event.module),
                 "tensorwatch.module.class": event.module_class,
