@@ -99,8 +99,8 @@ def test_demo_serves_the_detection_to_prometheus(tmp_path):
                              "--overflow-at-batch", "3", "--prometheus-port", str(port), "--serve-seconds", "20",
                              "--jsonl", str(tmp_path / "e.jsonl"), "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    want = (f'tensorwatch_nonfinite_events_total{{module="{OVERFLOW_MODULE}",module_class="Linear",'
-            f'rank="0",tensor="output"}} 1.0')
+    want = (f'tensorwatch_nonfinite_events_total{{first_rank="0",module="{OVERFLOW_MODULE}",'
+            f'module_class="Linear",rank="0",tensor="output"}} 1.0')
     body = ""
     try:
         deadline = time.monotonic() + 60

@@ -325,19 +325,20 @@ def test_report_an_unusable_line_among_events_is_skipped_and_named(tmp_path, cap
     assert [ln for ln in err.splitlines() if ln.startswith("report:   line 2: ") and why in ln]
 
 
-NEW_TYPE = '{"time":"2026-01-01T00:00:00Z","event":"optimizer_step_skipped","batch_number":3,"rank":0,"frames":[]}\n'
+# Event types no version writes (yet): how a log from a newer version looks to this one.
+NEW_TYPE = '{"time":"2026-01-01T00:00:00Z","event":"weights_reloaded","batch_number":3,"rank":0,"frames":[]}\n'
 
 
 def test_report_unknown_event_types_are_skipped_alike_mid_file_and_last(tmp_path, capsys, real_log):
     trace, detection = real_log
     _, whole, _ = _report(capsys, tmp_path, trace + detection)
-    streak = NEW_TYPE.replace("optimizer_step_skipped", "skipped_steps_streak")
+    streak = NEW_TYPE.replace("weights_reloaded", "learning_rate_changed")
     for text, lines in [(trace + NEW_TYPE + detection, "line 2"), (trace + detection + NEW_TYPE, "line 3"),
                         (NEW_TYPE + trace + detection + NEW_TYPE + streak, "lines 1, 4")]:
         code, out, err = _report(capsys, tmp_path, text)
         assert code == 0 and out == whole
-        assert f"of types this version does not render: optimizer_step_skipped ({lines})" in err
-    assert "skipped_steps_streak (line 5)" in err
+        assert f"of types this version does not render: weights_reloaded ({lines})" in err
+    assert "learning_rate_changed (line 5)" in err
     # a log of new event types only is still an event log: nothing to render, exit 0
     code, out, err = _report(capsys, tmp_path, NEW_TYPE + streak)
     assert code == 0 and out == ""
@@ -382,7 +383,7 @@ def test_diff_reads_logs_through_the_same_loader(logs, capsys, tmp_path):
     damaged.write_text("garbage\n" + NEW_TYPE + "".join(lines))
     code, out, err = run_cli(capsys, "diff", f"{damaged}:{TRACED}", f"{good}:{TRACED}")
     assert code == 0 and "no divergence" in out and "Traceback" not in err
-    assert "diff: " in err and "line 1: not JSON" in err and "optimizer_step_skipped (line 2)" in err
+    assert "diff: " in err and "line 1: not JSON" in err and "weights_reloaded (line 2)" in err
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text('{"hello":"world"}\n')
     code, _, err = run_cli(capsys, "diff", f"{foreign}:1", f"{good}:{TRACED}")

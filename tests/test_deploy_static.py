@@ -26,6 +26,9 @@ CONTRACT_SERIES = {
     "tensorwatch_tensor_abs_max", "tensorwatch_tensor_abs_min",
     "tensorwatch_tensor_range_used_ratio", "tensorwatch_nonfinite_events_total",
     "tensorwatch_batches_total", "tensorwatch_batch_number",
+    # second wave: skipped optimizer steps
+    "tensorwatch_optimizer_steps_skipped_total", "tensorwatch_grad_scale",
+    "tensorwatch_optimizer_skip_streaks_total", "tensorwatch_optimizer_skip_streak",
 }
 ALERT_LABELS = {"module", "module_class", "tensor", "rank", "severity"}
 COMPOSE_SERVICES = {"otel-collector", "prometheus", "alertmanager", "jaeger", "grafana"}
@@ -124,6 +127,11 @@ def test_contract_alerts_are_defined_with_labels_and_annotations():
         for label in ALERT_LABELS - {"severity"}:
             assert f"$labels.{label}" in text, (name, label)
     assert "tensorwatch.nonfinite_detected" in rules["TensorwatchNonFinite"]["annotations"]["jaeger_search"]
+    assert "$labels.first_rank" in rules["TensorwatchNonFinite"]["annotations"]["description"]
+    streak = rules["TensorwatchSkippedStepsStreak"]
+    assert streak["labels"]["severity"] == "warning"
+    assert "tensorwatch_optimizer_skip_streaks_total" in streak["expr"]
+    assert "$labels.rank" in streak["annotations"]["summary"]
 
 
 def test_rule_tests_cover_the_contract_labels():
@@ -136,6 +144,8 @@ def test_rule_tests_cover_the_contract_labels():
                     seen.setdefault(a["alertname"], set()).update(exp["exp_labels"])
     for name in ("TensorwatchNonFinite", "TensorwatchRangeHigh"):
         assert ALERT_LABELS <= seen.get(name, set()), (name, seen.get(name))
+    assert "first_rank" in seen["TensorwatchNonFinite"]
+    assert {"rank", "severity"} <= seen.get("TensorwatchSkippedStepsStreak", set())
 
 
 def test_alertmanager_groups_by_job_and_rank_and_pages_fast():
@@ -300,6 +310,9 @@ def test_grafana_provisioning_files():
     by_type = {d["type"]: d for d in ds["datasources"]}
     assert by_type["prometheus"]["uid"] == "prometheus" and by_type["prometheus"].get("isDefault")
     assert by_type["jaeger"]["uid"] == "jaeger"
+    # exemplars of the nonfinite counter (label trace_id) open the trace in Jaeger
+    dest = by_type["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert {"name": "trace_id", "datasourceUid": "jaeger"} in dest
     assert sum(bool(d.get("isDefault")) for d in ds["datasources"]) == 1
     prov = _load_yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "tensorwatch.yaml")
     assert prov["apiVersion"] == 1
@@ -436,6 +449,13 @@ def test_dashboard_shape(path):
                              if "nonfinite" in t.get("expr", ""))
     links = [l["url"] for p in nonfinite for l in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])]
     assert any("tensorwatch.nonfinite_detected" in u for u in links), "no link to the spans in Jaeger"
+    # Metric -> trace through exemplars (trace_id), not hard-coded host URLs.
+    assert "localhost" not in text and "16686" not in text
+    assert all(u.startswith("/") for u in links + [l["url"] for l in dash.get("links", [])])
+    assert any(t.get("exemplar") for p, t in _dashboard_targets(dash)
+               if "tensorwatch_nonfinite_events_total" in t.get("expr", "")), "no exemplar query"
+    assert any("first_rank" in t.get("expr", "") and "by (first_rank)" in t["expr"]
+               for p, t in _dashboard_targets(dash)), "no panel for the rank that went bad first"
     jaeger_targets = [t for p, t in _dashboard_targets(dash) if (t.get("datasource") or {}).get("type") == "jaeger"]
     assert all(t["operation"] == "tensorwatch.nonfinite_detected" for t in jaeger_targets)
 
@@ -473,7 +493,7 @@ def test_dashboard_promql_parses(path, tmp_path):
 # suffixes, attributes as labels, job/instance from service.name/service.instance.id).
 _COLLECTOR_EXPOSITION = """\
 # TYPE tensorwatch_nonfinite_events_total counter
-tensorwatch_nonfinite_events_total{job="tensorwatch-otel",instance="3",otel_scope_name="tensorwatch_otel",tensorwatch_module_path="blocks.1.mlp.fc1",tensorwatch_module_class="Linear",tensorwatch_tensor="output",tensorwatch_rank="3"} 1
+tensorwatch_nonfinite_events_total{job="tensorwatch-otel",instance="3",otel_scope_name="tensorwatch_otel",tensorwatch_module_path="blocks.1.mlp.fc1",tensorwatch_module_class="Linear",tensorwatch_tensor="output",tensorwatch_rank="3",tensorwatch_first_rank="1"} 1
 # TYPE tensorwatch_tensor_abs_max_ratio gauge
 tensorwatch_tensor_abs_max_ratio{job="tensorwatch-otel",instance="3",otel_scope_name="tensorwatch_otel",tensorwatch_module_path="blocks.1.mlp.fc1",tensorwatch_module_class="Linear",tensorwatch_tensor="output",tensorwatch_rank="3"} 65000
 # TYPE tensorwatch_tensor_range_used_ratio gauge
@@ -517,7 +537,7 @@ def test_collector_path_is_relabelled_to_the_direct_names(tmp_path):
             result = prom.wait_for('tensorwatch_nonfinite_events_total{module="blocks.1.mlp.fc1"}', timeout=20)
             labels = result[0]["metric"]
             assert labels["module_class"] == "Linear" and labels["tensor"] == "output"
-            assert labels["rank"] == "3" and labels["job"] == "tensorwatch-otel"
+            assert labels["rank"] == "3" and labels["job"] == "tensorwatch-otel" and labels["first_rank"] == "1"
             assert not any(k.startswith("tensorwatch_") for k in labels), labels
             assert prom.query('tensorwatch_tensor_abs_max{module="blocks.1.mlp.fc1", rank="3"}')
             assert not prom.query('{__name__=~"tensorwatch_tensor_abs_max_ratio"}')
@@ -528,3 +548,47 @@ def test_collector_path_is_relabelled_to_the_direct_names(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+# -- Jaeger v2 ------------------------------------------------------------------------------------
+
+def test_jaeger_v2_config_and_wiring(compose):
+    """Jaeger v2 (the v1 all-in-one is end of life): its own config, OTLP in on the port the
+    collector exports to, the query service on the port compose publishes and Grafana uses."""
+    jaeger = compose["services"]["jaeger"]
+    repo, _, tag = jaeger["image"].rpartition(":")
+    assert repo == "jaegertracing/jaeger" and tag.startswith("2."), jaeger["image"]
+    assert "environment" not in jaeger or "COLLECTOR_OTLP_ENABLED" not in jaeger["environment"]
+    mounts = dict(v.split(":")[:2] for v in jaeger["volumes"])
+    config_in_container = next(a.split("=", 1)[1] for a in jaeger["command"] if a.startswith("--config="))
+    source = {target: src for src, target in mounts.items()}[config_in_container]
+    cfg = _load_yaml((DEPLOY / source).resolve())
+    assert (DEPLOY / source).resolve() == DEPLOY / "jaeger" / "config.yaml"
+    service = cfg["service"]
+    assert set(service["extensions"]) <= set(cfg["extensions"])
+    assert {"jaeger_storage", "jaeger_query"} <= set(service["extensions"])
+    traces = service["pipelines"]["traces"]
+    for kind in ("receivers", "processors", "exporters"):
+        assert set(traces.get(kind, [])) <= set(cfg.get(kind) or {}), kind
+    assert traces["exporters"] == ["jaeger_storage_exporter"]
+    backends = set(cfg["extensions"]["jaeger_storage"]["backends"])
+    assert cfg["exporters"]["jaeger_storage_exporter"]["trace_storage"] in backends
+    assert cfg["extensions"]["jaeger_query"]["storage"]["traces"] in backends
+    # OTLP gRPC on the port the collector's otlp/jaeger exporter targets
+    collector = _load_yaml(DEPLOY / "otel-collector" / "config.yaml")
+    host, port = collector["exporters"]["otlp/jaeger"]["endpoint"].rsplit(":", 1)
+    assert host == "jaeger"
+    assert cfg["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":" + port)
+    # the query UI/API where compose publishes it and where Grafana's datasource points
+    query_port = int(cfg["extensions"]["jaeger_query"]["http"]["endpoint"].rsplit(":", 1)[1])
+    assert _container_port(jaeger, 16686) == query_port
+    ds = _load_yaml(DEPLOY / "grafana" / "provisioning" / "datasources" / "datasources.yaml")
+    jaeger_ds = next(d for d in ds["datasources"] if d["type"] == "jaeger")
+    assert jaeger_ds["url"] == f"http://jaeger:{query_port}"
+
+
+def test_exemplars_reach_prometheus_on_both_paths(compose):
+    """Prometheus stores exemplars, and the collector serves OpenMetrics so they survive it."""
+    assert "--enable-feature=exemplar-storage" in compose["services"]["prometheus"]["command"]
+    collector = _load_yaml(DEPLOY / "otel-collector" / "config.yaml")
+    assert collector["exporters"]["prometheus"].get("enable_open_metrics") is True

@@ -44,9 +44,12 @@ SCHEMA = {
     "properties": {
         "time": {"type": "string"},
         "event": {"enum": ["nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check",
-                           "stopped_by_rank"]},
+                           "stopped_by_rank", "optimizer_step_skipped", "skipped_steps_streak"]},
         "first_rank": {"type": "integer"},  # detections and stops (second wave)
         "stopped_at_batch": {"type": ["integer", "null"]},  # stopped_by_rank
+        "trace_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},  # detections: the span's trace
+        "streak": {"type": "integer"},  # skipped optimizer steps
+        "scale": NUM,
         "batch_number": {"type": "integer"},
         "rank": {"type": "integer"},
         "module": {"type": "string"},
@@ -153,6 +156,8 @@ def test_schema_exactly(tmp_path, capsys):
         for td, te in zip(fd["tensors"], fe.tensors):
             assert (td["name"], td["abs_min"], td["abs_max"], td["dtype"]) == (te.name, te.abs_min, te.abs_max, te.dtype)
     assert (inf["module"], inf["module_class"], inf["tensor"], inf["kind"]) == ("bad", "Blow", "output", "inf")
+    assert inf["first_rank"] == 0 and inf["trace_id"] == events[1].trace_id
+    assert nan["trace_id"] != inf["trace_id"]  # one trace per detection
     bad_out = inf["frames"][-1]["tensors"][-1]
     assert (bad_out["abs_min"], bad_out["abs_max"]) == ("inf", "inf")  # every element overflowed
     assert isinstance(inf["frames"][-1]["tensors"][0]["abs_min"], float)
@@ -189,6 +194,7 @@ def test_read_events_round_trips(tmp_path, capsys):
         assert abs(b.time - e.time) < 1e-5
         if isinstance(e, NonFiniteEvent):
             assert (b.module, b.module_class, b.tensor, b.kind) == (e.module, e.module_class, e.tensor, e.kind)
+            assert (b.first_rank, b.trace_id) == (e.first_rank, e.trace_id)
         if isinstance(e, OverflowCheckEvent):
             assert (b.ctx, b.kind, b.stat.abs_max) == (e.ctx, e.kind, e.stat.abs_max)
         for fb, fe in zip(getattr(b, "frames", ()), getattr(e, "frames", ())):
@@ -317,3 +323,55 @@ def test_valid_path_creates_nothing_until_the_first_event(tmp_path):
     sink.on_event(AbortAfterBatchEvent(0, 0, 0.0))
     sink.close()
     assert _strict_loads((tmp_path / "run" / "events.jsonl").read_text())["event"] == "abort_after_batch"
+
+
+# ---------------------------------------------------------------- second wave fields and events
+def test_first_rank_and_trace_id_round_trip():
+    fr = (Frame("m", "M", (TensorStat("x", 0.0, math.inf, "float16"),), 7),)
+    ev = NonFiniteEvent(7, 3, "m", "M", "x", "inf", fr, 1.0, first_rank=1)
+    assert len(ev.trace_id) == 32 and int(ev.trace_id, 16)  # made by the core, nonzero
+    d = _strict_loads(_codec.to_line(ev))
+    jsonschema.validate(d, SCHEMA)
+    assert (d["rank"], d["first_rank"], d["trace_id"]) == (3, 1, ev.trace_id)
+    back = _codec.from_dict(d)
+    assert (back.rank, back.first_rank, back.trace_id) == (3, 1, ev.trace_id)
+    # a line written before these fields existed: first_rank is the event's rank, no trace id
+    del d["first_rank"], d["trace_id"]
+    old = _codec.from_dict(d)
+    assert (old.first_rank, old.trace_id) == (3, "")
+    assert "trace_id" not in _strict_loads(_codec.to_line(old))
+    with pytest.raises(ValueError, match="integer"):
+        _codec.from_dict(dict(d, first_rank="two"))
+
+
+def test_skipped_step_events_written_and_read_back(tmp_path):
+    from tensorwatch_otel.core.events import SkippedStepEvent, SkipStreakEvent
+
+    path = tmp_path / "events.jsonl"
+    log = JsonlLog(str(path))
+    skip = SkippedStepEvent(10, 1, 1, 32768.0, "fc", "Linear", "weight.grad", "inf", 5.0)
+    skip2 = SkippedStepEvent(11, 1, 2, None, "", "", "", "nan", 6.0)
+    streak = SkipStreakEvent(11, 1, 2, 16384.0, 6.5)
+    for ev in (skip, skip2, streak):
+        log.on_event(ev)
+    log.close()
+    docs = [_strict_loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    for d in docs:
+        jsonschema.validate(d, SCHEMA)
+    assert [d["event"] for d in docs] == ["optimizer_step_skipped", "optimizer_step_skipped",
+                                          "skipped_steps_streak"]
+    assert (docs[0]["streak"], docs[0]["scale"], docs[0]["module"], docs[0]["tensor"], docs[0]["kind"]) == \
+        (1, 32768.0, "fc", "weight.grad", "inf")
+    assert docs[1]["scale"] is None
+    assert (docs[2]["streak"], docs[2]["scale"], docs[2]["frames"]) == (2, 16384.0, [])
+    back = _codec.read_events(str(path))
+    assert back[0] == dataclasses_replace_time(skip, back[0].time)
+    assert back[1] == dataclasses_replace_time(skip2, back[1].time)
+    assert back[2] == dataclasses_replace_time(streak, back[2].time)
+    assert [abs(b.time - e.time) < 1e-5 for b, e in zip(back, (skip, skip2, streak))] == [True] * 3
+
+
+def dataclasses_replace_time(ev, t):
+    import dataclasses
+
+    return dataclasses.replace(ev, time=t)

@@ -149,7 +149,7 @@ def test_detection_over_event_limit_keeps_latest_frames():
 
 
 def test_gauges_read_latest_batch_and_skip_nonfinite(otel):
-    sink = otel.sink()
+    sink = otel.sink(window_s=0)  # the last batch only (the window has tests of its own)
     a = frame("enc", "Linear", stat("weight", 0.5, 2.0), stat("output", 0.0, float("inf")))
     b = frame("enc", "Linear", stat("weight", 0.25, 1.0), stat("output", float("nan"), float("nan")))
     sink.on_batch(batch(linear_frames(2), number=0, rank=1))
@@ -189,8 +189,9 @@ def test_counter_per_detection(otel):
     [(_, m)] = otel.points("tensorwatch.nonfinite.events")
     assert m.unit == "{event}"
     assert m.data.is_monotonic
-    assert values(m) == {(("tensorwatch.module.class", "Linear"), ("tensorwatch.module.path", "layers.2"),
-                          ("tensorwatch.rank", 0), ("tensorwatch.tensor", "output")): 2}
+    assert values(m) == {(("tensorwatch.first_rank", 0), ("tensorwatch.module.class", "Linear"),
+                          ("tensorwatch.module.path", "layers.2"), ("tensorwatch.rank", 0),
+                          ("tensorwatch.tensor", "output")): 2}
     assert len(otel.finished("tensorwatch.nonfinite_detected")) == 2
 
 
@@ -215,11 +216,50 @@ def test_global_providers_are_used_when_none_given(otel, monkeypatch):
     assert len(otel.finished("tensorwatch.nonfinite_detected")) == 1
 
 
-def test_span_is_child_of_the_training_step_span(otel):
+def test_span_is_in_the_event_trace_and_links_the_training_step_span(otel):
+    """The detection span's trace id is the event's (the one the exemplar and the JSON lines
+    carry); the training step's span, when one is current, is a link."""
     sink = otel.sink()
     tracer = otel.tp.get_tracer("train")
+    ev = detection(linear_frames(2, bad_at=1))
     with tracer.start_as_current_span("train_step") as step:
-        sink.on_event(detection(linear_frames(2, bad_at=1)))
+        sink.on_event(ev)
+    sink.flush(5)
+    [span] = otel.finished("tensorwatch.nonfinite_detected")
+    assert format(span.context.trace_id, "032x") == ev.trace_id
+    assert span.parent.trace_id == span.context.trace_id and span.parent.is_remote
+    [link] = span.links
+    assert link.context.span_id == step.get_span_context().span_id
+    assert link.context.trace_id == step.get_span_context().trace_id
+
+
+def test_detection_inside_a_step_span_joins_its_trace(otel):
+    """An event made while the application's span is open takes that trace id (the OTel sink
+    tells the core): the detection span is the step's child, exemplar and log name that trace."""
+    sink = otel.sink()
+    reader_ctx = None
+    with otel.tp.get_tracer("train").start_as_current_span("train_step") as step:
+        ev = detection(linear_frames(2, bad_at=1))  # the watcher makes it on the training thread
+        sink.on_event(ev)
+        reader_ctx = step.get_span_context()
+    data = otel.reader.get_metrics_data()
+    sink.flush(5)
+    [span] = otel.finished("tensorwatch.nonfinite_detected")
+    assert ev.trace_id == format(reader_ctx.trace_id, "032x") == format(span.context.trace_id, "032x")
+    assert span.parent.span_id == reader_ctx.span_id and not span.links
+    [dp] = [dp for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+            if m.name == "tensorwatch.nonfinite.events" for dp in m.data.data_points]
+    assert [e.trace_id for e in dp.exemplars] == [reader_ctx.trace_id]
+
+
+def test_span_without_trace_id_is_a_child_of_the_step(otel):
+    """An event read back from an old log has no trace id: the span is made as before."""
+    import dataclasses
+
+    sink = otel.sink()
+    ev = dataclasses.replace(detection(linear_frames(2, bad_at=1)), trace_id="")
+    with otel.tp.get_tracer("train").start_as_current_span("train_step") as step:
+        sink.on_event(ev)
     sink.flush(5)
     [span] = otel.finished("tensorwatch.nonfinite_detected")
     assert span.parent.span_id == step.get_span_context().span_id

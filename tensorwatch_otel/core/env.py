@@ -48,6 +48,8 @@ ENV_PROMETHEUS_ADDR = "TENSORWATCH_PROMETHEUS_ADDR"
 ENV_PROMETHEUS_MAX_SERIES = "TENSORWATCH_PROMETHEUS_MAX_SERIES"
 #: ``PrometheusMetrics(linger_s=)``: after a detection, seconds to wait at exit for a scrape (>= 0; 30).
 ENV_PROMETHEUS_LINGER_SECONDS = "TENSORWATCH_PROMETHEUS_LINGER_SECONDS"
+#: ``window_s=`` of both metric sinks: seconds of batches the tensor gauges cover (>= 0; 60; 0: last batch).
+ENV_METRICS_WINDOW_SECONDS = "TENSORWATCH_METRICS_WINDOW_SECONDS"
 #: Append the JSON lines event log to this path (``{rank}`` in it: one file per rank; off when unset).
 ENV_JSONL = "TENSORWATCH_JSONL"
 
@@ -61,7 +63,7 @@ ALL: Tuple[str, ...] = (
     ENV_TRACE_BATCHES, ENV_ABORT_AFTER_BATCH, ENV_CHECK, ENV_OPTIMIZER_STATE, ENV_CAPTURE_DIR,
     ENV_MAX_SKIPPED_STEPS, ENV_RERUN_ON_DETECT, ENV_FLUSH_TIMEOUT_SECONDS,
     ENV_PROMETHEUS_PORT, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_MAX_SERIES, ENV_PROMETHEUS_LINGER_SECONDS,
-    ENV_JSONL, ENV_NETTEST_FAULT,
+    ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,
 )
 
 _TRUE: FrozenSet[str] = frozenset({"1", "true", "yes", "on"})

@@ -6,8 +6,9 @@ Nothing here imports an exporter: sinks translate these into text, JSON, metrics
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Tuple, Union
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 # Notes for values that have no statistics. The report prints them right-aligned in 17 columns.
 NOTE_NONE = "None"
@@ -42,6 +43,30 @@ def merge_kinds(*kinds: str) -> str:
     """Union of kinds: merge_kinds('inf', 'nan') == 'inf,nan'."""
     parts = {p for k in kinds for p in k.split(",") if p}
     return ",".join(k for k in ("inf", "nan") if k in parts)
+
+
+# A tracing sink may say which trace the detecting thread is in (the core imports no tracing
+# library): then the detection joins the application's trace instead of starting its own.
+_trace_id_source: Optional[Callable[[], Optional[str]]] = None
+
+
+def set_trace_id_source(source: Optional[Callable[[], Optional[str]]]) -> None:
+    """`source()` returns the 32-hex trace id of the caller's current (sampled) span, or None."""
+    global _trace_id_source
+    _trace_id_source = source
+
+
+def new_trace_id() -> str:
+    """The current span's trace id when a source knows one, else a random 128-bit id."""
+    source = _trace_id_source
+    if source is not None:
+        try:
+            tid = source()
+        except Exception:  # a tracing library's trouble must not stop a detection
+            tid = None
+        if tid:
+            return tid
+    return format(secrets.randbits(128) or 1, "032x")
 
 
 @dataclass(frozen=True)
@@ -106,10 +131,15 @@ class NonFiniteEvent:
     #: when it did not (transient: suspect the device on `host`), None when not re-run
     reproduced: Optional[bool] = None
     host: Optional[str] = None
+    #: W3C trace id (32 hex digits) every sink shares: the detection span's trace, the metric
+    #: exemplar, the JSON lines field. Made here when not given; "" when unknown (old logs).
+    trace_id: Optional[str] = None
 
     def __post_init__(self):
         if self.first_rank is None:
             object.__setattr__(self, "first_rank", self.rank)
+        if self.trace_id is None:
+            object.__setattr__(self, "trace_id", new_trace_id())
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from ..core.events import (
     Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
+    SkippedStepEvent,
+    SkipStreakEvent,
     StoppedByRankEvent,
     TensorStat,
 )
@@ -60,9 +62,16 @@ def to_dict(event: Event) -> Dict[str, Any]:
     if isinstance(event, NonFiniteEvent):
         d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
                  frames=[_frame(f) for f in event.frames], first_rank=event.first_rank)
+        if event.trace_id:
+            d["trace_id"] = event.trace_id
     elif isinstance(event, StoppedByRankEvent):
         d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
                  first_rank=event.first_rank, stopped_at_batch=event.stopped_at_batch)
+    elif isinstance(event, SkippedStepEvent):
+        d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
+                 streak=event.streak, scale=_num(event.scale))
+    elif isinstance(event, SkipStreakEvent):
+        d.update(streak=event.streak, scale=_num(event.scale))
     elif isinstance(event, BatchTraceEvent):
         d["frames"] = [_frame(f) for f in event.frames]
     elif isinstance(event, OverflowCheckEvent):
@@ -124,7 +133,8 @@ def _frame_from(d: Dict[str, Any], batch_number: int) -> Frame:
 
 #: The event types this version reads; a well-formed line of another type (written by a newer
 #: version) is an UnknownEvent line, skipped with a note rather than an error.
-EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check", "stopped_by_rank")
+EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check", "stopped_by_rank",
+               "optimizer_step_skipped", "skipped_steps_streak")
 
 
 class UnknownEvent(ValueError):
@@ -157,7 +167,8 @@ def from_dict(d: Dict[str, Any]) -> Event:
     frames = tuple(_frame_from(f, b) for f in frames_in)
     if kind == "nonfinite_detected":
         return NonFiniteEvent(b, rank, _str(d, "module"), _str(d, "module_class"), _str(d, "tensor"),
-                              _str(d, "kind"), frames, ts, first_rank=_opt_int(d.get("first_rank")))
+                              _str(d, "kind"), frames, ts, first_rank=_opt_int(d.get("first_rank")),
+                              trace_id=_str(d, "trace_id"))  # "": none in the log
     if kind == "stopped_by_rank":
         try:
             first = int(d["first_rank"])
@@ -165,6 +176,12 @@ def from_dict(d: Dict[str, Any]) -> Event:
             raise LineError("stopped_by_rank without an integer first_rank") from None
         return StoppedByRankEvent(b, rank, first, _str(d, "module"), _str(d, "module_class"),
                                   _str(d, "tensor"), _str(d, "kind"), ts, _opt_int(d.get("stopped_at_batch")))
+    if kind in ("optimizer_step_skipped", "skipped_steps_streak"):
+        streak, scale = _int(d, "streak", 0), _value(d, "scale")
+        if kind == "skipped_steps_streak":
+            return SkipStreakEvent(b, rank, streak, scale, ts)
+        return SkippedStepEvent(b, rank, streak, scale, _str(d, "module"), _str(d, "module_class"),
+                                _str(d, "tensor"), _str(d, "kind"), ts)
     if kind == "batch_trace":
         return BatchTraceEvent(b, rank, frames, ts)
     if kind == "abort_after_batch":

@@ -1,22 +1,67 @@
-"""One entry per (module, tensor) of a batch for the metric sinks: module filters, the extremes
-of a module called more than once, and the series cap. Runs on exporter threads."""
+"""Per (module, tensor) extremes for the metric sinks over a time window of batches: module
+filters, a module called several times, the series cap, and no aliasing between scrapes.
+
+A gauge that showed only the last batch would miss a one-batch spike between two scrapes
+(15 s apart, hundreds of batches). `Window` folds every watched batch into the current of two
+rotating buckets (min of abs_min, max of abs_max and of range_used); an exporter reads both
+buckets, so each value covers between half the window and the whole of it. Reading never
+resets anything: every scraper sees the same values. The fold runs on the training thread
+with three vector operations per batch (the batch's values are read as one array).
+"""
 
 from __future__ import annotations
 
+import array
 import fnmatch
+import logging
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+import os
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
+
+from ..core import env as _env
 from ..core.events import BatchStats, label_for_module
+from ..core.stats import DTYPE_MAX, dtype_name
+
+log = logging.getLogger(__name__)
 
 Patterns = Optional[Union[str, Sequence[str]]]
 Key = Tuple[str, str]  # (module label, tensor)
+
+#: Seconds of batches the tensor gauges cover by default (set it to at least twice the
+#: scrape or export interval; 0 means the last watched batch only).
+DEFAULT_WINDOW_S = 60.0
+ENV_WINDOW = _env.ENV_METRICS_WINDOW_SECONDS
+
+_LAYOUTS = 8  # distinct batch layouts remembered (train/eval forwards, generate() steps...)
+_UNSEEN = -1.0  # abs values and ratios are >= 0: a max below 0 means "not in this bucket"
+_TRASH = 0  # bucket column for filtered or capped tensors, never exported
 
 
 def patterns(p: Patterns) -> Tuple[str, ...]:
     if p is None:
         return ()
     return (p,) if isinstance(p, str) else tuple(p)
+
+
+def window_seconds(value: Optional[float], arg: str = "window_s") -> float:
+    """Argument, then TENSORWATCH_METRICS_WINDOW_SECONDS, then the default; >= 0."""
+    source = arg
+    if value is None:
+        raw = os.environ.get(ENV_WINDOW, "").strip()
+        if not raw:
+            return DEFAULT_WINDOW_S
+        value, source = raw, ENV_WINDOW
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (number >= 0 and math.isfinite(number)):
+        raise ValueError(f"{source}={value!r}: expected a number of seconds >= 0 (0: last batch only)")
+    return number
 
 
 class ModuleFilter:
@@ -37,40 +82,225 @@ class ModuleFilter:
         return ok
 
 
-def _max_nan(a: float, b: float) -> float:
-    # NaN wins: a NaN anywhere in the batch must not be hidden by comparison order.
-    if a != a or b != b:
-        return math.nan
-    return a if a >= b else b
+class _Layout:
+    """Where each value of a batch goes: a bucket column per measured tensor, and 1/dtype max."""
+
+    __slots__ = ("frames", "dtypes", "index", "inv_top", "dropped")
+
+    def __init__(self, frames, dtypes, index: List[int], inv_top: List[float], dropped: int):
+        self.frames = frames
+        self.dtypes = dtypes
+        self.index = torch.tensor(index, dtype=torch.int64)
+        self.inv_top = torch.tensor(inv_top, dtype=torch.float64)
+        self.dropped = dropped
 
 
-def _min_nan(a: float, b: float) -> float:
-    if a != a or b != b:
-        return math.nan
-    return a if a <= b else b
+class Snapshot:
+    """What an exporter reads: rows (module label, module_class, tensor, dtype, abs_min, abs_max,
+    range_used or None) of the window, and the last batch's number, rank and counts."""
+
+    __slots__ = ("rows", "batch_number", "rank", "batches", "dropped", "version")
+
+    def __init__(self, rows, batch_number, rank, batches, dropped, version):
+        self.rows = rows
+        self.batch_number = batch_number
+        self.rank = rank
+        self.batches = batches
+        self.dropped = dropped
+        self.version = version
 
 
-def aggregate(stats: BatchStats, wanted: ModuleFilter, cap: int) -> Tuple[Dict[Key, List], int]:
-    """({(module label, tensor): [module_class, dtype, abs_min, abs_max, range_used]}, dropped).
+class Window:
+    """Extremes of every (module, tensor) over the batches of the last `window_s` seconds.
 
-    Rows of a module called several times in the batch merge into their extremes (min of abs
-    min, max of abs max). Pairs beyond `cap` (in frame order) are dropped and counted.
+    ``add(stats)`` on the training thread; ``snapshot()`` on exporter threads (cached until the
+    next batch). Buckets rotate only when a batch arrives, so a paused run keeps showing its
+    last window instead of going blank. NaN wins every comparison: a NaN anywhere in the
+    window is not hidden by comparison order.
     """
-    entries: Dict[Key, List] = {}
-    dropped = 0
-    for r in stats.rows():
-        if not wanted(r.module):
-            continue
-        key = (label_for_module(r.module), r.tensor)
-        e = entries.get(key)
-        if e is None:
-            if len(entries) >= cap:
-                dropped += 1
-                continue
-            entries[key] = [r.module_class, r.dtype, r.abs_min, r.abs_max, r.range_used]
+
+    def __init__(self, wanted: ModuleFilter, cap: int, window_s: float, name: str,
+                 clock: Callable[[], float] = time.monotonic):
+        self.wanted = wanted
+        self.cap = cap
+        self.window_s = window_s
+        self._name = name  # the sink, for the series cap note
+        self._clock = clock
+        # columns: [(module label, tensor, module_class, dtype)], column 0 is the trash
+        self._keys: List[Optional[List[str]]] = [None]
+        self._index: Dict[Key, int] = {}
+        self._layouts: List[_Layout] = []
+        self._tuples: list = []  # (frames tuple, its values): BatchStats built from Frames
+        self._cur = self._new_bucket(64)
+        self._prev: Optional[torch.Tensor] = None
+        self._cur_start = -math.inf
+        self._lock = threading.Lock()
+        self._last: Optional[BatchStats] = None
+        self._batches = 0
+        self._dropped = 0
+        self._version = 0
+        self._snapshot: Optional[Snapshot] = None
+        self._cap_logged = False
+
+    @staticmethod
+    def _new_bucket(columns: int) -> torch.Tensor:
+        b = torch.empty((3, columns), dtype=torch.float64)
+        b[0].fill_(math.inf)  # abs_min
+        b[1:].fill_(_UNSEEN)  # abs_max, range_used
+        return b
+
+    # -- training thread ------------------------------------------------------------------
+    def add(self, stats: BatchStats) -> None:
+        source = stats._frames
+        host = getattr(source, "host", None)
+        if host is not None and isinstance(getattr(source, "frames", None), list):
+            layout = self._record_layout(source)  # the watcher's batch record: no frames built
+            values = torch.frombuffer(array.array("d", host), dtype=torch.float64) if host else \
+                torch.empty(0, dtype=torch.float64)
+            mins, maxs = values[0::2], values[1::2]
+            index, inv_top = layout.index, layout.inv_top
+            if len(index) != len(mins):  # a record that was not read back whole
+                n = min(len(index), len(mins))
+                mins, maxs, index, inv_top = mins[:n], maxs[:n], index[:n], inv_top[:n]
+            ratio = maxs * inv_top
         else:
-            e[2] = _min_nan(e[2], r.abs_min)
-            e[3] = _max_nan(e[3], r.abs_max)
-            if r.range_used is not None:
-                e[4] = r.range_used if e[4] is None else _max_nan(e[4], r.range_used)
-    return entries, dropped
+            mins, maxs, ratio, index, layout = self._rows(stats)
+        ratio = torch.where(ratio >= 0, ratio, _UNSEEN)  # NaN (and no dtype max) take no part
+        with self._lock:
+            now = self._clock()
+            age = now - self._cur_start
+            if self.window_s <= 0 or age >= self.window_s / 2:
+                self._prev = self._cur if 0 < self.window_s and age < self.window_s else None
+                self._cur = self._new_bucket(self._cur.shape[1])
+                self._cur_start = now
+            self._grow()
+            cur = self._cur
+            if len(index):
+                cur[0].scatter_reduce_(0, index, mins, "amin")
+                cur[1].scatter_reduce_(0, index, maxs, "amax")
+                cur[2].scatter_reduce_(0, index, ratio, "amax")
+            self._last = stats
+            self._batches += 1
+            self._dropped = layout.dropped
+            self._version += 1
+
+    def _grow(self) -> None:
+        n = len(self._keys)
+        if n <= self._cur.shape[1]:
+            return
+        size = max(n, 2 * self._cur.shape[1])
+        for name in ("_cur", "_prev"):
+            old = getattr(self, name)
+            if old is not None:
+                new = self._new_bucket(size)
+                new[:, :old.shape[1]] = old
+                setattr(self, name, new)
+
+    def _column(self, label: str, tensor: str, cls: str, dtype: str, dropped: set) -> int:
+        key = (label, tensor)
+        col = self._index.get(key)
+        if col is None:
+            if len(self._index) >= self.cap:
+                dropped.add(key)
+                return _TRASH
+            col = self._index[key] = len(self._keys)
+            self._keys.append([label, tensor, cls, dtype])
+        else:
+            self._keys[col][3] = dtype  # a module cast to another dtype: label the new one
+        return col
+
+    def _record_layout(self, rec) -> _Layout:
+        frames, dtypes = rec.frames, rec.dtypes
+        for i, lay in enumerate(self._layouts):
+            if lay.frames == frames and lay.dtypes == dtypes:  # C-level compares, no Python loop
+                if i:
+                    self._layouts.insert(0, self._layouts.pop(i))
+                return lay
+        index: List[int] = [_TRASH] * len(dtypes)
+        inv_top: List[float] = [math.nan] * len(dtypes)
+        dropped: set = set()
+        with self._lock:  # columns are appended here, read by snapshot()
+            for info, items, k in frames:
+                ok = self.wanted(info.path)
+                label = label_for_module(info.path)
+                for it in items:
+                    if it.__class__ is not str:
+                        continue  # a value without statistics has no slot
+                    if k < len(dtypes):
+                        dt = dtypes[k]
+                        top = DTYPE_MAX.get(dt)
+                        inv_top[k] = 1.0 / top if top else math.nan
+                        if ok:
+                            index[k] = self._column(label, it, info.cls, dtype_name(dt), dropped)
+                    k += 1
+        lay = _Layout(list(frames), list(dtypes), index, inv_top, len(dropped))
+        self._layouts.insert(0, lay)
+        del self._layouts[_LAYOUTS:]
+        self._note_cap(len(dropped), getattr(rec, "batch_number", -1))
+        return lay
+
+    def _rows(self, stats: BatchStats):
+        """Any other BatchStats (frames already built): one pass over its rows, remembered for
+        the same frames object."""
+        frames = stats.frames
+        for i, (f, vals) in enumerate(self._tuples):
+            if f is frames:
+                return vals
+        vals = self._convert(stats)
+        self._tuples.insert(0, (frames, vals))
+        del self._tuples[_LAYOUTS:]
+        return vals
+
+    def _convert(self, stats: BatchStats):
+        index, mins, maxs, ratio = [], [], [], []
+        dropped: set = set()
+        with self._lock:
+            for r in stats.rows():
+                if not self.wanted(r.module):
+                    continue
+                index.append(self._column(label_for_module(r.module), r.tensor, r.module_class, r.dtype,
+                                          dropped))
+                mins.append(r.abs_min)
+                maxs.append(r.abs_max)
+                ratio.append(_UNSEEN if r.range_used is None else r.range_used)
+        self._note_cap(len(dropped), stats.batch_number)
+        f64 = torch.float64
+        lay = _Layout(None, None, [], [], len(dropped))
+        return (torch.tensor(mins, dtype=f64), torch.tensor(maxs, dtype=f64), torch.tensor(ratio, dtype=f64),
+                torch.tensor(index, dtype=torch.int64), lay)
+
+    def _note_cap(self, dropped: int, batch_number: int) -> None:
+        if dropped and not self._cap_logged:
+            self._cap_logged = True
+            log.warning("tensorwatch_otel: %s series cap reached: %d (module, tensor) pairs of batch %d not "
+                        "exported (max_series=%d). Narrow with include=/exclude= or raise max_series.",
+                        self._name, dropped, batch_number, self.cap)
+
+    # -- exporter threads -----------------------------------------------------------------
+    def snapshot(self) -> Optional[Snapshot]:
+        """The window now, or None before the first batch."""
+        snap = self._snapshot
+        if snap is not None and snap.version == self._version:
+            return snap
+        with self._lock:
+            last = self._last
+            if last is None:
+                return None
+            cur, prev = self._cur, self._prev
+            if prev is not None:
+                n = min(cur.shape[1], prev.shape[1])
+                both = cur.clone()
+                both[0, :n] = torch.minimum(cur[0, :n], prev[0, :n])
+                both[1:, :n] = torch.maximum(cur[1:, :n], prev[1:, :n])
+            else:
+                both = cur.clone()
+            keys = [tuple(k) for k in self._keys[1:]]
+            meta = (last.batch_number, last.rank, self._batches, self._dropped, self._version)
+        lo, hi, ru = both[:, 1:len(keys) + 1].tolist()
+        rows = []
+        for (label, tensor, cls, dtype), a, b, r in zip(keys, lo, hi, ru):
+            if b >= 0 or b != b:  # seen in the window (NaN counts)
+                rows.append((label, cls, tensor, dtype, a, b, r if r >= 0 else None))
+        snap = Snapshot(rows, *meta)
+        self._snapshot = snap
+        return snap

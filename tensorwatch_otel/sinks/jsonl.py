@@ -8,11 +8,14 @@ import threading
 from typing import Optional
 
 from ..report.codec import to_line
-from ..core.events import AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent, StoppedByRankEvent
+from ..core.events import (AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent, SkipStreakEvent,
+                           StoppedByRankEvent)
 from ..core.rank import current_rank
 from ._base import Sink
 
-_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent, StoppedByRankEvent)
+# fsynced before on_event returns: what may precede an exception that ends the run. A single
+# skipped optimizer step is flushed but not fsynced (there can be many).
+_DURABLE = (NonFiniteEvent, AbortAfterBatchEvent, OverflowCheckEvent, StoppedByRankEvent, SkipStreakEvent)
 
 
 def _check_writable(path: str) -> None:

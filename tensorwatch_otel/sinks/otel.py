@@ -1,27 +1,29 @@
 """OtelTelemetry: detections and traced batches as OpenTelemetry spans, tensor statistics as
 observable gauges, detections as a counter. Needs only the OpenTelemetry API.
 
-Spans are built on the sink's own thread; gauges read the latest batch at collection time.
+Spans are built on the sink's own thread (_otel_spans.py); gauges read the window of batches
+(_aggregate.Window) at collection time.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, Optional, Tuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import Status, StatusCode
 
-from ..core.events import (AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Event, Frame, NonFiniteEvent,
-                       OverflowCheckEvent, label_for_module)
+from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
+                           label_for_module, set_trace_id_source)
 from .otel_env import shutdown_bounded
 from .._version import __version__
-from ._aggregate import ModuleFilter, Patterns, aggregate
+from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # noqa: F401 (re-export)
+from ._aggregate import DEFAULT_WINDOW_S, ENV_WINDOW, ModuleFilter, Patterns, Window, window_seconds
 from ._base import Sink
 
 __all__ = ["OtelTelemetry", "SCOPE", "DEFAULT_MAX_SERIES"]
@@ -32,60 +34,30 @@ SCOPE = "tensorwatch_otel"
 #: One under the metrics SDK's default cardinality limit (2000), so no statistic ends up in
 #: the SDK's anonymous overflow series; raise it together with a View's cardinality limit.
 DEFAULT_MAX_SERIES = 1999
-_SDK_DEFAULT_EVENT_LIMIT = 128
 _QUEUE_SIZE = 1024
 _STOP = object()
 
 
-def _event_limit(provider: Any) -> int:
-    """The span event count limit of the SDK provider (OTEL_SPAN_EVENT_COUNT_LIMIT, default 128)."""
-    limits = getattr(provider, "_span_limits", None)  # SDK TracerProvider; the API has no getter
-    if limits is None:
-        return _SDK_DEFAULT_EVENT_LIMIT
-    n = getattr(limits, "max_events", _SDK_DEFAULT_EVENT_LIMIT)
-    if n is None:
-        return 1 << 30
-    return max(1, int(n))
+def _current_trace_id() -> Optional[str]:
+    """The trace of the caller's current span, when it is valid and sampled (kept by backends)."""
+    sc = trace.get_current_span().get_span_context()
+    return format(sc.trace_id, "032x") if sc.is_valid and sc.trace_flags.sampled else None
 
 
-def frame_attributes(fr: Frame, index: int) -> Dict[str, Any]:
-    """Attributes of one ``tensorwatch.frame`` span event: parallel arrays of the tensors that
-    have statistics; tensors without (None, not a tensor, empty) are listed in notes."""
-    names: List[str] = []
-    lo: List[float] = []
-    hi: List[float] = []
-    dtypes: List[str] = []
-    notes: List[str] = []
-    for t in fr.tensors:
-        if t.abs_min is None or t.abs_max is None:
-            notes.append(f"{t.name}: {t.note or 'no data'}")
-            continue
-        names.append(t.name)
-        lo.append(float(t.abs_min))
-        hi.append(float(t.abs_max))
-        dtypes.append(t.dtype)
-    attrs: Dict[str, Any] = {
-        "tensorwatch.frame.index": index,
-        "tensorwatch.module.path": label_for_module(fr.module),
-        "tensorwatch.module.class": fr.module_class,
-        "tensorwatch.batch_number": fr.batch_number,
-        "tensorwatch.phase": fr.phase,
-        "tensorwatch.tensors": names,
-        "tensorwatch.abs_min": lo,
-        "tensorwatch.abs_max": hi,
-        "tensorwatch.dtypes": dtypes,
-    }
-    if notes:
-        attrs["tensorwatch.notes"] = notes
-    return attrs
-
-
-def _render_detection(event: NonFiniteEvent) -> str:
-    try:
-        from ..report.text import render_detection
-    except ImportError:  # pragma: no cover - the report module ships with the package
-        return f"Detected inf/nan during batch_number={event.batch_number}"
-    return render_detection(event)
+def _export_interval_s(provider: Any) -> float:
+    """The longest periodic export interval of an SDK provider's readers (0 with pull readers
+    only); for any other provider (a proxy before the SDK is set up) OTEL_METRIC_EXPORT_INTERVAL."""
+    readers = getattr(provider, "_metric_readers", None)
+    if readers is None:
+        readers = getattr(getattr(provider, "_sdk_config", None), "metric_readers", None)
+    if readers is not None:
+        ms = [getattr(r, "_export_interval_millis", 0) or 0 for r in readers]
+    else:
+        try:
+            ms = [float(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "") or 60000)]
+        except ValueError:
+            ms = [60000.0]
+    return max(ms, default=0) / 1000.0
 
 
 class OtelTelemetry(Sink):
@@ -100,37 +72,75 @@ class OtelTelemetry(Sink):
     - ``max_series``: most (module, tensor) pairs per gauge (default 1999); ``include``/``exclude``:
       module path globs. ``shutdown_on_close``: shut the providers down in ``close()`` (for
       providers made for this sink, as ``sinks=None`` does).
+    - ``window_s``: seconds of batches the tensor gauges cover (their extremes), env
+      TENSORWATCH_METRICS_WINDOW_SECONDS; by default 60 s or twice the longest periodic export
+      interval of the meter provider's readers, whichever is longer.
+    - The detection span lives in the event's ``trace_id`` (its parent is a remote context of
+      that trace; the training step's span, if any, is a link), and the nonfinite counter is
+      recorded in that context so exemplars carry the same trace id.
+    - Skipped optimizer steps: counter ``tensorwatch.optimizer.steps_skipped`` ({step}) and
+      gauge ``tensorwatch.grad_scale``.
     """
 
     wants_batches = True
 
     def __init__(self, tracer_provider: Any = None, meter_provider: Any = None, *,
                  include: Patterns = None, exclude: Patterns = None,
-                 max_series: int = DEFAULT_MAX_SERIES, shutdown_on_close: bool = False):
+                 max_series: int = DEFAULT_MAX_SERIES, shutdown_on_close: bool = False,
+                 window_s: Optional[float] = None):
         if not isinstance(max_series, int) or max_series < 1:
             raise ValueError(f"max_series={max_series!r}: expected an integer >= 1")
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
         self._tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
+        self._spans = SpanBuilder(self._tracer, tracer_provider)
+        # Detections made while the application has a span open join its trace (the event's
+        # trace_id is that span's), so every sink names the trace the detection span is in.
+        set_trace_id_source(_current_trace_id)
         meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
         self.max_series = max_series
         self._wanted = ModuleFilter(include, exclude)
         self._shutdown_on_close = shutdown_on_close
 
-        self._state: Tuple[Optional[BatchStats], int] = (None, 0)
-        self._cache: Optional[Tuple[BatchStats, list]] = None
+        if window_s is None and not os.environ.get(ENV_WINDOW, "").strip():
+            window_s = max(DEFAULT_WINDOW_S,
+                           2 * _export_interval_s(meter_provider or metrics.get_meter_provider()))
+        self._window = Window(self._wanted, max_series, window_seconds(window_s), "OpenTelemetry")
+        self._rows_cache: Tuple[int, list] = (-1, [])
         self._cache_lock = threading.Lock()
-        self._cap_logged = False
+        self._rank = int(os.environ.get("RANK", "0") or 0)
+        # skipped steps: (events seen, the core's count in BatchStats, added to the counter);
+        # the counter follows the larger count, whichever of the two arrives first
+        self._skips = [0, 0, 0]
+        self._grad_scale: Tuple[float, Optional[float], int] = (-1e300, None, self._rank)
 
         self._nonfinite = meter.create_counter(
             "tensorwatch.nonfinite.events", unit="{event}",
             description="inf/nan detections, attributed to the first module and tensor where one appeared")
+        window = "over the batches of the last window (TENSORWATCH_METRICS_WINDOW_SECONDS)"
         meter.create_observable_gauge("tensorwatch.tensor.abs_max", [self._observe_abs_max], unit="",
-                                      description="Largest absolute value of the tensor in the last watched batch")
+                                      description=f"Largest absolute value of the tensor {window}")
         meter.create_observable_gauge("tensorwatch.tensor.abs_min", [self._observe_abs_min], unit="",
-                                      description="Smallest absolute value of the tensor in the last watched batch")
+                                      description=f"Smallest absolute value of the tensor {window}")
         meter.create_observable_gauge("tensorwatch.tensor.range_used", [self._observe_range_used], unit="1",
-                                      description="abs max divided by the largest finite value of the tensor's dtype")
+                                      description="abs max divided by the largest finite value of the tensor's "
+                                                  f"dtype, largest {window}")
+        self._stopped = meter.create_counter(
+            "tensorwatch.stopped_by_rank.events", unit="{event}",
+            description="Stops of this rank because another rank (tensorwatch.first_rank) detected inf/nan first")
+        self._skipped = meter.create_counter(
+            "tensorwatch.optimizer.steps_skipped", unit="{step}",
+            description="Optimizer steps skipped because the gradients held inf/nan")
+        self._skipped.add(0, {"tensorwatch.rank": self._rank})  # the series exists from zero
+        meter.create_observable_gauge("tensorwatch.grad_scale", [self._observe_grad_scale], unit="",
+                                      description="The gradient scaler's loss scale")
+        self._streaks = meter.create_counter(
+            "tensorwatch.optimizer.skip_streaks", unit="{streak}",
+            description="Times max_skipped_steps optimizer steps in a row were skipped")
+        self._streaks.add(0, {"tensorwatch.rank": self._rank})
+        self._streak: Optional[Tuple[int, int]] = None  # (streak, rank) of the latest skip reported
+        meter.create_observable_gauge("tensorwatch.optimizer.skip_streak", [self._observe_streak], unit="",
+                                      description="Consecutive skipped optimizer steps, as of the latest skip")
         meter.create_observable_counter("tensorwatch.batches", [self._observe_batches], unit="{batch}",
                                         description="Watched batches")
         meter.create_observable_gauge("tensorwatch.batch_number", [self._observe_batch_number], unit="",
@@ -144,21 +154,70 @@ class OtelTelemetry(Sink):
         self._flush_late_logged = False
 
     # -- sink port (training thread: cheap) -----------------------------------------------
+    @property
+    def window_s(self) -> float:
+        """Seconds of batches the tensor gauges cover (0: the last watched batch)."""
+        return self._window.window_s
+
     def on_batch(self, stats: BatchStats) -> None:
-        self._state = (stats, self._state[1] + 1)
+        self._window.add(stats)
+        if stats.steps_skipped > self._skips[1]:
+            self._skips[1] = stats.steps_skipped
+            self._count_skips(stats.rank)
+        if stats.grad_scale is not None:
+            self._set_scale(stats.time, stats.grad_scale, stats.rank)
+
+    def _count_skips(self, rank: int) -> None:
+        skips = self._skips
+        n = max(skips[0], skips[1]) - skips[2]
+        if n > 0:
+            skips[2] += n
+            self._skipped.add(n, {"tensorwatch.rank": rank})
+
+    def _set_scale(self, t: float, scale: Optional[float], rank: int) -> None:
+        if scale is not None and t >= self._grad_scale[0]:
+            self._grad_scale = (t, float(scale), rank)
 
     def on_event(self, event: Event) -> None:
         if self._closed:
             return
+        if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
+            if isinstance(event, SkippedStepEvent):
+                self._skips[0] += 1
+                self._count_skips(event.rank)
+            else:
+                self._streaks.add(1, {"tensorwatch.rank": event.rank})
+            self._streak = (event.streak, event.rank)
+            self._set_scale(event.time, event.scale, event.rank)
+            if isinstance(event, SkippedStepEvent):
+                return  # one per skip: the counter says it; a streak gets a span
+        ctx = otel_context.get_current()
+        if isinstance(event, StoppedByRankEvent):
+            self._stopped.add(1, {
+                "tensorwatch.module.path": label_for_module(event.module),
+                "tensorwatch.module.class": event.module_class,
+                "tensorwatch.tensor": event.tensor,
+                "tensorwatch.rank": event.rank,
+                "tensorwatch.first_rank": event.first_rank,
+            })
         if isinstance(event, NonFiniteEvent):
+            first = event.rank if event.first_rank is None else event.first_rank
+            # In the detection's trace, so the exemplar names the span's trace id: a child of the
+            # current span when the event took its trace id, else a trace of its own.
+            current = trace.get_current_span(ctx).get_span_context()
+            joined = current.is_valid and format(current.trace_id, "032x") == event.trace_id
+            dctx = _detection_context(event.trace_id, ctx) if event.trace_id and not joined else None
             self._nonfinite.add(1, {
                 "tensorwatch.module.path": label_for_module(event.module),
                 "tensorwatch.module.class": event.module_class,
                 "tensorwatch.tensor": event.tensor,
                 "tensorwatch.rank": event.rank,
-            })
+                "tensorwatch.first_rank": first,
+            }, context=dctx or ctx)
+            if dctx is not None:
+                ctx = (dctx, trace.get_current_span(ctx).get_span_context())
         # The caller's context makes the span a child of the training step's span, if any.
-        self._enqueue((event, otel_context.get_current()))
+        self._enqueue((event, ctx))
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Spans of events seen so far are handed to the span processor, then both providers
@@ -241,105 +300,27 @@ class OtelTelemetry(Sink):
                 item.set()
                 continue
             try:
-                self._emit(item, ctx)
+                self._spans.emit(item, ctx)
             except Exception as exc:  # never let one bad event stop the worker
                 log.warning("tensorwatch_otel: building the span for %s failed: %s: %s",
                             getattr(item, "event", type(item).__name__), type(exc).__name__, exc)
 
-    def _emit(self, event: Event, ctx) -> None:
-        if isinstance(event, NonFiniteEvent):
-            self._detection_span(event, ctx)
-        elif isinstance(event, BatchTraceEvent):
-            self._trace_spans(event, ctx)
-        elif isinstance(event, OverflowCheckEvent):
-            t = int(event.time * 1e9)
-            span = self._tracer.start_span("tensorwatch.overflow_check", context=ctx, start_time=t, attributes={
-                "tensorwatch.ctx": event.ctx, "tensorwatch.nonfinite.kind": event.kind,
-                "tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank})
-            if event.kind:
-                span.set_status(Status(StatusCode.ERROR, f"{event.ctx} has {event.kind}"))
-            span.end(end_time=t)
-        elif isinstance(event, AbortAfterBatchEvent):
-            t = int(event.time * 1e9)
-            span = self._tracer.start_span("tensorwatch.abort_after_batch", context=ctx, start_time=t, attributes={
-                "tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank})
-            span.end(end_time=t)
-
-    def _add_frames(self, span, frames: Sequence[Frame], t0: int, first_index: int) -> None:
-        # 1 ns apart: backends that sort span events by time keep the ring buffer's order.
-        for i, fr in enumerate(frames):
-            span.add_event("tensorwatch.frame", frame_attributes(fr, first_index + i), timestamp=t0 + i)
-
-    def _detection_span(self, event: NonFiniteEvent, ctx) -> None:
-        t0 = int(event.time * 1e9)
-        limit = _event_limit(self._tracer_provider or trace.get_tracer_provider())
-        frames = event.frames
-        omitted = max(0, len(frames) - limit)
-        attrs = {
-            "tensorwatch.module.path": label_for_module(event.module),
-            "tensorwatch.module.class": event.module_class,
-            "tensorwatch.tensor": event.tensor,
-            "tensorwatch.batch_number": event.batch_number,
-            "tensorwatch.rank": event.rank,
-            "tensorwatch.nonfinite.kind": event.kind,
-            "tensorwatch.report": _render_detection(event),
-        }
-        if omitted:  # the most recent frames matter most; the report attribute has them all
-            attrs["tensorwatch.frames.omitted"] = omitted
-        span = self._tracer.start_span("tensorwatch.nonfinite_detected", context=ctx, start_time=t0,
-                                       attributes=attrs)
-        self._add_frames(span, frames[omitted:], t0, omitted)
-        where = label_for_module(event.module)
-        span.set_status(Status(StatusCode.ERROR, f"{event.kind} in {where} ({event.module_class}) "
-                                                 f"{event.tensor} during batch {event.batch_number}"))
-        span.end(end_time=t0 + len(frames))
-
-    def _trace_spans(self, event: BatchTraceEvent, ctx) -> None:
-        t0 = int(event.time * 1e9)
-        limit = _event_limit(self._tracer_provider or trace.get_tracer_provider())
-        frames = event.frames
-        parts = max(1, -(-len(frames) // limit))
-        first = None
-        for p in range(parts):
-            chunk = frames[p * limit:(p + 1) * limit]
-            parent = ctx if first is None else trace.set_span_in_context(first, ctx)
-            span = self._tracer.start_span("tensorwatch.batch_trace", context=parent, start_time=t0, attributes={
-                "tensorwatch.batch_number": event.batch_number,
-                "tensorwatch.rank": event.rank,
-                "tensorwatch.trace.part": p + 1,
-                "tensorwatch.trace.parts": parts,
-                "tensorwatch.frame.count": len(frames),
-            })
-            self._add_frames(span, chunk, t0, p * limit)
-            if first is None:
-                first = span
-            else:
-                span.end(end_time=t0 + len(frames))
-        first.end(end_time=t0 + len(frames))
-
     # -- metric callbacks (the SDK's collection thread) --------------------------------------
     def _entries(self) -> list:
-        stats, _ = self._state
-        if stats is None:
+        snap = self._window.snapshot()
+        if snap is None:
             return []
         with self._cache_lock:
-            cached = self._cache
-            if cached is not None and cached[0] is stats:
-                return cached[1]
-            entries, dropped = aggregate(stats, self._wanted, self.max_series)
-            if dropped and not self._cap_logged:
-                self._cap_logged = True
-                log.warning("tensorwatch_otel: OpenTelemetry series cap reached: %d (module, tensor) pairs "
-                            "of batch %d not exported (max_series=%d). Narrow with include=/exclude= or "
-                            "raise max_series (and the SDK's cardinality limit).",
-                            dropped, stats.batch_number, self.max_series)
-            rank = stats.rank
+            version, out = self._rows_cache
+            if version == snap.version:
+                return out
+            rank = snap.rank
             out = []
-            for (module, tensor), (cls, dtype, lo, hi, ru) in entries.items():
+            for module, cls, tensor, dtype, lo, hi, ru in snap.rows:
                 attrs = {"tensorwatch.module.path": module, "tensorwatch.module.class": cls,
                          "tensorwatch.tensor": tensor, "tensorwatch.rank": rank}
                 out.append((attrs, dtype, lo, hi, ru))
-            self._cache = (stats, out)
+            self._rows_cache = (snap.version, out)
             return out
 
     @staticmethod
@@ -357,13 +338,24 @@ class OtelTelemetry(Sink):
                 for attrs, dtype, _, _, ru in self._entries() if self._finite(ru)]
 
     def _observe_batches(self, options: CallbackOptions) -> Iterable[Observation]:
-        stats, n = self._state
-        if stats is None:
+        snap = self._window.snapshot()
+        if snap is None:
             return []
-        return [Observation(n, {"tensorwatch.rank": stats.rank})]
+        return [Observation(snap.batches, {"tensorwatch.rank": snap.rank})]
 
     def _observe_batch_number(self, options: CallbackOptions) -> Iterable[Observation]:
-        stats, _ = self._state
-        if stats is None:
+        snap = self._window.snapshot()
+        if snap is None:
             return []
-        return [Observation(stats.batch_number, {"tensorwatch.rank": stats.rank})]
+        return [Observation(snap.batch_number, {"tensorwatch.rank": snap.rank})]
+
+    def _observe_grad_scale(self, options: CallbackOptions) -> Iterable[Observation]:
+        _, scale, rank = self._grad_scale
+        if scale is None or not self._finite(scale):
+            return []
+        return [Observation(scale, {"tensorwatch.rank": rank})]
+
+    def _observe_streak(self, options: CallbackOptions) -> Iterable[Observation]:
+        if self._streak is None:
+            return []
+        return [Observation(self._streak[0], {"tensorwatch.rank": self._streak[1]})]

@@ -1,13 +1,14 @@
 """PrometheusMetrics: per-module tensor statistics and inf/nan detections as Prometheus series.
 
-A custom collector reads the latest batch at scrape time, on the HTTP server's thread; the
-training thread only swaps one reference per batch.
+A custom collector builds the series at scrape time, on the HTTP server's thread, from the
+window of batches the training thread folds into (see _aggregate.Window).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import socket
 import threading
@@ -17,10 +18,12 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
 
 from ..core import env as _env
-from ..core.events import BatchStats, Event, NonFiniteEvent, label_for_module
-from ._aggregate import Key, ModuleFilter, Patterns, aggregate
+from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
+                           label_for_module)
+from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
 from ._base import Sink
 
 __all__ = ["PrometheusMetrics", "DEFAULT_MAX_SERIES", "DEFAULT_LINGER_S"]
@@ -86,31 +89,21 @@ def _check_registry(registry):
     return registry
 
 
-class _Snapshot:
-    """Aggregated rows of one batch: one entry per (module, tensor), built at scrape time."""
-
-    __slots__ = ("stats", "entries", "dropped")
-
-    def __init__(self, stats: BatchStats, entries: Dict[Key, list], dropped: int):
-        self.stats = stats
-        self.entries = entries
-        self.dropped = dropped
-
-
 class _TensorwatchCollector(Collector):
     def __init__(self, sink: "PrometheusMetrics"):
         self._sink = sink
 
     def describe(self) -> Iterable[Metric]:
         # Names only, so registering never materialises a batch.
-        return self._sink._families(None, self._sink._default_rank, 0)
+        return self._sink._families(None, self._sink._default_rank)
 
     def collect(self) -> Iterable[Metric]:
         return self._sink._collect()
 
 
 class PrometheusMetrics(Sink):
-    """Exports the CONTRACT's ``tensorwatch_*`` series for the last watched batch.
+    """Exports the ``tensorwatch_*`` series: tensor gauges hold the extremes over the batches of
+    the last ``window_s`` seconds, so a one-batch spike between two scrapes is still seen.
 
     - ``port``: serve ``/metrics`` there on ``addr`` (127.0.0.1 by default). When ``LOCAL_RANK``
       is set each process serves ``port + LOCAL_RANK``. ``port=0`` picks a free port (see
@@ -126,6 +119,10 @@ class PrometheusMetrics(Sink):
       ``tensorwatch_series_dropped`` counts the pairs left out.
     - ``linger_s``: after a detection, keep serving at exit/close until one scrape happened,
       at most this long (env TENSORWATCH_PROMETHEUS_LINGER_SECONDS, default 30; 0 disables).
+    - ``window_s``: seconds of batches the tensor gauges cover, at least twice the scrape
+      interval (env TENSORWATCH_METRICS_WINDOW_SECONDS, default 60; 0: the last batch only).
+    - The nonfinite counter carries the detection's ``trace_id`` as an OpenMetrics exemplar
+      (served when the scraper asks for ``application/openmetrics-text``).
     """
 
     wants_batches = True
@@ -140,22 +137,28 @@ class PrometheusMetrics(Sink):
         exclude: Patterns = None,
         max_series: Optional[int] = None,
         linger_s: Optional[float] = None,
+        window_s: Optional[float] = None,
     ):
         self.max_series = _env_number(ENV_MAX_SERIES, "max_series", max_series, DEFAULT_MAX_SERIES, int, 1)
         self.linger_s = _env_number(ENV_LINGER, "linger_s", linger_s, DEFAULT_LINGER_S, float, 0.0)
         self._wanted = ModuleFilter(include, exclude)
         self._default_rank = int(os.environ.get("RANK", "0") or 0)
 
-        # (latest stats, watched batches so far): one tuple swapped at once, so a scrape sees
-        # one whole batch and the count that goes with it.
-        self._state: Tuple[Optional[BatchStats], int] = (None, 0)
-        self._snapshot: Optional[_Snapshot] = None
-        self._nonfinite: Dict[Tuple[str, str, str, int], int] = {}
+        # The tensor gauges: extremes over the batches of the last window_s seconds.
+        self._window = Window(self._wanted, self.max_series, window_seconds(window_s), "Prometheus")
+        # (module, class, tensor, rank, first_rank) -> [count, trace id, time of the last detection]
+        self._nonfinite: Dict[Tuple[str, str, str, int, int], list] = {}
+        self._stopped: Dict[Tuple[str, str, str, int, int], int] = {}  # StoppedByRankEvents, same key
+        # optimizer steps skipped: SkippedStepEvents seen, and the core's count in BatchStats;
+        # the counter shows the larger, whichever of the two arrives first
+        self._skips = [0, 0]
+        self._streaks = 0  # SkipStreakEvents: max_skipped_steps reached
+        self._streak: Optional[int] = None  # length of the latest streak reported
+        self._grad_scale: Tuple[float, Optional[float]] = (-math.inf, None)  # (time, scale)
         self._lock = threading.Lock()
         self._scraped = threading.Condition(self._lock)
         self._scrapes = 0
         self._unscraped_detection = False
-        self._cap_logged = False
         self._closed = False
 
         # Every argument is checked before anything is registered or bound, and a failure after
@@ -214,15 +217,47 @@ class PrometheusMetrics(Sink):
         return None if self.port is None else f"http://{self.addr}:{self.port}/metrics"
 
     # -- sink port ----------------------------------------------------------------------
+    @property
+    def window_s(self) -> float:
+        """Seconds of batches the tensor gauges cover (0: the last watched batch)."""
+        return self._window.window_s
+
     def on_batch(self, stats: BatchStats) -> None:
-        self._state = (stats, self._state[1] + 1)
+        self._window.add(stats)
+        if stats.steps_skipped > self._skips[1]:
+            self._skips[1] = stats.steps_skipped
+        if stats.grad_scale is not None:
+            self._set_scale(stats.time, stats.grad_scale)
+
+    def _set_scale(self, t: float, scale: Optional[float]) -> None:
+        if scale is not None and t >= self._grad_scale[0]:
+            self._grad_scale = (t, float(scale))
 
     def on_event(self, event: Event) -> None:
-        if not isinstance(event, NonFiniteEvent):
+        if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
+            if isinstance(event, SkippedStepEvent):
+                self._skips[0] += 1
+            else:
+                with self._lock:  # may precede the exception that ends the run: linger for it
+                    self._streaks += 1
+                    self._unscraped_detection = True
+            self._streak = event.streak
+            self._set_scale(event.time, event.scale)
             return
-        key = (label_for_module(event.module), event.module_class, event.tensor, event.rank)
+        if not isinstance(event, (NonFiniteEvent, StoppedByRankEvent)):
+            return
+        first = event.first_rank
+        key = (label_for_module(event.module), event.module_class, event.tensor, event.rank,
+               event.rank if first is None else first)
         with self._lock:
-            self._nonfinite[key] = self._nonfinite.get(key, 0) + 1
+            if isinstance(event, StoppedByRankEvent):
+                self._stopped[key] = self._stopped.get(key, 0) + 1
+                self._unscraped_detection = True  # this rank stops now: let the scrape see why
+                return
+            entry = self._nonfinite.setdefault(key, [0, None, None])
+            entry[0] += 1
+            if event.trace_id:
+                entry[1], entry[2] = event.trace_id, event.time
             self._unscraped_detection = True
 
     def close(self) -> None:
@@ -287,61 +322,78 @@ class PrometheusMetrics(Sink):
                 pass
 
     # -- collection (scrape thread) -------------------------------------------------------
-    def _build(self, stats: BatchStats) -> _Snapshot:
-        cap = self.max_series
-        entries, dropped = aggregate(stats, self._wanted, cap)
-        if dropped and not self._cap_logged:
-            self._cap_logged = True
-            log.warning("tensorwatch_otel: Prometheus series cap reached: %d (module, tensor) pairs "
-                        "of batch %d not exported (max_series=%d). Narrow with include=/exclude= or "
-                        "raise %s.", dropped, stats.batch_number, cap, ENV_MAX_SERIES)
-        return _Snapshot(stats, entries, dropped)
-
     def _collect(self) -> Iterator[Metric]:
         with self._lock:
             self._scrapes += 1
             self._unscraped_detection = False
             self._scraped.notify_all()
-        stats, batches = self._state
-        snap = self._snapshot
-        if stats is not None and (snap is None or snap.stats is not stats):
-            snap = self._build(stats)
-            self._snapshot = snap  # reused by later scrapes of the same batch
-        rank = stats.rank if stats is not None else self._default_rank
-        return iter(self._families(snap, rank, batches))
+        snap = self._window.snapshot()
+        rank = snap.rank if snap is not None else self._default_rank
+        return iter(self._families(snap, rank))
 
-    def _families(self, snap: Optional[_Snapshot], rank: int, batches: int) -> List[Metric]:
+    def _families(self, snap: Optional[Snapshot], rank: int) -> List[Metric]:
         r = str(rank)
+        window = "the batches of the last window (TENSORWATCH_METRICS_WINDOW_SECONDS)"
         amax = GaugeMetricFamily("tensorwatch_tensor_abs_max",
-                                 "Largest absolute value of the tensor in the last watched batch",
+                                 f"Largest absolute value of the tensor over {window}",
                                  labels=("module", "module_class", "tensor", "rank"))
         amin = GaugeMetricFamily("tensorwatch_tensor_abs_min",
-                                 "Smallest absolute value of the tensor in the last watched batch",
+                                 f"Smallest absolute value of the tensor over {window}",
                                  labels=("module", "module_class", "tensor", "rank"))
         used = GaugeMetricFamily("tensorwatch_tensor_range_used_ratio",
-                                 "abs max divided by the largest finite value of the tensor's dtype",
+                                 f"abs max divided by the largest finite value of the tensor's dtype, "
+                                 f"largest over {window}",
                                  labels=("module", "module_class", "tensor", "dtype", "rank"))
+        nf_labels = ("module", "module_class", "tensor", "rank", "first_rank")
         nonfinite = CounterMetricFamily("tensorwatch_nonfinite_events",
                                         "inf/nan detections, labelled with the first module and tensor "
-                                        "where one appeared", labels=("module", "module_class", "tensor", "rank"))
+                                        "where one appeared and the rank that detected first "
+                                        "(exemplar: the detection span's trace_id)", labels=nf_labels)
+        stopped_f = CounterMetricFamily("tensorwatch_stopped_by_rank_events", "Stops of this rank because "
+                                        "first_rank detected inf/nan first (in module, tensor)", labels=nf_labels)
         batches_f = CounterMetricFamily("tensorwatch_batches", "Watched batches", labels=("rank",))
         number = GaugeMetricFamily("tensorwatch_batch_number", "Number of the last watched batch (0-based)",
                                    labels=("rank",))
         dropped_f = GaugeMetricFamily("tensorwatch_series_dropped",
                                       "(module, tensor) pairs of the last batch left out by max_series",
                                       labels=("rank",))
+        skipped_f = CounterMetricFamily("tensorwatch_optimizer_steps_skipped",
+                                        "Optimizer steps skipped because the gradients held inf/nan",
+                                        labels=("rank",))
+        scale_f = GaugeMetricFamily("tensorwatch_grad_scale", "The gradient scaler's loss scale",
+                                    labels=("rank",))
+        streaks_f = CounterMetricFamily("tensorwatch_optimizer_skip_streaks",
+                                        "Times max_skipped_steps optimizer steps in a row were skipped",
+                                        labels=("rank",))
+        streak_f = GaugeMetricFamily("tensorwatch_optimizer_skip_streak",
+                                     "Consecutive skipped optimizer steps, as of the latest skip reported",
+                                     labels=("rank",))
+        batches = 0
         if snap is not None:
-            for (module, tensor), (cls, dtype, lo, hi, ru) in snap.entries.items():
+            for module, cls, tensor, dtype, lo, hi, ru in snap.rows:
                 labels = (module, cls, tensor, r)
                 amax.add_metric(labels, hi)
                 amin.add_metric(labels, lo)
                 if ru is not None:
                     used.add_metric((module, cls, tensor, dtype, r), ru)
             dropped_f.add_metric((r,), snap.dropped)
-            number.add_metric((r,), snap.stats.batch_number)
+            number.add_metric((r,), snap.batch_number)
+            batches = snap.batches
         batches_f.add_metric((r,), batches)
+        skipped_f.add_metric((r,), max(self._skips))
+        streaks_f.add_metric((r,), self._streaks)
+        if self._streak is not None:
+            streak_f.add_metric((r,), self._streak)
+        scale = self._grad_scale[1]
+        if scale is not None:
+            scale_f.add_metric((r,), scale)
         with self._lock:
-            counts = list(self._nonfinite.items())
-        for (module, cls, tensor, ev_rank), n in counts:
-            nonfinite.add_metric((module, cls, tensor, str(ev_rank)), n)
-        return [amax, amin, used, nonfinite, batches_f, number, dropped_f]
+            counts = [(k, list(v)) for k, v in self._nonfinite.items()]
+            stopped = list(self._stopped.items())
+        for (module, cls, tensor, ev_rank, first), (n, trace_id, t) in counts:
+            ex = None if trace_id is None else Exemplar({"trace_id": trace_id}, 1.0, t)
+            nonfinite.add_metric((module, cls, tensor, str(ev_rank), str(first)), n, exemplar=ex)
+        for (module, cls, tensor, ev_rank, first), n in stopped:
+            stopped_f.add_metric((module, cls, tensor, str(ev_rank), str(first)), n)
+        return [amax, amin, used, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f, scale_f,
+                streaks_f, streak_f]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, TextIO
 
-from ..core.events import BatchTraceEvent, NonFiniteEvent, StoppedByRankEvent
+from ..core.events import BatchTraceEvent, NonFiniteEvent, SkipStreakEvent, StoppedByRankEvent
 from ..report.text import render_detection, render_trace, stopped_line, summary_line
 from ._base import Sink
 
@@ -15,7 +15,7 @@ class TextReport(Sink):
 
     The first detection prints the full report; later ones (on_detect="report") one line each.
     Traced batches print on rank 0 only unless `all_ranks=True`; detections print on the rank
-    that found them.
+    that found them. A streak of skipped optimizer steps prints one line (single skips do not).
     """
 
     def __init__(self, stream: Optional[TextIO] = None, all_ranks: bool = False):
@@ -37,3 +37,11 @@ class TextReport(Sink):
         elif isinstance(event, BatchTraceEvent):
             if self.all_ranks or event.rank == 0:
                 self._write(render_trace(event))
+        elif isinstance(event, SkipStreakEvent):
+            self._write(streak_line(event))
+
+
+def streak_line(event: SkipStreakEvent) -> str:
+    scale = "" if event.scale is None else f", loss scale now {event.scale:g}"
+    return (f"tensorwatch: {event.streak} optimizer steps in a row skipped (inf/nan gradients) up to "
+            f"batch_number={event.batch_number} on rank {event.rank}{scale}\n")
