@@ -199,3 +199,32 @@ def test_rerun_tells_numbers_from_a_transient_fault():
         assert w.batch_number == 1  # the replay is no batch of its own
     ev = ei.value.event
     assert (ev.module, ev.tensor, ev.reproduced) == ("0", "weight", True)
+
+
+def test_capture_phase_and_rerun_reach_json_lines_and_the_span(tmp_path):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tensorwatch_otel.report.codec import read_events
+    from tensorwatch_otel.sinks import JsonlLog, OtelTelemetry
+
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    log_path = tmp_path / "events.jsonl"
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("inf")
+    with watch(model, sinks=[JsonlLog(str(log_path)), OtelTelemetry(tracer_provider=tp)],
+               capture_dir=str(tmp_path / "cap"), rerun_on_detect=True):
+        with pytest.raises(NonFiniteDetected) as ei:
+            model(torch.randn(2, 4))
+    ev = ei.value.event
+    (back,) = [e for e in read_events(str(log_path)) if isinstance(e, NonFiniteEvent)]
+    assert (back.capture, back.phase, back.reproduced, back.host) == (ev.capture, "forward", True, ev.host)
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "tensorwatch.nonfinite_detected"]
+    assert span.attributes["tensorwatch.capture"] == ev.capture
+    assert span.attributes["tensorwatch.phase"] == "forward"
+    assert span.attributes["tensorwatch.reproduced"] is True
+    tp.shutdown()

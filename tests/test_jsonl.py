@@ -48,6 +48,10 @@ SCHEMA = {
         "first_rank": {"type": "integer"},  # detections and stops (second wave)
         "stopped_at_batch": {"type": ["integer", "null"]},  # stopped_by_rank
         "trace_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},  # detections: the span's trace
+        "phase": {"enum": ["forward", "backward", "optimizer"]},  # detections: where the frames come from
+        "capture": {"type": "string"},  # detections with capture_dir: the captured batch's file
+        "reproduced": {"type": "boolean"},  # detections with rerun_on_detect
+        "host": {"type": "string"},
         "streak": {"type": "integer"},  # skipped optimizer steps
         "scale": NUM,
         "batch_number": {"type": "integer"},

@@ -64,6 +64,11 @@ def to_dict(event: Event) -> Dict[str, Any]:
                  frames=[_frame(f) for f in event.frames], first_rank=event.first_rank)
         if event.trace_id:
             d["trace_id"] = event.trace_id
+        d["phase"] = event.phase
+        if event.capture:
+            d["capture"] = event.capture
+        if event.reproduced is not None:
+            d.update(reproduced=event.reproduced, host=event.host)
     elif isinstance(event, StoppedByRankEvent):
         d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
                  first_rank=event.first_rank, stopped_at_batch=event.stopped_at_batch)
@@ -168,7 +173,9 @@ def from_dict(d: Dict[str, Any]) -> Event:
     if kind == "nonfinite_detected":
         return NonFiniteEvent(b, rank, _str(d, "module"), _str(d, "module_class"), _str(d, "tensor"),
                               _str(d, "kind"), frames, ts, first_rank=_opt_int(d.get("first_rank")),
-                              trace_id=_str(d, "trace_id"))  # "": none in the log
+                              trace_id=_str(d, "trace_id"),  # "": none in the log
+                              phase=_str(d, "phase", "forward"), capture=_str(d, "capture") or None,
+                              reproduced=_opt_bool(d.get("reproduced")), host=_str(d, "host") or None)
     if kind == "stopped_by_rank":
         try:
             first = int(d["first_rank"])
@@ -188,6 +195,12 @@ def from_dict(d: Dict[str, Any]) -> Event:
         return AbortAfterBatchEvent(b, rank, ts)
     stat = frames[0].tensors[0] if frames and frames[0].tensors else TensorStat(_str(d, "tensor"), None, None)
     return OverflowCheckEvent(b, rank, _str(d, "tensor"), _str(d, "kind"), stat, ts)
+
+
+def _opt_bool(v) -> Optional[bool]:
+    if v is None or isinstance(v, bool):
+        return v
+    raise LineError(f"not true/false: {v!r}")
 
 
 def _opt_int(v) -> Optional[int]:

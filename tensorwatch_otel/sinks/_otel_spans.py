@@ -155,7 +155,13 @@ class SpanBuilder:
             "tensorwatch.first_rank": event.rank if event.first_rank is None else event.first_rank,
             "tensorwatch.nonfinite.kind": event.kind,
             "tensorwatch.report": _render_detection(event),
+            "tensorwatch.phase": event.phase,
         }
+        if event.capture:
+            attrs["tensorwatch.capture"] = event.capture
+        if event.reproduced is not None:
+            attrs["tensorwatch.reproduced"] = event.reproduced
+            attrs["host.name"] = event.host or ""
         if omitted:  # the most recent frames matter most; the report attribute has them all
             attrs["tensorwatch.frames.omitted"] = omitted
         span = self._tracer.start_span("tensorwatch.nonfinite_detected", context=ctx, start_time=t0,
