@@ -388,3 +388,16 @@ def test_diff_reads_logs_through_the_same_loader(logs, capsys, tmp_path):
     foreign.write_text('{"hello":"world"}\n')
     code, _, err = run_cli(capsys, "diff", f"{foreign}:1", f"{good}:{TRACED}")
     assert code == 2 and "not a tensorwatch event log" in err and "Traceback" not in err
+
+
+def test_report_prints_skipped_steps_and_streaks(tmp_path, capsys):
+    from tensorwatch_otel.core.events import SkippedStepEvent, SkipStreakEvent
+    from tensorwatch_otel.report.codec import to_line
+
+    log = tmp_path / "skips.jsonl"
+    log.write_text(to_line(SkippedStepEvent(3, 0, 1, 1024.0, "a", "Linear", "weight.grad", "inf", 1.0))
+                   + to_line(SkipStreakEvent(9, 0, 20, 0.001, 2.0)))
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["optimizer step skipped after batch_number=3 (rank 0, streak 1, scale 1024): inf in a weight.grad",
+                   "20 optimizer steps in a row skipped by batch_number=9 (rank 0, scale 0.001)"]

@@ -83,7 +83,7 @@ class InputError(Exception):
 def render_event(event) -> str:
     """The text for one event, as the TextReport sink and the peer print it."""
     from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent,
-                               StoppedByRankEvent)
+                               SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent)
     from ..report.text import render_detection, render_trace, stopped_line
 
     if isinstance(event, NonFiniteEvent):
@@ -94,6 +94,15 @@ def render_event(event) -> str:
         return stopped_line(event)
     if isinstance(event, AbortAfterBatchEvent):
         return f"aborting after batch_number={event.batch_number} (abort_after_batch)\n"
+    if isinstance(event, SkippedStepEvent):
+        where = f": {event.kind} in {event.module or '(root)'} {event.tensor}" if event.tensor else ""
+        scale = f", scale {event.scale:g}" if event.scale is not None else ""
+        return (f"optimizer step skipped after batch_number={event.batch_number} "
+                f"(rank {event.rank}, streak {event.streak}{scale}){where}\n")
+    if isinstance(event, SkipStreakEvent):
+        scale = f", scale {event.scale:g}" if event.scale is not None else ""
+        return (f"{event.streak} optimizer steps in a row skipped by batch_number={event.batch_number} "
+                f"(rank {event.rank}{scale})\n")
     if isinstance(event, OverflowCheckEvent):
         lines = []
         if "nan" in event.kind:
