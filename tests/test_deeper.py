@@ -228,3 +228,29 @@ def test_capture_phase_and_rerun_reach_json_lines_and_the_span(tmp_path):
     assert span.attributes["tensorwatch.phase"] == "forward"
     assert span.attributes["tensorwatch.reproduced"] is True
     tp.shutdown()
+
+
+def test_gradients_and_optimizer_state_reach_the_metrics_without_counting_as_batches():
+    from prometheus_client import CollectorRegistry
+
+    from tensorwatch_otel.sinks import PrometheusMetrics
+
+    registry = CollectorRegistry()
+    sink = PrometheusMetrics(registry=registry)
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with watch(model, sinks=[sink], gradients=True, optimizer_state=True):
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    value = registry.get_sample_value
+    assert value("tensorwatch_batches_total", {"rank": "0"}) == 3
+    # the gauges hold the extremes of the window's batches: at least the last step's value
+    got = value("tensorwatch_tensor_abs_max", {"module": "b", "module_class": "Linear",
+                                               "tensor": "weight.exp_avg_sq", "rank": "0"})
+    assert got >= opt.state[model.b.weight]["exp_avg_sq"].abs().max().item() > 0
+    assert value("tensorwatch_tensor_abs_max", {"module": "b", "module_class": "Linear",
+                                                "tensor": "output.grad", "rank": "0"}) == 1.0
+    sink.close()

@@ -6,6 +6,7 @@ Paths are the user's model's; a compiled model's modules are read through its ro
 from __future__ import annotations
 
 import fnmatch
+import logging
 from typing import TYPE_CHECKING
 
 from . import naming
@@ -16,6 +17,8 @@ from .steps import StepTracker
 
 if TYPE_CHECKING:  # pragma: no cover
     from .watcher import Watcher
+
+log = logging.getLogger(__name__)
 
 
 def _included(cfg: WatchConfig, path: str) -> bool:
@@ -79,3 +82,14 @@ def place_hooks(w: "Watcher") -> None:
     w._optim_state = OptimizerStateReader(w._owners) if cfg.optimizer_state else None
     w._steps = StepTracker(inner, w._before_step, w._after_step)
     w._handles.extend(w._steps.handles)
+
+
+def say_compiled(w: "Watcher") -> None:
+    """What a watcher of a torch.compile'd module records, said once."""
+    log.warning(
+        "tensorwatch_otel: %s is compiled with torch.compile: module hooks do not run inside "
+        "compiled graphs, so each batch records the compiled call's inputs and outputs and "
+        "the weights of every module%s; an inf/nan born inside the graph is reported at the "
+        "model's output. Watch the model before compiling it only to debug in eager mode.",
+        naming.module_class_name(naming.unwrap_root(w.model)),
+        " and their gradients" if w.config.gradients else "")

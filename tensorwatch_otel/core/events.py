@@ -254,10 +254,10 @@ class BatchStats:
     the sink, typically on its own thread (a scrape, a metric collection). Immutable once built.
     """
 
-    __slots__ = ("batch_number", "rank", "time", "_frames", "grad_scale", "steps_skipped")
+    __slots__ = ("batch_number", "rank", "time", "_frames", "grad_scale", "steps_skipped", "phase")
 
     def __init__(self, batch_number: int, rank: int, time: float, frames: Tuple[Frame, ...] | "_LazyFrames",
-                 grad_scale: Optional[float] = None, steps_skipped: int = 0):
+                 grad_scale: Optional[float] = None, steps_skipped: int = 0, phase: str = "forward"):
         self.batch_number = batch_number
         self.rank = rank
         self.time = time
@@ -266,6 +266,10 @@ class BatchStats:
         self.grad_scale = grad_scale
         #: optimizer steps skipped so far in this run (see SkippedStepEvent)
         self.steps_skipped = steps_skipped
+        #: "forward" (a batch), or "backward" / "optimizer": the gradients or optimizer state of
+        #: that batch, exported as series of their own (`output.grad`, `weight.exp_avg_sq`) but
+        #: not counted as batches
+        self.phase = phase
 
     @property
     def frames(self) -> Tuple[Frame, ...]:

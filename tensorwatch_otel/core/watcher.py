@@ -31,7 +31,7 @@ from .recorder import FrameRecorder
 from .backward import BackwardRecorder, producer_frame
 from .capture import BatchCapture
 from .rerun import host, replay_would_block, rerun_batch
-from .attach import place_hooks
+from .attach import place_hooks, say_compiled
 from .steps import PendingGradients, ScaleReader, SkipCounter
 
 log = logging.getLogger(__name__)
@@ -96,13 +96,7 @@ class Watcher:
         if getattr(self.model, "_compiled_call_impl", None) is not None:
             self._compiled_away()  # model.compile() in place: even the root's hooks run in the graph
         if self._compiled:
-            log.warning(
-                "tensorwatch_otel: %s is compiled with torch.compile: module hooks do not run inside "
-                "compiled graphs, so each batch records the compiled call's inputs and outputs and "
-                "the weights of every module%s; an inf/nan born inside the graph is reported at the "
-                "model's output. Watch the model before compiling it only to debug in eager mode.",
-                naming.module_class_name(naming.unwrap_root(self.model)),
-                " and their gradients" if self.config.gradients else "")
+            say_compiled(self)
 
     def detach(self) -> None:
         """Remove every hook, flush the sinks and close those the watcher created. Idempotent."""
@@ -347,6 +341,7 @@ class Watcher:
     # ---------------------------------------------------------------- gradients and steps
     def _backward_done(self, rec: Record, owners: List[Optional[torch.Tensor]], gids: List[int]) -> None:
         rec.readback()
+        self._phase_stats(rec)
         fi = rec.first_nonfinite_frame(0)
         if fi is not None:
             j = producer_frame(rec, fi, gids)
@@ -360,6 +355,11 @@ class Watcher:
         # Not a detection yet: only a step that consumes these gradients makes one; a step
         # skipped instead (GradScaler) is counted as such.
         self._pending = PendingGradients(rec, fi, [p for p in owners[fi:] if p is not None][:1])
+
+    def _phase_stats(self, rec: Record) -> None:
+        """Gradients and optimizer state to the metric sinks, as series of their own."""
+        if self._fanout.wants_batches:
+            self._fanout.on_batch(BatchStats(rec.batch_number, current_rank(), time.time(), rec, phase=rec.phase))
 
     def _before_step(self) -> None:
         pending, self._pending = self._pending, None
@@ -375,6 +375,7 @@ class Watcher:
             rec = self._optim_state.record(optimizer, max(self.batch_number - 1, 0))
             if rec.frames:
                 rec.readback()  # one transfer per step
+                self._phase_stats(rec)
                 self._check(rec, 0)
 
     def _skipped(self) -> None:
@@ -392,7 +393,6 @@ class Watcher:
         self._fanout.on_event(event)
         self._fanout.flush(self.config.flush_timeout_s)
 
-    # ---------------------------------------------------------------- detect_overflow
     def overflow_check(self, event) -> None:
         """Hand a detect_overflow() finding to the sinks (durable before returning)."""
         self._fanout.on_event(event)

@@ -179,8 +179,11 @@ class Window:
                 cur[0].scatter_reduce_(0, index, mins, "amin")
                 cur[1].scatter_reduce_(0, index, maxs, "amax")
                 cur[2].scatter_reduce_(0, index, ratio, "amax")
-            self._last = stats
-            self._batches += 1
+            if stats.phase == "forward":  # gradients and optimizer state are no batch of their own
+                self._last = stats
+                self._batches += 1
+            elif self._last is None:
+                self._last = stats
             self._dropped = layout.dropped
             self._version += 1
 
