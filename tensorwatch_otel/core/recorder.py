@@ -141,16 +141,3 @@ class FrameRecorder:
         rec.stats += r
         rec.dtypes.append(t.dtype)
         items.append(name)
-
-    def one(self, rec: Record, info: ModuleInfo, t: torch.Tensor, name: str) -> None:
-        """A frame of one tensor (a gradient), measured without the activation cache."""
-        items: list = []
-        start = len(rec.dtypes)
-        r = measure(t)
-        if r.__class__ is str:
-            items.append((name, r))
-        else:
-            rec.stats += r
-            rec.dtypes.append(t.dtype)
-            items.append(name)
-        rec.frames.append((info, items, start))
