@@ -1,4 +1,4 @@
-"""Events to and from the JSON lines schema of CONTRACT.md (one object per line)."""
+"""Events to and from the JSON lines event log (one object per line; fields in the README)."""
 
 from __future__ import annotations
 
