@@ -7,6 +7,7 @@ window of batches the training thread folds into (see _aggregate.Window).
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import math
 import os
@@ -18,6 +19,9 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+# Counter exemplars (the detection's trace_id) need prometheus-client >= 0.22; older: no exemplar.
+_COUNTER_EXEMPLARS = "exemplar" in inspect.signature(CounterMetricFamily.add_metric).parameters
 from prometheus_client.samples import Exemplar
 
 from ..core import env as _env
@@ -105,24 +109,18 @@ class PrometheusMetrics(Sink):
     """Exports the ``tensorwatch_*`` series: tensor gauges hold the extremes over the batches of
     the last ``window_s`` seconds, so a one-batch spike between two scrapes is still seen.
 
-    - ``port``: serve ``/metrics`` there on ``addr`` (127.0.0.1 by default). When ``LOCAL_RANK``
-      is set each process serves ``port + LOCAL_RANK``. ``port=0`` picks a free port (see
-      ``.port``). A port already taken is logged once as an error and training goes on.
-      A port outside 0..65535 (LOCAL_RANK included), an ``addr`` that is no address and a
-      ``registry`` that is no registry raise ``ValueError`` naming the argument, and leave
-      nothing behind (no collector registered, no server thread).
+    - ``port``: serve ``/metrics`` on ``addr`` (127.0.0.1), at ``port + LOCAL_RANK``; ``port=0``
+      picks a free one (``.port``). A taken port is logged once and training goes on. A bad
+      ``port``, ``addr`` or ``registry`` raises ``ValueError`` naming it and leaves nothing behind.
     - ``registry``: the ``CollectorRegistry`` to register into (default: prometheus_client's
       global one, so an existing ``start_http_server`` exposes the series too).
     - ``include``/``exclude``: glob patterns on module paths (the root is ``(root)``).
-    - ``max_series``: most (module, tensor) pairs per gauge (env TENSORWATCH_PROMETHEUS_MAX_SERIES,
-      default 10000); a note is logged once when the cap bites and
-      ``tensorwatch_series_dropped`` counts the pairs left out.
-    - ``linger_s``: after a detection, keep serving at exit/close until one scrape happened,
-      at most this long (env TENSORWATCH_PROMETHEUS_LINGER_SECONDS, default 30; 0 disables).
-    - ``window_s``: seconds of batches the tensor gauges cover, at least twice the scrape
-      interval (env TENSORWATCH_METRICS_WINDOW_SECONDS, default 60; 0: the last batch only).
-    - The nonfinite counter carries the detection's ``trace_id`` as an OpenMetrics exemplar
-      (served when the scraper asks for ``application/openmetrics-text``).
+    - ``max_series`` (TENSORWATCH_PROMETHEUS_MAX_SERIES, 10000): (module, tensor) pairs per gauge.
+    - ``linger_s`` (TENSORWATCH_PROMETHEUS_LINGER_SECONDS, 30): after a detection, serve at exit
+      until one scrape happened, at most this long.
+    - ``window_s`` (TENSORWATCH_METRICS_WINDOW_SECONDS, 60): seconds of batches the gauges cover.
+    - The nonfinite counter carries the detection's ``trace_id`` as an OpenMetrics exemplar.
+    See docs/telemetry.md for each.
     """
 
     wants_batches = True
@@ -391,8 +389,11 @@ class PrometheusMetrics(Sink):
             counts = [(k, list(v)) for k, v in self._nonfinite.items()]
             stopped = list(self._stopped.items())
         for (module, cls, tensor, ev_rank, first), (n, trace_id, t) in counts:
-            ex = None if trace_id is None else Exemplar({"trace_id": trace_id}, 1.0, t)
-            nonfinite.add_metric((module, cls, tensor, str(ev_rank), str(first)), n, exemplar=ex)
+            labels = (module, cls, tensor, str(ev_rank), str(first))
+            if trace_id is not None and _COUNTER_EXEMPLARS:
+                nonfinite.add_metric(labels, n, exemplar=Exemplar({"trace_id": trace_id}, 1.0, t))
+            else:
+                nonfinite.add_metric(labels, n)
         for (module, cls, tensor, ev_rank, first), n in stopped:
             stopped_f.add_metric((module, cls, tensor, str(ev_rank), str(first)), n)
         return [amax, amin, used, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f, scale_f,
