@@ -30,11 +30,12 @@ class FirstNonFinite(Sink):
             self.event = event
 
 
-def rerun_batch(model: torch.nn.Module, held: BatchCapture, event: NonFiniteEvent, make_watcher) -> Optional[bool]:
-    """True when the replay finds inf/nan at the event's module and tensor, False when it finds
+def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, module: str, tensor: str,
+                make_watcher) -> Optional[bool]:
+    """True when the replay finds inf/nan at `module` and `tensor`, False when it finds
     none, None when the batch could not be replayed. `make_watcher(model, sink)` builds a silent
     module-checking watcher. Buffers (BatchNorm statistics) and RNG states are restored after."""
-    args, kwargs, rng = held.held(event.batch_number)
+    args, kwargs, rng = held.held(batch_number)
     if rng is None:
         return None
     saved_rng = torch.get_rng_state()
@@ -51,7 +52,7 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, event: NonFiniteEven
             model(*args, **kwargs)
         found = sink.event
     except Exception as exc:  # the replay must never hide the detection itself
-        log.warning("tensorwatch_otel: could not re-run batch %d: %s: %s", event.batch_number,
+        log.warning("tensorwatch_otel: could not re-run batch %d: %s: %s", batch_number,
                     type(exc).__name__, exc)
         return None
     finally:
@@ -63,7 +64,7 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, event: NonFiniteEven
         torch.set_rng_state(saved_rng)
         if saved_cuda is not None:
             torch.cuda.set_rng_state_all(saved_cuda)
-    return found is not None and (found.module, found.tensor) == (event.module, event.tensor)
+    return found is not None and (found.module, found.tensor) == (module, tensor)
 
 
 def replay_would_block(model: torch.nn.Module) -> bool:

@@ -308,9 +308,8 @@ class Watcher:
                 and not replay_would_block(self.model):
             self._replaying = True
             try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
-                reproduced = rerun_batch(naming.unwrap_root(self.model), self._capture, NonFiniteEvent(
-                    rec.batch_number, 0, last.module, last.module_class, first.name if first else "", "",
-                    (), 0.0), self._probe)
+                reproduced = rerun_batch(naming.unwrap_root(self.model), self._capture, rec.batch_number,
+                                         last.module, first.name if first else "", self._probe)
             finally:
                 self._replaying = False
         event = NonFiniteEvent(
