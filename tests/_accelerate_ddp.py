@@ -1,16 +1,21 @@
 """Run under torchrun (2 ranks, CPU, gloo): accelerate prepares (DDP-wraps) a tiny model watched
-before prepare; both ranks overflow at batch 2. Prints `OBSERVED {json}` per rank."""
+before prepare; both ranks overflow at batch 2. Writes its observations per rank into the folder
+argv[1] (tests/_observed.py)."""
 
 from __future__ import annotations
 
-import json
+import os
+import sys
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 
-from tensorwatch_otel import NonFiniteDetected, watch
-from tensorwatch_otel.sinks import Sink
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _observed import write_observed  # noqa: E402
+
+from tensorwatch_otel import NonFiniteDetected, watch  # noqa: E402
+from tensorwatch_otel.sinks import Sink  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -75,4 +80,4 @@ finally:
     watcher.detach()
 out["paths"] = sorted({f.module for b in sink.batches for f in b.frames})
 out["hooks_after"] = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in prepared.modules())
-print("OBSERVED " + json.dumps(out), flush=True)
+write_observed(sys.argv[1], out["rank"], out)

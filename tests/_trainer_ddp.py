@@ -1,10 +1,9 @@
 """Run under torchrun (2 ranks, CPU, gloo): a transformers Trainer with TensorwatchCallback trains
 a tiny GPT-2 wrapped by the Trainer in DistributedDataParallel; both ranks poison the same weight
-at step 3. Prints `OBSERVED {json}` per rank. argv[1]: an output folder."""
+at step 3. argv[1]: an output folder; each rank writes its observations there (tests/_observed.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -14,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _collect import Collect  # noqa: E402
 from _hf import Probe, tiny_gpt2, trainer_for  # noqa: E402
 from _hooks import remaining_hooks  # noqa: E402
+from _observed import write_observed  # noqa: E402
 
 from pathlib import Path  # noqa: E402
 
@@ -36,4 +36,4 @@ out["wrapped"] = type(trainer.model_wrapped).__name__
 out["paths_ok"] = all(not f.module.startswith("module.") for b in sink.batches for f in b.frames)
 out["batches"] = len(sink.batches)
 out["hooks_after"] = sum(remaining_hooks(model).values())
-print("OBSERVED " + json.dumps(out), flush=True)
+write_observed(sys.argv[1], out["rank"], out)

@@ -4,7 +4,6 @@ one process, DistributedDataParallel on two real ranks)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from _collect import Collect  # noqa: E402
 from _diag_launch import clean_env  # noqa: E402
 from _hooks import remaining_hooks  # noqa: E402
+from _observed import read_observed  # noqa: E402
 from _otel_fixtures import OverflowNet  # noqa: E402
 from conftest import free_port  # noqa: E402
 from tensorwatch_otel import NonFiniteDetected, watch  # noqa: E402
@@ -70,14 +70,13 @@ def test_prepared_model_with_autocast_is_watched_with_user_paths(accelerator_bf1
 
 
 @pytest.mark.slow
-def test_ddp_prepared_model_on_two_ranks():
+def test_ddp_prepared_model_on_two_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(ROOT / "tests" / "_accelerate_ddp.py")]
+           "--master-port", str(free_port()), str(ROOT / "tests" / "_accelerate_ddp.py"), str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env=clean_env({"PYTHONPATH": str(ROOT)}))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = sorted((json.loads(line[len("OBSERVED "):]) for line in proc.stdout.splitlines()
-                   if line.startswith("OBSERVED ")), key=lambda o: o["rank"])
+    seen = read_observed(tmp_path, 2, proc)
     assert [o["rank"] for o in seen] == [0, 1]
     for o in seen:
         assert o["wrapper"] == "DistributedDataParallel" and o["unwrapped_is_model"]

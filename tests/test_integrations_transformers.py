@@ -153,6 +153,7 @@ def test_every_rank_of_a_ddp_trainer_watches_and_raises(tmp_path):
     from pathlib import Path
 
     from _diag_launch import clean_env
+    from _observed import read_observed
     from conftest import free_port
 
     root = Path(__file__).resolve().parent.parent
@@ -160,8 +161,7 @@ def test_every_rank_of_a_ddp_trainer_watches_and_raises(tmp_path):
            "--master-port", str(free_port()), str(root / "tests" / "_trainer_ddp.py"), str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=clean_env({"PYTHONPATH": str(root)}))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = sorted((json.loads(line[len("OBSERVED "):]) for line in proc.stdout.splitlines()
-                   if line.startswith("OBSERVED ")), key=lambda o: o["rank"])
+    seen = read_observed(tmp_path, 2, proc)
     assert [(o["rank"], o["world"]) for o in seen] == [(0, 2), (1, 2)]
     for o in seen:
         assert o["wrapped"] == "DistributedDataParallel"  # the Trainer wrapped it; the callback got the model
