@@ -163,6 +163,9 @@ def make_variants(base, ids, labels, names: List[str], autocast: Optional[torch.
     return variants
 
 
+PROMETHEUS_SINKS: list = []  # the sinks _prometheus_sink made, newest last (for the scrape cost)
+
+
 def _prometheus_sink(scrape_interval: float):
     """The always-on set-up: a PrometheusMetrics served on 127.0.0.1 (port 0: any free port),
     scraped by a daemon thread every scrape_interval seconds (0: never)."""
@@ -174,6 +177,7 @@ def _prometheus_sink(scrape_interval: float):
     from tensorwatch_otel.sinks import PrometheusMetrics
 
     sink = PrometheusMetrics(port=0, registry=CollectorRegistry(), linger_s=0)
+    PROMETHEUS_SINKS.append(sink)
     if scrape_interval > 0 and sink.url:
         def scrape():
             while True:

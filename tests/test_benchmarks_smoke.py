@@ -62,6 +62,13 @@ def test_bench_paired_quick(tmp_path):
     assert c["peer"]["host_syncs"] > c["unwatched"]["host_syncs"]
     assert c["null"]["extra_ops"] == 0 and c["null"]["host_syncs"] == c["unwatched"]["host_syncs"]
     assert "watch: median" in stdout and "noise (null variant)" in stdout and "peer / watch step time" in stdout
+    a = result["attributed"]  # the in-step share, for the watched variants only
+    assert set(a) == {"watch", "sampled", "gradients", "optimizer_state", "prometheus"}
+    for name, r in a.items():
+        assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"] and r["ratio_min"] > 1.0, (name, r)
+        assert r["module_calls"] == a["watch"]["module_calls"] > 10
+    assert a["sampled"]["hook_ms_median"] < a["watch"]["hook_ms_median"] < a["gradients"]["hook_ms_median"]
+    assert "attributed" in stdout and "; attributed " in stdout
 
 
 @pytest.mark.slow
