@@ -148,15 +148,17 @@ def _abs_minmax_device(v: torch.Tensor) -> Pair:
     return torch.linalg.vector_norm(v, -_INF), torch.linalg.vector_norm(v, _INF)
 
 
-# CPU: |x| goes into a small reused buffer, chunk by chunk, so it stays in cache and no large
-# buffer is allocated (a fresh multi-MB allocation costs page faults: 4x slower on logits).
+# CPU: |x| goes into a reused buffer, chunk by chunk, so no tensor-sized buffer is allocated (a
+# fresh multi-MB allocation costs page faults: 4x slower on logits). Chunks of 2**20 elements
+# measured fastest (2 threads: 27% less time than 2**18 on 1M-element tensors and logits, the
+# same below 2**18; larger chunks are slower again as the buffer leaves the cache).
 # The extremes of |x| are then taken on its bits read as integers: abs() clears the sign bit
 # (NaN's too, as IEEE 754 defines it), and with the sign bit clear the integer order of bit
 # patterns is the order of magnitudes (subnormals, inf, and NaN above inf included). Integer
 # aminmax skips the NaN bookkeeping of the float kernel: 2x faster for fp32, 3-4x for fp16/bf16.
 # The patterns viewed back as floats are exact element values. Up to _SMALL elements, the
 # fixed cost of those extra steps outweighs the saving: a fresh abs() and float aminmax.
-_CHUNK = 1 << 18
+_CHUNK = 1 << 20
 _SMALL = 1 << 16
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
          torch.float64: torch.int64}
