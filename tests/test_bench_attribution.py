@@ -52,7 +52,7 @@ def test_a_known_delay_in_the_measurement_is_attributed_in_full(monkeypatch):
                 assert hc.per_step[-1] >= len(measured) * DELAY > 0
                 assert hc.per_step[-1] <= hc.step_s[-1]
                 # the work outside the delays is small: the delays are most of the hook time
-                assert hc.per_step[-1] < len(measured) * DELAY + 0.05
+                assert hc.per_step[-1] < len(measured) * DELAY + 0.25
     assert hc.calls_per_step == [4, 4, 4]  # the root and its three children, once per step
     assert (nn.Module.register_forward_hook, nn.Module.register_forward_pre_hook,
             torch.Tensor.register_hook, steps.register_optimizer_step_pre_hook) == originals
