@@ -9,54 +9,20 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _collect import Collect  # noqa: E402
 from _observed import write_observed  # noqa: E402
+from _otel_fixtures import OverflowNet  # noqa: E402
 
 from tensorwatch_otel import NonFiniteDetected, watch  # noqa: E402
-from tensorwatch_otel.sinks import Sink  # noqa: E402
 
 torch.set_num_threads(1)
 
-
-class Scale(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.factor = 1.0
-
-    def forward(self, x):
-        return x * self.factor
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 8)
-        self.boom = Scale()
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, x):
-        return self.out(self.boom(self.inp(x)))
-
-
-class Quiet(Sink):
-    wants_batches = True
-
-    def __init__(self):
-        self.batches = []
-
-    def on_batch(self, stats):
-        self.batches.append(stats)
-
-    def on_event(self, event):
-        pass
-
-
 accelerator = Accelerator(cpu=True)
 torch.manual_seed(0)
-model = Net()
-sink = Quiet()
+model = OverflowNet()
+sink = Collect()
 watcher = watch(model, sinks=[sink])  # before prepare: the user's module, the user's paths
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 prepared, opt = accelerator.prepare(model, opt)
