@@ -1,6 +1,6 @@
 """A tiny training job for the multi-rank tests, run under `python -m torch.distributed.run`
 (gloo on 127.0.0.1): DDP or FSDP2, one rank's input (or weight shard) made non-finite at a
-chosen batch. Each rank writes what happened to OUT/result-RANK.json.
+chosen batch. Each rank writes what happened into OUT (tests/_observed.py).
 
 usage: _dist_train.py OUT --mode ddp|fsdp2|eval --bad RANK[,RANK] --at BATCH [--batches N]
        [--linger S] [--inject input|shard]
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -19,8 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorwatch_otel import NonFiniteDetected, watch
-from tensorwatch_otel.sinks import JsonlLog, TextReport
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _observed import write_observed  # noqa: E402
+
+from tensorwatch_otel import NonFiniteDetected, watch  # noqa: E402
+from tensorwatch_otel.sinks import JsonlLog, TextReport  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -110,10 +112,7 @@ def main() -> int:
     result["polls"] = watcher._fleet.polls
     result["param_names"] = [n for n, _ in net.named_parameters()]
     result["module_classes"] = sorted({type(m).__name__ for m in net.modules()})
-    path = os.path.join(args.out, f"result-{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    write_observed(args.out, rank, result)
     if result.get("stopped"):
         if result["event"] == "nonfinite_detected":
             time.sleep(args.linger)  # as a Prometheus sink lingering for its last scrape would

@@ -20,6 +20,6 @@ def read_observed(folder: Path, world: int, proc: Any) -> List[Dict[str, Any]]:
     seen = []
     for rank in range(world):
         path = Path(folder) / f"observed-rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no result\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        assert path.exists(), f"rank {rank} wrote no result\n{proc.stdout}\n{proc.stderr[-4000:]}"
         seen.append(json.loads(path.read_text()))
     return seen

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from _diag_launch import clean_env
+from _observed import read_observed
 from conftest import free_port
 from tensorwatch_otel.core.events import StoppedByRankEvent
 from tensorwatch_otel.report.codec import from_dict, read_events, to_dict
@@ -31,12 +32,7 @@ def launch(tmp_path: Path, nproc: int, *args: str, timeout: float = 240):
     env = clean_env({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(tmp_path))
     ended = time.time()
-    results = {}
-    for r in range(nproc):
-        p = tmp_path / f"result-{r}.json"
-        assert p.exists(), f"rank {r} wrote no result\n{proc.stdout}\n{proc.stderr[-4000:]}"
-        results[r] = json.loads(p.read_text())
-    return proc, results, ended
+    return proc, dict(enumerate(read_observed(tmp_path, nproc, proc))), ended
 
 
 def events_of(tmp_path: Path, rank: int):
