@@ -173,3 +173,12 @@ def test_bad_options_name_the_option(argv, message, capsys):
         main(["nettest", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bad_launch_variables_give_one_error_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "zero")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["nettest", "--timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorwatch-otel nettest: error: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT must be integers")
+    assert err.count("\n") == 1

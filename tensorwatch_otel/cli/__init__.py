@@ -19,6 +19,16 @@ COMMANDS = {
 }
 
 
+EXIT_USAGE = 2  # bad input: an argument, a file or an environment variable the command cannot use
+
+
+def usage_error(command: str, message: str) -> int:
+    """Says `tensorwatch-otel COMMAND: error: MESSAGE` on stderr, the one form every command
+    uses for bad input, and returns EXIT_USAGE."""
+    print(f"tensorwatch-otel {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tensorwatch-otel",

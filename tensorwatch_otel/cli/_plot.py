@@ -7,15 +7,14 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from . import usage_error
+
 PLOT_HELP = ("also draw the frames to FILE: a PNG, an SVG, or a self-contained HTML page when FILE ends in "
              ".html (needs the plot extra: pip install 'tensorwatch-otel[plot]')")
-EXIT_USAGE = 2
 PLOTTABLE = ("nonfinite_detected", "batch_trace")
 
 
-def _fail(command: str, msg: str) -> int:
-    print(f"tensorwatch-otel {command}: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
+_fail = usage_error
 
 
 def check(command: str, path: str) -> Optional[int]:

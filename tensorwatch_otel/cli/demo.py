@@ -9,6 +9,8 @@ import sys
 import time
 from typing import List, Optional
 
+from . import usage_error
+
 HELP = "train a tiny transformer in fp16 with the watcher on (optionally with an injected overflow)"
 
 DEFAULT_STEPS = 20
@@ -38,7 +40,6 @@ examples:
 """
 
 EXIT_OK = 0
-EXIT_USAGE = 2
 EXIT_DETECTED = 3
 
 
@@ -69,8 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fail(msg: str) -> int:
-    print(f"tensorwatch-otel demo: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
+    return usage_error("demo", msg)
 
 
 def _check_options(args) -> Optional[str]:

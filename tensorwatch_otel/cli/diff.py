@@ -8,6 +8,8 @@ import math
 import sys
 from typing import Optional, Tuple
 
+from . import usage_error
+
 HELP = "align two traced batches frame by frame and name the first module whose values diverge"
 
 DESCRIPTION = """\
@@ -36,7 +38,6 @@ examples:
 
 EXIT_SAME = 0
 EXIT_DIVERGED = 1
-EXIT_USAGE = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,8 +125,7 @@ def _listing(batches) -> str:
 
 
 def _fail(msg: str) -> int:
-    print(f"tensorwatch-otel diff: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
+    return usage_error("diff", msg)
 
 
 def run(args) -> int:

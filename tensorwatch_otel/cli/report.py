@@ -8,6 +8,7 @@ import sys
 from typing import List, Sequence
 
 from ..report.codec import EVENT_TYPES
+from . import usage_error
 
 HELP = "render a JSON lines event log as the text report"
 
@@ -32,7 +33,6 @@ examples:
 """
 
 EXIT_OK = 0
-EXIT_USAGE = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,8 +133,7 @@ def run(args) -> int:
     try:
         events = load_events(args.events)
     except InputError as exc:
-        print(f"tensorwatch-otel report: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error("report", str(exc))
     chosen = select(events, args.batch, args.event, args.rank)
     if args.plot:  # before any text: a missing plot extra exits 2 with its one line and nothing else
         from ._plot import plot_report

@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
         launch = _launch_from_env()
         faults = parse_faults(os.environ)
     except ValueError as exc:
-        print(f"tensorwatch-otel nettest: error: {exc}", file=sys.stderr)
-        return 2
+        from ..cli import usage_error
+
+        return usage_error("nettest", str(exc))
     opts = Options(args.backend, float(args.timeout), max(4, int(args.size_mb * (1 << 20))),
                    args.nccl_debug_dir if args.nccl_debug else None)
     if faults.has("absent", launch.rank):
