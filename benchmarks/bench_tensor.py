@@ -15,6 +15,7 @@ own `tensorwatch_otel.core.stats.measure`; the others are the alternatives it ch
 
     python benchmarks/bench_tensor.py                    # 1e3 .. 3e7 elements, fp32/fp16/bf16
     python benchmarks/bench_tensor.py --quick            # seconds (smoke test)
+    python benchmarks/bench_tensor.py --layout transposed  # x.t() of 2-D tensors
     python benchmarks/bench_tensor.py --device cuda --json out.json
 """
 
@@ -118,17 +119,21 @@ def _sample(fn, x, k: int, device: str) -> float:
     return (clock() - t) / k
 
 
-def _tensor(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+def _tensor(n: int, dtype: torch.dtype, device: str, layout: str = "contiguous") -> torch.Tensor:
     g = torch.Generator().manual_seed(n)
-    return torch.randn(n, generator=g).to(dtype).to(device)
+    x = torch.randn(n, generator=g).to(dtype).to(device)
+    if layout == "transposed":  # (m, n/m) read as its transpose: dense memory, not contiguous
+        m = math.gcd(n, 1000)
+        x = x.view(m, n // m).t()
+    return x
 
 
 def bench(device: str, dtypes: List[str], sizes: List[int], names: List[str], repeats: int,
-          target_s: float) -> List[dict]:
+          target_s: float, layout: str = "contiguous") -> List[dict]:
     rows = []
     for dname in dtypes:
         for n in sizes:
-            x = _tensor(n, DTYPES[dname], device)
+            x = _tensor(n, DTYPES[dname], device, layout)
             fns = candidates(device, names)
             with torch.no_grad():
                 ks = {}
@@ -183,6 +188,9 @@ def main(argv=None) -> int:
     p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                    help="cpu: the process' CPU time, which preemption on a shared machine does not "
                         "stretch (auto: cpu on one CPU thread, else wall)")
+    p.add_argument("--layout", choices=("contiguous", "transposed"), default="contiguous",
+                   help="transposed: each tensor a transposed 2-D view (a module's input or output "
+                        "after .t() or .permute())")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
     device = args.device
@@ -207,12 +215,12 @@ def main(argv=None) -> int:
     names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {clock_name} clock",
           file=sys.stderr)
-    rows = bench(device, dtypes, sizes, names, repeats, sample_s)
+    rows = bench(device, dtypes, sizes, names, repeats, sample_s, args.layout)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "clock": clock_name,
+                       "clock": clock_name, "layout": args.layout,
                        "repeats": repeats, "rows": rows}, f, indent=2)
     return 0 if all(math.isfinite(r["ratio"]["measure"]) for r in rows if "measure" in r["ratio"]) else 1
 

@@ -165,9 +165,21 @@ _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16:
 _scratch = threading.local()
 
 
+def _in_memory_order(v: torch.Tensor) -> torch.Tensor:
+    """`v` itself, or, when it is dense memory read in another order (transposed, permuted), a
+    contiguous view of the same elements. Abs min and max do not depend on the order, and CPU
+    aminmax would copy a non-contiguous tensor first (a tensor-sized allocation: 15-45x the
+    time of the read on 8M elements)."""
+    order = sorted(range(v.dim()), key=v.stride, reverse=True)
+    p = v.permute(order)
+    return p if p.is_contiguous() else v
+
+
 def _abs_minmax_cpu(v: torch.Tensor) -> Pair:
     if v.requires_grad:
         v = v.detach()
+    if not v.is_contiguous():
+        v = _in_memory_order(v)
     n = v.numel()
     if n <= _SMALL:
         return torch.aminmax(v.abs())  # float aminmax: NaN anywhere gives NaN in both
