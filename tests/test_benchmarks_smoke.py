@@ -48,6 +48,7 @@ def test_bench_sinks_quick(tmp_path):
 @pytest.mark.slow
 def test_bench_paired_quick(tmp_path):
     result, stdout = _run("bench_paired.py", tmp_path, "--rounds", "1")
+    assert result["schedule"] == "bracketed"
     v = result["variants"]
     assert set(v) == {"unwatched", "null", "watch", "peer", "sampled", "gradients", "optimizer_state", "prometheus"}
     assert v["unwatched"]["ratio_median"] == 1.0 and result["model"] == "t5" and result["device"] == "cpu"
@@ -69,6 +70,20 @@ def test_bench_paired_quick(tmp_path):
         assert r["module_calls"] == a["watch"]["module_calls"] > 10
     assert a["sampled"]["hook_ms_median"] < a["watch"]["hook_ms_median"] < a["gradients"]["hook_ms_median"]
     assert "attributed" in stdout and "; attributed " in stdout
+    for r in v.values():  # one round: the interval of the median is that round's ratio
+        assert r["median_interval_90"] == [r["ratio_median"]] * 2
+
+
+@pytest.mark.slow
+def test_bench_paired_segments_quick(tmp_path):
+    result, stdout = _run("bench_paired.py", tmp_path, "--rounds", "2", "--schedule", "segments",
+                          "--variants", "null,watch", "--attribute-steps", "0", "--no-counts")
+    assert result["schedule"] == "segments" and result["steps_per_round"] == 1
+    v = result["variants"]
+    assert set(v) == {"unwatched", "null", "watch"} and "attributed" not in result
+    for r in v.values():
+        assert len(r["ratios"]) == 2 and r["median_interval_90"] == [r["ratio_min"], r["ratio_max"]]
+    assert "watch: median" in stdout
 
 
 @pytest.mark.slow
