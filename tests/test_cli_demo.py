@@ -126,6 +126,7 @@ def test_demo_serves_the_detection_to_prometheus(tmp_path):
     (["--trace", "3,x"], "--trace '3,x': expected batch numbers separated by commas"),
     (["--prometheus-port", "70000"], "--prometheus-port 70000: expected a port number"),
     (["--serve-seconds", "-1"], "--serve-seconds -1.0"),
+    (["--serve-seconds", "inf"], "--serve-seconds inf: expected a finite number of seconds >= 0"),
     (["--otlp-endpoint", "localhost:4318"], "expected a URL"),
 ])
 def test_bad_options_exit_2_with_a_message(argv, message, tmp_path, capsys):

@@ -113,6 +113,15 @@ def test_bad_value_names_the_variable_and_the_range(clean_env, var):
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("raw", ["inf", "nan", "1e999"])
+def test_flush_timeout_must_be_finite(clean_env, raw):
+    """A flush cannot wait forever: an infinite timeout would fail in the exporters' flush on a
+    detection, the moment nothing may be lost."""
+    clean_env.setenv("TENSORWATCH_FLUSH_TIMEOUT_SECONDS", raw)
+    with pytest.raises(ConfigError, match=r"TENSORWATCH_FLUSH_TIMEOUT_SECONDS=.*finite number >= 0"):
+        watch(torch.nn.Linear(2, 2), sinks=[])
+
+
 def test_blank_variable_is_unset(clean_env):
     clean_env.setenv("TENSORWATCH_MAX_FRAMES", "  ")
     assert WatchConfig.build().max_frames == 21

@@ -147,6 +147,21 @@ def test_env_max_series_and_invalid_values(registry, monkeypatch):
         PrometheusMetrics(registry=CollectorRegistry(), max_series=5, linger_s=-1)
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400"])
+def test_linger_must_be_a_finite_number_of_seconds(registry, monkeypatch, value):
+    """An endless linger would end in OverflowError from the exit handler (a wait cannot take
+    an infinite timeout), after the run: it is refused when the sink is built, naming the option."""
+    with pytest.raises(ValueError, match=r"linger_s=inf.*finite"):
+        PrometheusMetrics(registry=registry, linger_s=float("inf"))
+    monkeypatch.setenv("TENSORWATCH_PROMETHEUS_LINGER_SECONDS", value)
+    with pytest.raises(ValueError, match="TENSORWATCH_PROMETHEUS_LINGER_SECONDS"):
+        PrometheusMetrics(registry=CollectorRegistry())
+    monkeypatch.setenv("TENSORWATCH_PROMETHEUS_LINGER_SECONDS", "2.5")
+    sink = PrometheusMetrics(registry=CollectorRegistry())
+    assert sink.linger_s == 2.5
+    sink.close()
+
+
 @pytest.mark.parametrize("window_s", [0, 60])
 def test_scrape_never_sees_half_a_batch(registry, window_s):
     """While the training thread folds batches as fast as it can, every scrape shows whole

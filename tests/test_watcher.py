@@ -723,6 +723,8 @@ def test_report_mode_one_event_per_batch(check):
     ({"include": 3}, "include"),
     ({"exclude": [None]}, "exclude"),
     ({"flush_timeout_s": -1}, "flush_timeout_s"),
+    ({"flush_timeout_s": float("inf")}, "flush_timeout_s"),  # no flush takes an endless timeout
+    ({"flush_timeout_s": float("nan")}, "flush_timeout_s"),
     ({"sinks": [object()]}, "sinks"),
 ])
 def test_config_errors_name_the_option(kwargs, option):

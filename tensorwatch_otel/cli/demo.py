@@ -4,6 +4,7 @@ injects a real fp16 overflow, and exports what the watcher saw (report, event lo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -83,8 +84,8 @@ def _check_options(args) -> Optional[str]:
     p = args.prometheus_port
     if p is not None and not 0 <= p <= 65535:
         return f"--prometheus-port {p}: expected a port number from 0 to 65535"
-    if not args.serve_seconds >= 0:
-        return f"--serve-seconds {args.serve_seconds}: expected a number of seconds >= 0"
+    if not 0 <= args.serve_seconds < math.inf:  # time.sleep() takes no endless wait
+        return f"--serve-seconds {args.serve_seconds}: expected a finite number of seconds >= 0"
     if args.threads < 1:
         return f"--threads {args.threads}: expected a number >= 1"
     if not args.jsonl:

@@ -6,6 +6,7 @@ when a watcher is built, never at import.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple
@@ -115,8 +116,8 @@ class WatchConfig:
                                   *_INT_RANGE["max_skipped_steps"])
         name, flush_timeout_s = pick("flush_timeout_s", flush_timeout_s)
         if isinstance(flush_timeout_s, bool) or not (isinstance(flush_timeout_s, (int, float))
-                                                     and flush_timeout_s >= 0):
-            raise ConfigError(f"{name}={flush_timeout_s!r}: expected a number of seconds >= 0")
+                                                     and 0 <= flush_timeout_s < math.inf):
+            raise ConfigError(f"{name}={flush_timeout_s!r}: expected a finite number of seconds >= 0")
         name, include = pick("include", include)
         include = _patterns(name, include)
         name, exclude = pick("exclude", exclude)

@@ -7,6 +7,7 @@ Precedence everywhere: argument, then environment variable, then default.
 
 from __future__ import annotations
 
+import math
 from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
 
 # -- watch() options (read by WatchConfig.build; an argument left at None falls back to them) -----
@@ -97,8 +98,8 @@ def parse_float(name: str, raw: str, minimum: float) -> float:
         value = float(raw)
     except ValueError:
         value = None
-    if value is None or not value >= minimum:
-        raise ConfigError(f"{name}={raw!r}: expected a number >= {minimum:g}")
+    if value is None or not value >= minimum or not math.isfinite(value):
+        raise ConfigError(f"{name}={raw!r}: expected a finite number >= {minimum:g}")
     return value
 
 
