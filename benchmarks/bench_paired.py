@@ -249,6 +249,8 @@ def main(argv=None) -> int:
             run(args.warmup)
         result["steps_per_round"] = args.steps
         result["variants"] = run_rounds(variants, args.rounds, args.steps)
+    else:  # the shared copy the attribution and the counts use: a fresh copy's first steps are
+        variants["unwatched"](max(args.warmup, 2))  # slower (optimizer state, allocator growth)
     for entry in result["variants"].values():
         entry["median_interval_90"] = list(median_interval(entry["ratios"]))
     if args.attribute_steps > 0 and device.type == "cpu":  # on CUDA the hooks only launch the work

@@ -118,6 +118,39 @@ def test_watch_compiled_model_records_inputs_outputs_weights_and_says_so(caplog)
     assert (ev.module, ev.module_class, ev.tensor) == ("encoder.0", "Linear", "weight")
 
 
+@pytest.mark.slow
+def test_inductor_compiled_training_is_watched_and_an_inf_weight_named():
+    """The default backend, as users compile: inductor generates and builds its own kernels
+    (a C++ compiler on CPU). Training steps through the compiled model are batches with live
+    values, and an inf weight is named on the user's path."""
+    torch.manual_seed(0)
+    model = EncDec()
+    compiled = torch.compile(model)  # inductor
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = Collect()
+    x = torch.randn(16, 4)
+    with watch(compiled, sinks=[sink], on_detect="report") as w:
+        for _ in range(3):
+            y = compiled(x)
+            # what batch 3 must show: the weights after two steps, and its own output
+            want_w = model.decoder.weight.detach().abs().max().item()
+            want_out = y.detach().abs().max().item()
+            y.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert w.batch_number == 3 and len(sink.batches) == 3
+        frames = sink.batches[-1].frames
+        assert [f.module for f in frames] == ["encoder.0", "decoder", ""]
+        weights = {f.module: {t.name: t for t in f.tensors} for f in frames[:2]}
+        assert weights["decoder"]["weight"].abs_max == want_w  # live, not stale
+        assert {t.name: t for t in frames[-1].tensors}["output"].abs_max == want_out
+        with torch.no_grad():
+            model.encoder[0].weight[1, 2] = float("-inf")
+        compiled(x)
+    (ev,) = sink.of(NonFiniteEvent)
+    assert (ev.module, ev.module_class, ev.tensor, ev.kind) == ("encoder.0", "Linear", "weight", "inf")
+
+
 def test_compiled_after_watch_is_said_once_not_silent(caplog):
     model = EncDec()
     with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
