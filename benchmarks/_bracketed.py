@@ -1,14 +1,20 @@
 """Bracketed rounds: every variant's step sits between two steps of the unwatched model.
 
-Each variant trains its own copy of the model (same weights at the start), watched for the
-whole run the way a user leaves it on. A round runs, in an order rotated each round,
+A round runs, in an order rotated each round,
 
     U  v1  U  v2  U  ...  vk  U
 
 one step at a time, and each variant's ratio is its step over the mean of the two unwatched
 steps around it: the two sides of a ratio are a few seconds apart, so drift over minutes (other
-tenants of a shared machine) hits both alike. Every step follows a step of another copy, so
-none of them starts with the caches of its own last step.
+tenants of a shared machine) hits both alike.
+
+The unwatched step and the variants that only add hooks (watch, gradients, optimizer_state,
+prometheus, module, and null: no hooks at all) train one shared copy of the model: a watcher is
+attached for the variant's step and detached after it, outside the timing. Two copies of the
+same model can differ by a few percent in step time (where their memory landed), which a
+shared copy keeps out of these ratios. `sampled` needs one watcher to see consecutive batches
+and the peer cannot detach: each trains a copy of its own (same weights at the start), so their
+ratios also hold that copy-to-copy difference.
 """
 
 from __future__ import annotations
@@ -25,29 +31,39 @@ import torch
 from bench_step import WATCH_OPTIONS, Trainer, _prometheus_sink, quartiles
 
 
+TOGGLED = ("watch", "gradients", "optimizer_state", "prometheus", "module")
+
+
 class Copies:
-    """name -> one training step of that variant's own model copy. Watchers stay attached
-    until close()."""
+    """name -> one training step of that variant (see the module text). close() detaches the
+    watchers that stay attached."""
 
     def __init__(self, base, ids, labels, names: List[str], autocast: Optional[torch.dtype] = None,
                  scrape_interval: float = 15.0):
         import tensorwatch_otel as tw
 
-        self.steps: Dict[str, Callable[[], float]] = {}
-        self._watchers = []
-        for name in ["unwatched"] + [n for n in names if n != "unwatched"]:
-            trainer = Trainer(copy.deepcopy(base), ids, labels, autocast)
-            if name in WATCH_OPTIONS:
+        shared = Trainer(copy.deepcopy(base), ids, labels, autocast)
+        self.steps: Dict[str, Callable[[], float]] = {"unwatched": shared.step}
+        self._watchers: list = []
+        self._sinks: list = []
+        for name in names:
+            if name == "null":
+                self.steps[name] = shared.step
+            elif name in TOGGLED:
                 sinks = [_prometheus_sink(scrape_interval)] if name == "prometheus" else []
-                self._watchers.append(tw.watch(trainer.model, sinks=sinks, on_detect="report",
+                self._sinks += sinks
+                self.steps[name] = _toggled(shared, WATCH_OPTIONS[name], sinks)
+            elif name == "sampled":
+                own = Trainer(copy.deepcopy(base), ids, labels, autocast)
+                self._watchers.append(tw.watch(own.model, sinks=[], on_detect="report",
                                                **WATCH_OPTIONS[name]))
+                self.steps[name] = own.step
             elif name == "peer":
                 from transformers.debug_utils import DebugUnderflowOverflow
 
-                DebugUnderflowOverflow(trainer.model)
-                self.steps[name] = _quiet(trainer.step)
-                continue
-            self.steps[name] = trainer.step
+                own = Trainer(copy.deepcopy(base), ids, labels, autocast)
+                DebugUnderflowOverflow(own.model)
+                self.steps[name] = _quiet(own.step)
 
     def warm_up(self, n: int) -> None:
         for step in self.steps.values():
@@ -57,8 +73,22 @@ class Copies:
     def close(self) -> None:
         for w in self._watchers:
             w.detach()
+        for sink in self._sinks:
+            sink.close()
         self._watchers.clear()
+        self._sinks.clear()
         self.steps.clear()
+
+
+def _toggled(trainer: Trainer, options: dict, sinks: list) -> Callable[[], float]:
+    """One step of the shared copy with a watcher attached for it (the attaching and detaching
+    are not timed; the sinks live across steps, as they would in a run)."""
+    import tensorwatch_otel as tw
+
+    def step() -> float:
+        with tw.watch(trainer.model, sinks=sinks, on_detect="report", **options):
+            return trainer.step()
+    return step
 
 
 def _quiet(step: Callable[[], float]) -> Callable[[], float]:
@@ -69,9 +99,14 @@ def _quiet(step: Callable[[], float]) -> Callable[[], float]:
     return run
 
 
-def run_bracketed(steps: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, dict]:
+def run_bracketed(steps: Dict[str, Callable[[], float]], rounds: int,
+                  settle: Optional[Callable[[], object]] = None) -> Dict[str, dict]:
     """Bracketed rounds (see the module text); per variant the median, quartiles, min and max of
-    its ratios over rounds. Prints progress to stderr and a table to stdout."""
+    its ratios over rounds. `settle` runs before every step, untimed (bench_paired: a full
+    garbage collection, so no step pays for the garbage of the one before it). Prints progress
+    to stderr and a table to stdout."""
+    if settle is not None:
+        steps = {name: _settled(step, settle) for name, step in steps.items()}
     unwatched = steps["unwatched"]
     order = [n for n in steps if n != "unwatched"]
     ratios: Dict[str, List[float]] = {n: [] for n in order}
@@ -90,6 +125,13 @@ def run_bracketed(steps: Dict[str, Callable[[], float]], rounds: int) -> Dict[st
         print(f"round {r + 1}/{rounds}: " + "  ".join(
             f"{n} {ratios[n][-1]:.3f}" for n in order), file=sys.stderr)
     return summarise(ratios, step_s, rounds)
+
+
+def _settled(step: Callable[[], float], settle: Callable[[], object]) -> Callable[[], float]:
+    def run() -> float:
+        settle()
+        return step()
+    return run
 
 
 def summarise(ratios: Dict[str, List[float]], step_s: Dict[str, List[float]], rounds: int) -> Dict[str, dict]:

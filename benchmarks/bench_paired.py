@@ -1,12 +1,15 @@
 """Always-on cost at the limit: the watched step against the unwatched one and against the peer
 (transformers.debug_utils.DebugUnderflowOverflow), paired round by round in one process.
 
-Every variant starts from the same weights. By default each trains its own copy, watched for
-the whole run, and each round runs one step of every variant, in an order rotated each round,
-with a step of the unwatched copy before and after each one: a variant's ratio in that round is
-its step over the mean of the two unwatched steps around it, a few seconds apart, so machine
-drift hits both sides alike (`--schedule segments`: the older scheme, --steps steps per variant
-in turn on one shared copy, each segment's first step dropped, ratio of the segment medians).
+Every variant starts from the same weights. By default each round runs one step of every
+variant, in an order rotated each round, with a step of the unwatched model before and after
+each one: a variant's ratio in that round is its step over the mean of those two, a few seconds
+apart, so machine drift hits both sides alike. The unwatched step and the variants that only
+add hooks train one shared copy (a watcher attached for the step, untimed); `sampled` and
+`peer` train copies of their own, so their ratios also hold the difference between two copies
+of one model in memory (a few percent here). A full garbage collection precedes every step,
+untimed. (`--schedule segments`: the older scheme, --steps steps per variant in turn on the
+shared copy, each segment's first step dropped, ratio of the segment medians.)
 The table gives the median, quartiles, min and max of the per-round ratios, and the bar lines a
 90% interval of the median (order statistics: it needs no assumption about the noise).
 Variants:
@@ -18,7 +21,7 @@ Variants:
     prometheus        watch + PrometheusMetrics(port=0) scraped every --scrape-interval s
                       (the always-on default set-up)
     module            check="module" (a readback per module call)
-    null              another unwatched copy: its spread around 1.0 is the machine's noise,
+    null              the unwatched step again: its spread around 1.0 is the machine's noise,
                       the resolution of every other figure
     peer              transformers' DebugUnderflowOverflow (its own copy: it cannot detach)
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -239,7 +243,7 @@ def main(argv=None) -> int:
         copies = Copies(base, ids, labels, names, autocast, args.scrape_interval)
         copies.warm_up(args.warmup)
         try:
-            result["variants"] = run_bracketed(copies.steps, args.rounds)
+            result["variants"] = run_bracketed(copies.steps, args.rounds, settle=gc.collect)
         finally:
             copies.close()
         del copies

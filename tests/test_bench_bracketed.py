@@ -10,6 +10,7 @@ import random
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -88,3 +89,40 @@ def test_median_interval_is_order_statistics_that_hold_the_median(n):
 
 def test_median_interval_for_fifteen_rounds_is_the_fourth_values_from_each_end():
     assert median_interval([float(i) for i in range(1, 16)]) == (4.0, 12.0)
+
+
+def test_settle_runs_before_every_step_outside_the_timing():
+    machine = DriftingMachine({"unwatched": 1.0, "watch": 1.1}, drift=0.0)
+    settled = []
+    out = run_bracketed(machine.steps(), rounds=2, settle=lambda: settled.append(len(machine.log)))
+    assert settled == list(range(len(machine.log)))  # once before each of the 6 steps
+    assert out["watch"]["ratios"] == [pytest.approx(1.1)] * 2
+
+
+def test_hook_only_variants_share_the_unwatched_copy_and_leave_no_hook_behind():
+    """watch (and the other hook-only variants) step the unwatched model with a watcher
+    attached for that step only; sampled keeps its watcher on a copy of its own."""
+    from _bracketed import Copies
+    from bench_step import build_model
+
+    base, ids, labels = build_model(True)
+    copies = Copies(base, ids, labels, ["null", "watch", "prometheus", "sampled"], scrape_interval=0)
+    try:
+        steps = copies.steps
+        shared = steps["unwatched"].__self__.model
+        assert steps["null"].__self__ is steps["unwatched"].__self__
+        sampled = steps["sampled"].__self__.model
+        assert sampled is not shared
+
+        def hooks(model):
+            return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+        before = [p.detach().clone() for p in shared.parameters()]
+        for name in ("watch", "prometheus"):
+            assert steps[name]() > 0
+            assert hooks(shared) == 0
+        assert any(not torch.equal(a, b) for a, b in zip(before, shared.parameters()))  # it trained
+        assert hooks(sampled) > 0
+    finally:
+        copies.close()
+    assert hooks(sampled) == 0
