@@ -47,3 +47,7 @@ finally:
 out["paths"] = sorted({f.module for b in sink.batches for f in b.frames})
 out["hooks_after"] = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in prepared.modules())
 write_observed(sys.argv[1], out["rank"], out)
+# Leave as a script should: a process group left to the interpreter's exit can abort a rank
+# ("terminate called without an active exception") while gloo's threads are torn down.
+accelerator.wait_for_everyone()
+torch.distributed.destroy_process_group()

@@ -37,3 +37,8 @@ out["paths_ok"] = all(not f.module.startswith("module.") for b in sink.batches f
 out["batches"] = len(sink.batches)
 out["hooks_after"] = sum(remaining_hooks(model).values())
 write_observed(sys.argv[1], out["rank"], out)
+# Leave as a script should: a process group left to the interpreter's exit can abort a rank
+# ("terminate called without an active exception") while gloo's threads are torn down.
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
