@@ -21,7 +21,7 @@ RULE_FILES = sorted((PROM_DIR / "rules").glob("*.yml"))
 RULE_TESTS = sorted((PROM_DIR / "tests").glob("*.yml"))
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 
-# The public series (CONTRACT.md); anything else named tensorwatch_* in deploy/ is a typo.
+# The public series (docs/telemetry.md); anything else named tensorwatch_* in deploy/ is a typo.
 CONTRACT_SERIES = {
     "tensorwatch_tensor_abs_max", "tensorwatch_tensor_abs_min",
     "tensorwatch_tensor_range_used_ratio", "tensorwatch_nonfinite_events_total",

@@ -1,4 +1,4 @@
-"""The public import surface (CONTRACT.md) is pinned here: names, signatures, py.typed, and an
+"""The public import surface (README, docs/) is pinned here: names, signatures, py.typed, and an
 `import tensorwatch_otel` that loads no exporter library."""
 
 from __future__ import annotations
