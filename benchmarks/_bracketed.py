@@ -22,13 +22,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import statistics
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from bench_step import WATCH_OPTIONS, Trainer, _prometheus_sink, quartiles
+from bench_step import WATCH_OPTIONS, Trainer, _prometheus_sink, summarise
 
 
 TOGGLED = ("watch", "gradients", "optimizer_state", "prometheus", "module")
@@ -124,7 +123,7 @@ def run_bracketed(steps: Dict[str, Callable[[], float]], rounds: int,
             before = after
         print(f"round {r + 1}/{rounds}: " + "  ".join(
             f"{n} {ratios[n][-1]:.3f}" for n in order), file=sys.stderr)
-    return summarise(ratios, step_s, rounds)
+    return summarise({"unwatched": [1.0] * rounds, **ratios}, step_s)
 
 
 def _settled(step: Callable[[], float], settle: Callable[[], object]) -> Callable[[], float]:
@@ -132,24 +131,6 @@ def _settled(step: Callable[[], float], settle: Callable[[], object]) -> Callabl
         settle()
         return step()
     return run
-
-
-def summarise(ratios: Dict[str, List[float]], step_s: Dict[str, List[float]], rounds: int) -> Dict[str, dict]:
-    out: Dict[str, dict] = {"unwatched": _entry([1.0] * rounds, step_s["unwatched"])}
-    out.update({name: _entry(r, step_s[name]) for name, r in ratios.items()})
-    print(f"\n{'variant':<16} {'ratio median':>12} {'q1':>7} {'q3':>7} {'min':>7} {'max':>7} "
-          f"{'step ms (median)':>17}")
-    for name, e in out.items():
-        print(f"{name:<16} {e['ratio_median']:>12.3f} {e['ratio_q1']:>7.3f} {e['ratio_q3']:>7.3f} "
-              f"{e['ratio_min']:>7.3f} {e['ratio_max']:>7.3f} {e['step_ms_median']:>17.0f}")
-    return out
-
-
-def _entry(ratios: List[float], times: List[float]) -> dict:
-    q1, q3 = quartiles(ratios)
-    return {"ratio_median": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
-            "ratio_min": min(ratios), "ratio_max": max(ratios), "ratios": ratios,
-            "step_ms_median": statistics.median(times) * 1000, "step_ms": [t * 1000 for t in times]}
 
 
 def median_interval(ratios: List[float], level: float = 0.9) -> Tuple[float, float]:

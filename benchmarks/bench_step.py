@@ -209,16 +209,22 @@ def run_rounds(variants: Dict[str, Callable[[int], List[float]]], rounds: int, s
             per_round[name].append(medians[name] / medians["unwatched"])
         print(f"round {r + 1}/{rounds}: " + "  ".join(
             f"{n} {medians[n] * 1000:.0f} ms" for n in order), file=sys.stderr)
+    return summarise(per_round, step_s)
+
+
+def summarise(per_round: Dict[str, List[float]], step_s: Dict[str, List[float]]) -> Dict[str, dict]:
+    """Per variant the median, quartiles, min and max of its per-round ratios, its step times;
+    prints them as a table to stdout."""
     out: Dict[str, dict] = {}
     print(f"\n{'variant':<16} {'ratio median':>12} {'q1':>7} {'q3':>7} {'min':>7} {'max':>7} "
           f"{'step ms (median)':>17}")
-    for name in variants:
-        ratios = per_round[name]
+    for name, ratios in per_round.items():
         med = statistics.median(ratios)
         q1, q3 = quartiles(ratios)
         out[name] = {"ratio_median": med, "ratio_q1": q1, "ratio_q3": q3, "ratio_min": min(ratios),
                      "ratio_max": max(ratios), "ratios": ratios,
-                     "step_ms_median": statistics.median(step_s[name]) * 1000}
+                     "step_ms_median": statistics.median(step_s[name]) * 1000,
+                     "step_ms": [t * 1000 for t in step_s[name]]}
         print(f"{name:<16} {med:>12.3f} {q1:>7.3f} {q3:>7.3f} {min(ratios):>7.3f} {max(ratios):>7.3f} "
               f"{out[name]['step_ms_median']:>17.0f}")
     return out

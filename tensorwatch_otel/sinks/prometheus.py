@@ -57,8 +57,7 @@ def _env_number(name: str, arg: str, value, default, cast, minimum):
         number = cast(value)
     except (TypeError, ValueError):
         number = None
-    if number is None or not number >= minimum or not math.isfinite(number):
-        # finite: an endless linger would raise from the exit handler (no wait takes inf)
+    if number is None or not number >= minimum or not math.isfinite(number):  # no wait takes inf
         raise ValueError(f"{source}={value!r}: expected a finite number >= {minimum}")
     return number
 
