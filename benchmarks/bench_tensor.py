@@ -2,11 +2,14 @@
 
 For each dtype and size, every candidate way of getting both extremes is timed side by side in
 one process (samples interleaved, order rotated each repeat) and reported as the ratio of its
-median time to the median of `x.amax()` (one read of the tensor). On one CPU thread the clock
-is the process' CPU time, so other work on a shared machine does not stretch the samples. `measure` is the package's
-own `tensorwatch_otel.core.stats.measure`; the others are the alternatives it chooses between:
+median time to the median of `x.amax()` (one read of the tensor). On one CPU thread the clock is
+the process' CPU time, so other work on a shared machine does not stretch the samples.
+`measure` is the package's
+own `tensorwatch_otel.core.stats.measure` (on CPU: the compiled one-read kernel of
+core/cpu_kernel.py where a C compiler exists); the others are the alternatives it chooses between:
 
-    abs_chunked   |x| chunk by chunk into a reused buffer, aminmax of each chunk (CPU path)
+    abs_chunked   |x| chunk by chunk into a reused buffer, aminmax of each chunk
+    torch_cpu     the package's CPU path without its compiled kernel (TENSORWATCH_CPU_KERNEL=torch)
     abs_full      aminmax(x.abs()): |x| materialised in one fresh tensor
     norm_pair     vector_norm(x, inf) and vector_norm(x, -inf): two reads, no |x| (CUDA path)
     sign          aminmax(x), abs max = max(-min, max); abs min from x alone when every value
@@ -98,6 +101,8 @@ def candidates(device: str, names: List[str]) -> Dict[str, Callable]:
              "abs_full": _abs_full, "norm_pair": _norm_pair, "sign": _sign}
     if device.startswith("cuda"):
         table["compiled"] = _compiled()
+    else:
+        table["torch_cpu"] = stats._abs_minmax_torch_cpu
     return {n: table[n] for n in ["amax"] + [n for n in names if n in table and n != "amax"]}
 
 
@@ -179,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (cuda when available)")
     p.add_argument("--dtypes", default="fp32,fp16,bf16", help="comma list of fp32,fp16,bf16,fp64")
     p.add_argument("--sizes", default="1e3,3e4,3e5,3e6,3e7", help="comma list of element counts")
-    p.add_argument("--candidates", default="measure,abs_chunked,abs_full,norm_pair,sign,compiled",
+    p.add_argument("--candidates", default="measure,torch_cpu,abs_chunked,abs_full,norm_pair,sign,compiled",
                    help="comma list (amax is always timed: it is the reference)")
     p.add_argument("--repeats", type=int, default=9, help="timed samples per candidate (default 9)")
     p.add_argument("--sample-ms", type=float, default=5.0, help="length of one sample (default 5 ms)")

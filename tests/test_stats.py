@@ -4,12 +4,15 @@ layout) the measurement takes. The accelerator path is exercised here on CPU ten
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import shutil
 
 import pytest
 import torch
 
-from tensorwatch_otel.core import stats
+from tensorwatch_otel.core import cpu_kernel, stats
 from tensorwatch_otel.core.events import NOTE_EMPTY, NOTE_NO_DATA
 from tensorwatch_otel.core.stats import measure
 
@@ -20,7 +23,9 @@ SIZES = (1, 7, 1000, stats._SMALL + 1, stats._CHUNK - 1, 3 * stats._CHUNK + 5)
 
 def _paths():
     """Every way measure() may reduce a plain tensor, each callable on CPU tensors."""
-    return [pytest.param(measure, id="measure"), pytest.param(lambda x: stats._abs_minmax_device(x), id="device_path")]
+    return [pytest.param(measure, id="measure"),  # the compiled kernel on CPU where it builds
+            pytest.param(lambda x: stats._abs_minmax_torch_cpu(x), id="torch_cpu_path"),
+            pytest.param(lambda x: stats._abs_minmax_device(x), id="device_path")]
 
 
 def _host(pair):
@@ -234,3 +239,91 @@ def test_nan_of_any_sign_and_payload(path, n):
             assert math.isnan(x[n // 2].item())
             mn, mx = _host(path(x))
             assert math.isnan(mn) and math.isnan(mx), (dtype, hex(pat))
+
+
+# -- the compiled CPU kernel (core/cpu_kernel.py) --------------------------------------------------
+
+def test_the_kernel_is_built_where_a_compiler_exists():
+    """On a machine with a C compiler (this one, CI) measure() reads CPU tensors with the
+    compiled kernel, on torch's OpenMP threads where torch runs on libgomp; the kernel is what
+    the other tests of this file exercise through `measure`."""
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler on this machine: the torch path is the one in use")
+    kernel = cpu_kernel.KERNEL.get()
+    assert kernel is not None
+    assert kernel.parallel == (cpu_kernel._loaded_libgomp() is not None)
+    x = _values(torch.float32, 3 * stats._CHUNK + 5, seed=11)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pair = measure(x)
+    assert _host(pair) == _expected(x)
+    ops = {e.name for e in prof.events()}
+    assert not ops & {"aten::abs", "aten::aminmax", "aten::amax", "aten::amin"}, ops  # one read, ours
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_kernel_without_openmp_and_with_many_threads_agree(dtype, tmp_path):
+    """The one-thread build (a compiler without OpenMP) and the parallel one give the torch
+    path's exact values, NaN and inf included, at every thread count."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        pytest.skip("no C compiler on this machine")
+    single = cpu_kernel._bind(__import__("ctypes").CDLL(cpu_kernel._compile(cc, str(tmp_path), None)), parallel=False)
+    kernels = [single] + ([cpu_kernel.KERNEL.get()] if cpu_kernel.KERNEL.get() is not None else [])
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            for n in (1, 5, (1 << 16) + 3, 3 * stats._CHUNK + 5):
+                x = _values(dtype, n, seed=n + nt)
+                want = _host(stats._abs_minmax_torch_cpu(x))
+                for k in kernels:
+                    assert _host(k(x)) == want == _expected(x)
+                    y = x.clone()
+                    y[n - 1] = float("-inf")
+                    assert _host(k(y))[1] == math.inf and _host(k(y))[0] == _expected(y)[0]
+                    y[n // 2] = float("nan")  # the x86 default NaN has its sign bit set
+                    y[n // 2] = -y[n // 2].abs()
+                    assert all(math.isnan(v) for v in _host(k(y)))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_no_compiler_falls_back_to_torch_ops_said_once(caplog):
+    """Without a compiler (or with one that fails) the statistics are the torch path's, and the
+    log says so once, at info level: the run is watched exactly, only slower."""
+    with caplog.at_level(logging.INFO, logger="tensorwatch_otel.core.cpu_kernel"):
+        assert cpu_kernel.build(cc="/nonexistent/cc") is None
+        assert cpu_kernel.build(cc=shutil.which("false") or "/bin/false") is None
+    said = [r for r in caplog.records if r.name == "tensorwatch_otel.core.cpu_kernel"]
+    assert len(said) == 2 and all(r.levelno == logging.INFO for r in said)
+    assert "/nonexistent/cc" in said[0].getMessage() and "torch ops" in said[0].getMessage()
+    loader = cpu_kernel._Loader()
+    loader.reset(None, done=True)  # what a failed build leaves
+    assert loader.get() is None
+    saved = cpu_kernel.KERNEL.get()
+    cpu_kernel.KERNEL.reset(None, done=True)
+    try:
+        x = _values(torch.bfloat16, 3 * stats._CHUNK + 5, seed=2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            assert _host(measure(x)) == _expected(x)
+        assert "aten::abs" in {e.name for e in prof.events()}  # the torch ops did it
+    finally:
+        cpu_kernel.KERNEL.reset(saved, done=True)
+
+
+@pytest.mark.parametrize("raw, mode", [(None, "native"), ("torch", "torch"), (" Native ", "native")])
+def test_cpu_kernel_variable(raw, mode, monkeypatch):
+    from tensorwatch_otel.core import env as twenv
+    environ = {} if raw is None else {twenv.ENV_CPU_KERNEL: raw}
+    assert twenv.cpu_kernel_mode(environ) == mode
+    monkeypatch.setenv(twenv.ENV_CPU_KERNEL, "torch")
+    loader = cpu_kernel._Loader()
+    assert loader.get() is None  # read at the first request: no build at all
+
+
+def test_a_bad_cpu_kernel_value_fails_watch_naming_the_variable(monkeypatch):
+    import tensorwatch_otel as tw
+    from tensorwatch_otel.core.env import ConfigError
+    monkeypatch.setenv("TENSORWATCH_CPU_KERNEL", "fast")
+    with pytest.raises(ConfigError, match="TENSORWATCH_CPU_KERNEL='fast': expected one of native, torch"):
+        tw.watch(torch.nn.Linear(2, 2), sinks=[])

@@ -122,6 +122,7 @@ class WatchConfig:
         include = _patterns(name, include)
         name, exclude = pick("exclude", exclude)
         exclude = _patterns(name, exclude)
+        _env.cpu_kernel_mode(env)  # process-wide, read by core/cpu_kernel.py; a bad value fails here, early
         return cls(max_frames=max_frames, trace_batches=traced, abort_after_batch=abort_after_batch,
                    every_n_batches=every, gradients=flags["gradients"], include=include,
                    exclude=exclude, on_detect=on_detect, check=check,

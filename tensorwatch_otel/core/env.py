@@ -39,6 +39,9 @@ ENV_MAX_SKIPPED_STEPS = "TENSORWATCH_MAX_SKIPPED_STEPS"
 ENV_RERUN_ON_DETECT = "TENSORWATCH_RERUN_ON_DETECT"
 #: ``flush_timeout_s``: most seconds a detection waits for the sinks to record it (number >= 0; 5).
 ENV_FLUSH_TIMEOUT_SECONDS = "TENSORWATCH_FLUSH_TIMEOUT_SECONDS"
+#: How CPU tensors are measured: ``native`` (a one-read kernel compiled on first use with the C
+#: compiler, torch ops when there is none; default) or ``torch`` (torch ops only). Process-wide.
+ENV_CPU_KERNEL = "TENSORWATCH_CPU_KERNEL"
 
 # -- sinks that watch(sinks=None) adds to the text report ------------------------------------------
 #: Serve Prometheus ``/metrics`` on this port plus LOCAL_RANK (0..65535; off when unset).
@@ -62,7 +65,7 @@ ENV_NETTEST_FAULT = "TENSORWATCH_NETTEST_FAULT"
 ALL: Tuple[str, ...] = (
     ENV_MAX_FRAMES, ENV_EVERY_N_BATCHES, ENV_ON_DETECT, ENV_GRADIENTS, ENV_INCLUDE, ENV_EXCLUDE,
     ENV_TRACE_BATCHES, ENV_ABORT_AFTER_BATCH, ENV_CHECK, ENV_OPTIMIZER_STATE, ENV_CAPTURE_DIR,
-    ENV_MAX_SKIPPED_STEPS, ENV_RERUN_ON_DETECT, ENV_FLUSH_TIMEOUT_SECONDS,
+    ENV_MAX_SKIPPED_STEPS, ENV_RERUN_ON_DETECT, ENV_FLUSH_TIMEOUT_SECONDS, ENV_CPU_KERNEL,
     ENV_PROMETHEUS_PORT, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_MAX_SERIES, ENV_PROMETHEUS_LINGER_SECONDS,
     ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,
 )
@@ -139,3 +142,12 @@ def parse_batches(name: str, raw: str) -> Tuple[int, ...]:
                            f"separated by commas")
         out.append(n)
     return tuple(out)
+
+
+CPU_KERNELS = ("native", "torch")
+
+
+def cpu_kernel_mode(environ: Mapping[str, str]) -> str:
+    """``native`` or ``torch``, from TENSORWATCH_CPU_KERNEL (default ``native``)."""
+    raw = text(environ, ENV_CPU_KERNEL)
+    return CPU_KERNELS[0] if raw is None else parse_choice(ENV_CPU_KERNEL, raw, CPU_KERNELS)

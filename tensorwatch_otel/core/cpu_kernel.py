@@ -1,0 +1,191 @@
+"""A one-read abs min/max kernel for CPU tensors, compiled on first use with the machine's C
+compiler; without a compiler the torch ops in stats.py are used.
+
+Stock CPU ops cannot take both extremes of |x| in one read: |x| has to be written somewhere and
+read again (three passes over memory), and each op pays torch's parallel dispatch. The kernel
+reads each element once: it clears the sign bit of the element's bits and keeps the smallest
+and the largest pattern, as unsigned integers. With the sign bit clear, the order of the
+patterns is the order of the magnitudes (subnormals, inf, and NaN above inf included), so the
+two patterns are the exact abs min and abs max, and a NaN anywhere is the largest pattern; the
+kernel then makes the minimum NaN too (the contract of stats.measure).
+
+It is built once per process, into a temporary folder removed right after loading, with
+`-march=native` (the process's own CPU: nothing built here runs on another machine). Where torch
+runs on OpenMP (libgomp, already loaded) the kernel links that same library, so it splits large
+tensors over torch's threads (`torch.get_num_threads()`) instead of starting a second pool.
+`TENSORWATCH_CPU_KERNEL=torch` keeps the torch ops; `CC` names the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import env as _env
+
+log = logging.getLogger(__name__)
+
+_PARALLEL_MIN = 1 << 16  # elements below which waking a second thread costs more than it saves
+
+_SOURCE = r"""
+#include <stdint.h>
+#define KERNEL(NAME, T, MASK, INF)                                                        \
+void NAME(const T* x, int64_t n, T* out, int nt) {                                        \
+    T lo = (T)~(T)0, hi = 0;                                                              \
+    _Pragma("omp parallel for reduction(min:lo) reduction(max:hi) num_threads(nt) if(nt > 1)") \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+        T m = x[i] & MASK;                                                                \
+        lo = m < lo ? m : lo;                                                             \
+        hi = m > hi ? m : hi;                                                             \
+    }                                                                                     \
+    if (hi > INF) lo = hi; /* NaN anywhere: NaN in both */                                \
+    out[0] = lo;                                                                          \
+    out[1] = hi;                                                                          \
+}
+KERNEL(tw_abs_minmax_f64, uint64_t, 0x7FFFFFFFFFFFFFFFull, 0x7FF0000000000000ull)
+KERNEL(tw_abs_minmax_f32, uint32_t, 0x7FFFFFFFu, 0x7F800000u)
+KERNEL(tw_abs_minmax_f16, uint16_t, 0x7FFFu, 0x7C00u)
+KERNEL(tw_abs_minmax_bf16, uint16_t, 0x7FFFu, 0x7F80u)
+"""
+
+_SYMBOLS = {torch.float64: "tw_abs_minmax_f64", torch.float32: "tw_abs_minmax_f32",
+            torch.float16: "tw_abs_minmax_f16", torch.bfloat16: "tw_abs_minmax_bf16"}
+_SLAB = 512  # result pairs per allocation
+
+Kernel = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _loaded_libgomp() -> Optional[str]:
+    """The path of the libgomp this process has loaded (torch's OpenMP runtime), if any."""
+    if not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                path = line.rstrip("\n").split(None, 5)[-1]
+                if os.path.basename(path).startswith("libgomp") and ".so" in path and os.path.isfile(path):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def _compile(cc: str, folder: str, openmp: Optional[str]) -> str:
+    src, obj, lib = (os.path.join(folder, n) for n in ("kernel.c", "kernel.o", "kernel.so"))
+    with open(src, "w", encoding="utf-8") as fh:
+        fh.write(_SOURCE)
+    errors: List[str] = []
+    for arch in (["-march=native"], []):  # a compiler that does not know the flag still builds
+        # compile with OpenMP, link the runtime torch already runs (no second thread pool)
+        cmds = [[cc, "-O3", "-fPIC", *arch, *(["-fopenmp"] if openmp else []), "-c", src, "-o", obj],
+                [cc, "-shared", obj, "-o", lib, *([openmp] if openmp else [])]]
+        for cmd in cmds:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            if done.returncode != 0:
+                said = done.stderr.strip().splitlines()
+                errors.append(said[-1] if said else f"{cmd[0]} exited with {done.returncode}")
+                break
+        else:
+            return lib
+    raise RuntimeError("; ".join(errors))
+
+
+def build(cc: Optional[str] = None) -> Optional[Kernel]:
+    """Compile and load the kernel: a function tensor -> (abs_min, abs_max) for contiguous CPU
+    float tensors, or None (with one log line saying why) when it cannot be built here."""
+    cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        log.info("tensorwatch_otel: no C compiler found (set CC): CPU statistics use torch ops, "
+                 "about 2x the time of the compiled kernel")
+        return None
+    openmp = _loaded_libgomp()
+    try:
+        with tempfile.TemporaryDirectory(prefix="tensorwatch_otel-") as folder:
+            try:
+                path = _compile(cc, folder, openmp)
+            except RuntimeError:
+                if not openmp:
+                    raise
+                openmp = None  # a compiler without OpenMP: one thread
+                path = _compile(cc, folder, None)
+            lib = ctypes.CDLL(path)  # stays mapped once the file is gone
+    except (OSError, RuntimeError, subprocess.SubprocessError, ValueError) as exc:
+        log.info("tensorwatch_otel: could not build the CPU statistics kernel with %s (%s): CPU statistics "
+                 "use torch ops, about 2x the time", cc, exc)
+        return None
+    return _bind(lib, parallel=openmp is not None)
+
+
+def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
+    fns: Dict[torch.dtype, object] = {}
+    for dt, symbol in _SYMBOLS.items():
+        fn = getattr(lib, symbol)
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int)
+        fn.restype = None
+        fns[dt] = fn
+    threads = torch.get_num_threads
+    local = threading.local()  # per thread: pairs of 0-d result tensors not handed out yet
+
+    def abs_min_max(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`v`: a contiguous CPU tensor of a float dtype, numel > 0."""
+        dt = v.dtype
+        pools = getattr(local, "pools", None)
+        if pools is None:
+            pools = local.pools = {}
+        pool = pools.get(dt)
+        if not pool:
+            pool = pools[dt] = _result_pairs(dt)
+        lo, hi, ptr = pool.pop()
+        n = v.numel()
+        fns[dt](v.data_ptr(), n, ptr, threads() if parallel and n >= _PARALLEL_MIN else 1)
+        return lo, hi
+    abs_min_max.parallel = parallel  # type: ignore[attr-defined]
+    return abs_min_max
+
+
+def _result_pairs(dtype: torch.dtype) -> List[tuple]:
+    """_SLAB (abs_min, abs_max, address) results: 0-d views of one fresh allocation, each pair
+    handed out once (a record keeps its pairs), the kernel writing both through the address.
+    One allocation and one unbind for _SLAB tensors cost a fifth of a fresh pair each time."""
+    slab = torch.empty(2 * _SLAB, dtype=dtype)
+    views = slab.unbind()
+    base, size = slab.data_ptr(), slab.element_size()
+    return [(views[2 * i], views[2 * i + 1], base + 2 * i * size) for i in range(_SLAB - 1, -1, -1)]
+
+
+class _Loader:
+    """The kernel, built at the first request (thread-safe); None for the torch ops."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._done = False
+        self._kernel: Optional[Kernel] = None
+
+    def get(self) -> Optional[Kernel]:
+        if self._done:
+            return self._kernel
+        with self._lock:
+            if not self._done:
+                try:
+                    self._kernel = build() if _env.cpu_kernel_mode(os.environ) == "native" else None
+                except _env.ConfigError as exc:  # watch() raised it already; statistics go on
+                    log.error("tensorwatch_otel: %s; CPU statistics use torch ops", exc)
+                self._done = True
+        return self._kernel
+
+    def reset(self, kernel: Optional[Kernel] = None, done: bool = False) -> None:
+        """Forget the kernel (tests): the next get() builds again, or returns `kernel` if done."""
+        with self._lock:
+            self._kernel, self._done = kernel, done
+
+
+KERNEL = _Loader()
