@@ -31,7 +31,9 @@ parts come from the same seconds, so it resolves what the paired ratios cannot o
 machine; it leaves out indirect costs (evicted caches), which only the paired ratios see.
 
 Then, per variant, one probed step apart from the timing: aten ops dispatched (watched minus
-unwatched: the work the watcher adds; on CUDA each is at least one kernel launch), host syncs
+unwatched: the work the watcher adds; on CUDA each is at least one kernel launch; on a CPU the
+compiled statistics kernel is not an aten op, so its calls, one per measured tensor, are not in
+this count), host syncs
 (.item() and the like) and copies to the host; on CUDA also the kernels the profiler saw and
 the extra peak device memory.
 
