@@ -4,9 +4,9 @@ For each dtype and size, every candidate way of getting both extremes is timed s
 one process (samples interleaved, order rotated each repeat) and reported as the ratio of its
 median time to the median of `x.amax()` (one read of the tensor). On one CPU thread the clock is
 the process' CPU time, so other work on a shared machine does not stretch the samples.
-`measure` is the package's
-own `tensorwatch_otel.core.stats.measure` (on CPU: the compiled one-read kernel of
-core/cpu_kernel.py where a C compiler exists); the others are the alternatives it chooses between:
+`measure` is the package's own `tensorwatch_otel.core.stats.measure` (on CPU: the compiled
+one-read kernel of core/cpu_kernel.py where a C compiler exists); the others are the
+alternatives it chooses between:
 
     abs_chunked   |x| chunk by chunk into a reused buffer, aminmax of each chunk
     torch_cpu     the package's CPU path without its compiled kernel (TENSORWATCH_CPU_KERNEL=torch)

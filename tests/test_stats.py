@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
 
 import pytest
@@ -247,7 +246,7 @@ def test_the_kernel_is_built_where_a_compiler_exists():
     """On a machine with a C compiler (this one, CI) measure() reads CPU tensors with the
     compiled kernel, on torch's OpenMP threads where torch runs on libgomp; the kernel is what
     the other tests of this file exercise through `measure`."""
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+    if not cpu_kernel.find_compiler():
         pytest.skip("no C compiler on this machine: the torch path is the one in use")
     kernel = cpu_kernel.KERNEL.get()
     assert kernel is not None
@@ -264,7 +263,7 @@ def test_the_kernel_is_built_where_a_compiler_exists():
 def test_kernel_without_openmp_and_with_many_threads_agree(dtype, tmp_path):
     """The one-thread build (a compiler without OpenMP) and the parallel one give the torch
     path's exact values, NaN and inf included, at every thread count."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = cpu_kernel.find_compiler()
     if not cc:
         pytest.skip("no C compiler on this machine")
     single = cpu_kernel._bind(__import__("ctypes").CDLL(cpu_kernel._compile(cc, str(tmp_path), None)), parallel=False)

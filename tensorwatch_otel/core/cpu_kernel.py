@@ -99,10 +99,15 @@ def _compile(cc: str, folder: str, openmp: Optional[str]) -> str:
     raise RuntimeError("; ".join(errors))
 
 
+def find_compiler() -> Optional[str]:
+    """The C compiler the kernel is built with: `CC`, else cc, gcc or clang on PATH; None."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 def build(cc: Optional[str] = None) -> Optional[Kernel]:
     """Compile and load the kernel: a function tensor -> (abs_min, abs_max) for contiguous CPU
     float tensors, or None (with one log line saying why) when it cannot be built here."""
-    cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = cc or find_compiler()
     if not cc:
         log.info("tensorwatch_otel: no C compiler found (set CC): CPU statistics use torch ops, "
                  "about 2x the time of the compiled kernel")
