@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -24,14 +26,32 @@ def _rng_states() -> dict:
     return states
 
 
-def _to_cpu(v: Any) -> Any:
+# What a capture holds, and all that load_capture() reads without trusting the file: plain
+# tensors (moved to the CPU), lists, tuples and dicts of them, and these plain values.
+# Anything else (a DynamicCache, a dataclass, a tensor subclass, any object) is written as None
+# and named in the file's "not_captured" list (and logged once): unpickling such an object can
+# run code from the file, so the safe loader could not read it back.
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_KEYS = (str, int, float, bool, type(None))
+_MAX_DEPTH = 32
+
+
+def _safe(v: Any, where: str, skipped: list, depth: int = 0) -> Any:
+    """`v` as a capture holds it: tensors on the CPU, namedtuples as tuples, mappings as dicts;
+    what cannot be held safely becomes None and is listed in `skipped`."""
     if isinstance(v, torch.Tensor):
-        return v.detach().to("cpu", copy=True)
-    if isinstance(v, (list, tuple)):
-        return type(v)(_to_cpu(x) for x in v) if not hasattr(v, "_fields") else type(v)(*(_to_cpu(x) for x in v))
-    if isinstance(v, dict):
-        return {k: _to_cpu(x) for k, x in v.items()}
-    return v
+        if type(v) in (torch.Tensor, torch.nn.Parameter):
+            return v.detach().to("cpu", copy=True)
+    elif isinstance(v, _PLAIN_VALUES):
+        return v
+    elif depth < _MAX_DEPTH:
+        if isinstance(v, (list, tuple)):
+            items = [_safe(x, f"{where}[{i}]", skipped, depth + 1) for i, x in enumerate(v)]
+            return items if isinstance(v, list) else tuple(items)
+        if isinstance(v, Mapping) and all(isinstance(k, _KEYS) for k in v):
+            return {k: _safe(x, f"{where}[{k!r}]", skipped, depth + 1) for k, x in v.items()}
+    skipped.append(f"{where}: {type(v).__name__}")
+    return None
 
 
 def _nbytes(v: Any) -> int:
@@ -39,7 +59,7 @@ def _nbytes(v: Any) -> int:
         return v.numel() * v.element_size()
     if isinstance(v, (list, tuple)):
         return sum(_nbytes(x) for x in v)
-    if isinstance(v, dict):
+    if isinstance(v, Mapping):
         return sum(_nbytes(x) for x in v.values())
     return 0
 
@@ -55,6 +75,7 @@ class BatchCapture:
         self._rng: Optional[dict] = None
         self._batch = -1
         self._said = False
+        self._said_skipped = False
 
     def hold(self, batch_number: int, args, kwargs) -> None:
         self._batch = batch_number
@@ -81,25 +102,36 @@ class BatchCapture:
             os.makedirs(self.directory, exist_ok=True)
             path = os.path.join(self.directory, f"capture-rank{self.rank}-batch{batch_number}.pt")
             tmp = path + ".tmp"
-            torch.save({"format": FORMAT, "batch_number": batch_number, "rank": self.rank,
-                        "args": _to_cpu(self._args), "kwargs": _to_cpu(self._kwargs), "rng": self._rng}, tmp)
+            skipped: list = []
+            args = _safe(tuple(self._args or ()), "args", skipped)
+            kwargs = _safe(dict(self._kwargs or {}), "kwargs", skipped)
+            torch.save({"format": FORMAT, "batch_number": batch_number, "rank": self.rank, "args": args,
+                        "kwargs": kwargs, "rng": self._rng, "not_captured": skipped}, tmp)
             os.replace(tmp, path)
         except Exception as exc:  # a full disk must not hide the detection itself
             log.error("tensorwatch_otel: could not write the capture of batch %d to %s: %s",
                       batch_number, self.directory, exc)
             return None
         self.written += 1
+        if skipped and not self._said_skipped:
+            self._said_skipped = True
+            log.warning("tensorwatch_otel: inputs not captured in %s (a capture holds only tensors, lists, "
+                        "tuples and dicts of them and plain values; these are written as None and a replay "
+                        "must supply them): %s", path, ", ".join(skipped))
         return path
 
 
 class Capture:
-    """A captured batch: `.args`, `.kwargs`, `.batch_number`, `.rank`, and `.restore_rng()`."""
+    """A captured batch: `.args`, `.kwargs`, `.batch_number`, `.rank`, `.restore_rng()`, and
+    `.not_captured`: the inputs written as None because a capture cannot hold them safely
+    (`"kwargs['past_key_values']: DynamicCache"`)."""
 
     def __init__(self, data: dict):
         self.args = tuple(data.get("args") or ())
         self.kwargs = dict(data.get("kwargs") or {})
         self.batch_number = int(data["batch_number"])
         self.rank = int(data.get("rank", 0))
+        self.not_captured = tuple(str(s) for s in data.get("not_captured") or ())
         self._rng = data.get("rng") or {}
 
     def restore_rng(self) -> None:
@@ -110,9 +142,46 @@ class Capture:
             torch.cuda.set_rng_state_all(self._rng["cuda"])
 
 
-def load_capture(path: str) -> Capture:
-    """Load a capture written on a detection (`event.capture`)."""
-    data = torch.load(path, map_location="cpu", weights_only=False)
+_BOILERPLATE = ("Weights only load failed", "Check the documentation", "Please file an issue", "Re-running")
+
+
+def _reason(exc: BaseException) -> str:
+    """The line of torch's error that says what was wrong (not its advice to load unsafely)."""
+    for line in str(exc).splitlines():
+        line = line.split("WeightsUnpickler error:")[-1].strip()
+        if line and not line.startswith(_BOILERPLATE):
+            return line if len(line) <= 200 else line[:200] + "..."
+    return type(exc).__name__
+
+
+def load_capture(path: str, *, trusted: bool = False) -> Capture:
+    """Load a capture written on a detection (`event.capture`).
+
+    The file is read with torch's weights-only unpickler: only tensors, lists, tuples, dicts and
+    plain values (numbers, strings, None, dtypes, devices, sizes) are rebuilt, so a pickled
+    object placed in the file cannot run code. A file holding anything else is refused with a
+    ValueError; `trusted=True` unpickles it fully: only for a file from a source you trust, as
+    that runs whatever code the file names. A damaged file (truncated, not a capture) is a
+    ValueError naming it as well."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=not trusted)
+    except OSError:
+        raise
+    except pickle.UnpicklingError as exc:
+        if not trusted and "GLOBAL" in str(exc):
+            raise ValueError(
+                f"load_capture: {path!r} holds objects other than tensors, containers and plain values, and "
+                f"unpickling them could run code from the file, so it was not loaded ({_reason(exc)}). "
+                f"Only for a file from a source you trust: load_capture(path, trusted=True)") from None
+        raise ValueError(f"load_capture: {path!r} cannot be read as a tensorwatch_otel capture (damaged or "
+                         f"not a capture file): {_reason(exc)}") from None
+    except Exception as exc:  # truncated zip, random bytes, an empty file: torch raises many kinds
+        raise ValueError(f"load_capture: {path!r} cannot be read as a tensorwatch_otel capture (damaged or "
+                         f"not a capture file): {type(exc).__name__}: {_reason(exc)}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"load_capture: {path!r} is not a tensorwatch_otel capture")
-    return Capture(data)
+    try:
+        return Capture(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"load_capture: {path!r} is not a complete tensorwatch_otel capture: "
+                         f"{type(exc).__name__}: {exc}") from None
