@@ -1,6 +1,8 @@
 """The offending batch, captured (`capture_dir=`): the watched root's inputs of the current
-batch are held by reference (no copy) with the RNG states at its start; only on a detection
-are they moved to the CPU and written, a bounded number of files per process."""
+batch are held by reference (tensors are not copied: their containers are, and each tensor's
+version) with the RNG states at its start; only on a detection are they moved to the CPU and
+written, a bounded number of files per process. The same held inputs feed `rerun_on_detect`'s
+replay, as copies, and only when the forward did not change them in place."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import logging
 import os
 import pickle
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -34,6 +36,7 @@ def _rng_states() -> dict:
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 _KEYS = (str, int, float, bool, type(None))
 _MAX_DEPTH = 32
+_CHANGED = " (changed in place by the forward)"
 
 
 def _safe(v: Any, where: str, skipped: list, depth: int = 0) -> Any:
@@ -54,6 +57,83 @@ def _safe(v: Any, where: str, skipped: list, depth: int = 0) -> Any:
     return None
 
 
+def _shape(v: Any) -> str:
+    """How the held inputs treat a value: "tensor", "plain" (immutable), "list", "tuple",
+    "namedtuple", "dict" (exactly these containers are copied and walked), or "other"."""
+    if isinstance(v, torch.Tensor):
+        return "tensor"
+    if isinstance(v, _PLAIN_VALUES):
+        return "plain"
+    tp = type(v)
+    if tp is list or tp is tuple or tp is dict:
+        return tp.__name__
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        return "namedtuple"
+    return "other"
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+def _rebuild(v: Any, shape: str, items: list) -> Any:
+    if shape == "list":
+        return items
+    if shape == "tuple":
+        return tuple(items)
+    return type(v)(*items)
+
+
+def _skeleton(v: Any, versions: list, depth: int = 0) -> Any:
+    """`v` with its lists, tuples and dicts copied (a forward that appends to a list the caller
+    passed does not change what is held) and its tensors by reference, each one's version
+    appended to `versions` (a forward that writes a tensor in place is seen at the replay).
+    Other objects (a DynamicCache, a dataclass) are held as they are."""
+    shape = _shape(v)
+    if shape == "tensor":
+        versions.append(_version(v))
+        return v
+    if shape in ("plain", "other") or depth >= _MAX_DEPTH:
+        return v
+    if shape == "dict":
+        return {k: _skeleton(x, versions, depth + 1) for k, x in v.items()}
+    return _rebuild(v, shape, [_skeleton(x, versions, depth + 1) for x in v])
+
+
+def _unchanged(v: Any, versions, where: str, problems: list, depth: int = 0) -> None:
+    """Walk a skeleton as _skeleton did: name each tensor whose version moved since it was held,
+    and each object a replay could change and not give back (anything but tensors, plain values
+    and the containers _skeleton copies)."""
+    shape = _shape(v)
+    if shape == "tensor":
+        if _version(v) != next(versions, None):
+            problems.append(f"{where}{_CHANGED}")
+    elif shape == "other" or (depth >= _MAX_DEPTH and shape != "plain"):
+        problems.append(f"{where}: {type(v).__name__}")
+    elif shape == "dict":
+        for k, x in v.items():
+            _unchanged(x, versions, f"{where}[{k!r}]", problems, depth + 1)
+    elif shape != "plain":
+        for i, x in enumerate(v):
+            _unchanged(x, versions, f"{where}[{i}]", problems, depth + 1)
+
+
+def _replay_copy(v: Any, depth: int = 0) -> Any:
+    """A skeleton that passed _unchanged, with every tensor cloned and every container new:
+    what the replay may change."""
+    shape = _shape(v)
+    if shape == "tensor":
+        return v.detach().clone()
+    if shape in ("plain", "other") or depth >= _MAX_DEPTH:
+        return v
+    if shape == "dict":
+        return {k: _replay_copy(x, depth + 1) for k, x in v.items()}
+    return _rebuild(v, shape, [_replay_copy(x, depth + 1) for x in v])
+
+
 def _nbytes(v: Any) -> int:
     if isinstance(v, torch.Tensor):
         return v.numel() * v.element_size()
@@ -72,14 +152,22 @@ class BatchCapture:
         self.rank = rank
         self.written = 0
         self._args = self._kwargs = None
+        self._versions: list = []
         self._rng: Optional[dict] = None
         self._batch = -1
         self._said = False
         self._said_skipped = False
+        self.replays_skipped = 0
 
     def hold(self, batch_number: int, args, kwargs) -> None:
         self._batch = batch_number
-        self._args, self._kwargs = args, kwargs
+        versions: list = []
+        try:
+            self._args, self._kwargs = _skeleton(args, versions), _skeleton(kwargs, versions)
+            self._versions = versions
+        except Exception as exc:  # an odd container must not stop training; no replay of it
+            self._args, self._kwargs, self._versions = args, kwargs, None
+            log.debug("tensorwatch_otel: inputs held as they are (%s: %s)", type(exc).__name__, exc)
         self._rng = _rng_states()
 
     def held(self, batch_number: int):
@@ -87,6 +175,29 @@ class BatchCapture:
         if self._batch != batch_number:
             return None, None, None
         return self._args, self._kwargs, self._rng
+
+    def changed(self, batch_number: int) -> List[str]:
+        """The held inputs of `batch_number` a replay cannot see as they were, or give back as
+        it found them: tensors the forward wrote in place, and objects other than tensors,
+        containers and plain values (`"kwargs['past_key_values']: DynamicCache"`)."""
+        if self._batch != batch_number:
+            return []
+        if self._versions is None:
+            return ["the inputs (a container that could not be copied)"]
+        problems: list = []
+        versions = iter(self._versions)
+        _unchanged(tuple(self._args or ()), versions, "args", problems)
+        _unchanged(dict(self._kwargs or {}), versions, "kwargs", problems)
+        return problems
+
+    def replay_skipped(self) -> int:
+        """Count a replay skipped for `changed()` inputs; the count so far."""
+        self.replays_skipped += 1
+        return self.replays_skipped
+
+    def replay_inputs(self, batch_number: int):
+        """Copies of the held (args, kwargs) of `batch_number` for a replay to consume."""
+        return _replay_copy(tuple(self._args or ())), _replay_copy(dict(self._kwargs or {}))
 
     def write(self, batch_number: int) -> Optional[str]:
         """The captured inputs of `batch_number` as a file; None when not held or over the bounds."""
@@ -113,11 +224,16 @@ class BatchCapture:
                       batch_number, self.directory, exc)
             return None
         self.written += 1
-        if skipped and not self._said_skipped:
+        changed = [p for p in self.changed(batch_number) if p.endswith(_CHANGED)]
+        if (skipped or changed) and not self._said_skipped:
             self._said_skipped = True
-            log.warning("tensorwatch_otel: inputs not captured in %s (a capture holds only tensors, lists, "
-                        "tuples and dicts of them and plain values; these are written as None and a replay "
-                        "must supply them): %s", path, ", ".join(skipped))
+            if skipped:
+                log.warning("tensorwatch_otel: inputs not captured in %s (a capture holds only tensors, lists, "
+                            "tuples and dicts of them and plain values; these are written as None and a "
+                            "replay must supply them): %s", path, ", ".join(skipped))
+            if changed:
+                log.warning("tensorwatch_otel: the forward changed inputs in place; %s holds them as the "
+                            "forward left them, not as the batch began: %s", path, ", ".join(changed))
         return path
 
 

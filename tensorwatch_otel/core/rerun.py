@@ -34,9 +34,19 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, m
                 make_watcher) -> Optional[bool]:
     """True when the replay finds inf/nan at `module` and `tensor`, False when it finds
     none, None when the batch could not be replayed. `make_watcher(model, sink)` builds a silent
-    module-checking watcher. Buffers (BatchNorm statistics) and RNG states are restored after."""
+    module-checking watcher. Buffers (BatchNorm statistics) and RNG states are restored after.
+
+    The replay runs on copies of the held inputs, so the caller's tensors, lists and dicts are
+    left as the forward left them. A batch whose inputs the forward changed in place (the
+    replay would not see the batch as it was), or that holds other objects (a transformers
+    cache: the replay would change it and could not give it back) is not replayed: None, with
+    one log line naming those inputs."""
     args, kwargs, rng = held.held(batch_number)
     if rng is None:
+        return None
+    problems = held.changed(batch_number)
+    if problems:
+        _say_skipped(held, batch_number, problems)
         return None
     saved_rng = torch.get_rng_state()
     saved_cuda = torch.cuda.get_rng_state_all() if "cuda" in rng else None
@@ -46,6 +56,7 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, m
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng:
             torch.cuda.set_rng_state_all(rng["cuda"])
+        args, kwargs = held.replay_inputs(batch_number)
         sink = FirstNonFinite()
         probe = make_watcher(model, sink)
         with torch.no_grad():
@@ -65,6 +76,14 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, m
         if saved_cuda is not None:
             torch.cuda.set_rng_state_all(saved_cuda)
     return found is not None and (found.module, found.tensor) == (module, tensor)
+
+
+def _say_skipped(held: BatchCapture, batch_number: int, problems: list) -> None:
+    """One warning per watcher (its capture holder); later skips at debug level."""
+    level = logging.WARNING if held.replay_skipped() == 1 else logging.DEBUG
+    log.log(level, "tensorwatch_otel: rerun_on_detect skipped for batch %d: a replay would not see these inputs "
+            "as the batch did, or could not give them back as it found them: %s", batch_number,
+            ", ".join(problems[:8]) + (f" and {len(problems) - 8} more" if len(problems) > 8 else ""))
 
 
 def replay_would_block(model: torch.nn.Module) -> bool:

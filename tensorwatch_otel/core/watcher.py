@@ -203,7 +203,7 @@ class Watcher:
         self._depth += 1
 
     def _capture_hook(self, module, args, kwargs):
-        if self._depth == 0 and not torch.compiler.is_compiling():
+        if self._depth == 0 and not self._replaying and not torch.compiler.is_compiling():
             self._capture.hold(self.batch_number, args, kwargs)  # references only
 
     def _probe(self, model: torch.nn.Module, sink: Sink) -> "Watcher":
