@@ -4,18 +4,38 @@ outputs, measured on the device. Caches keep each distinct tensor measured once 
 from __future__ import annotations
 
 import weakref
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from . import naming
-from .events import NOTE_NONE, NOTE_NOT_TENSOR
+from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from .record import ModuleInfo, Record
-from .stats import measure
+from .stats import measure, nonfinite_kind_of
 
 MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded
 MAX_DEPTH = 6
 _PLAIN = (torch.nn.Parameter, torch.Tensor)  # data_ptr() is cheap and defined for these
+
+
+def _tensor_attributes(v) -> tuple:
+    """The public attributes of a plain object (a result with `.loss`, `.logits`) that hold
+    tensors, directly or in a list, tuple or dict: looked into as dataclass fields are. Modules
+    and tensors' own attributes are not."""
+    attrs = getattr(v, "__dict__", None)
+    if not isinstance(attrs, dict) or isinstance(v, (torch.nn.Module, type)):
+        return ()
+    out = []
+    for k, x in attrs.items():
+        if not isinstance(k, str) or k[:1] == "_":
+            continue
+        if isinstance(x, torch.Tensor) or (
+                isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) for y in x[:MAX_ITEMS])) or (
+                isinstance(x, dict) and any(isinstance(y, torch.Tensor) for y in list(x.values())[:MAX_ITEMS])):
+            out.append(k)
+            if len(out) >= MAX_ITEMS:
+                break
+    return tuple(out)
 
 
 class FrameRecorder:
@@ -30,18 +50,68 @@ class FrameRecorder:
         # past this size the cache is dropped at a batch end and simply refilled.
         self.params_cap = 2 * sum(1 for _ in model.parameters()) + 64
         self.acts_seen: Dict[int, tuple] = {}  # id -> (weakref, version, (mn, mx), dtype)
+        self.acts_last: Dict[int, tuple] = {}  # the last finished batch's, for a detection's kind
 
     def invalidate_weights(self) -> None:
         self.params_seen.clear()
 
     def end_batch(self) -> None:
-        self.acts_seen.clear()
+        self.acts_last, self.acts_seen = self.acts_seen, {}
         if len(self.params_seen) > self.params_cap:
             self.params_seen.clear()
 
     def clear(self) -> None:
         self.params_seen.clear()
         self.acts_seen.clear()
+        self.acts_last.clear()
+
+    # ------------------------------------------------------------------ a detection
+    def kind(self, rec: Record, fi: int, stat: Optional[TensorStat]) -> str:
+        """The kind of the detection's tensor `stat` (frame `fi` of `rec`): its own, not its
+        frame's ("inf" for an inf weight whose output went nan). Abs min/max show NaN for a
+        tensor holding NaN whether or not it also holds an infinity, so a "nan" is checked on
+        the tensor itself when it is still alive (weights always; activations of the batch
+        while referenced): "inf,nan" when it holds both."""
+        if stat is None:
+            return "nan"
+        kind = stat.kind or "nan"
+        if kind != "nan":
+            return kind
+        mn = self._stat_tensor(rec, fi, stat.name)
+        if mn is None:
+            return kind
+        t = self._measured(mn)
+        if t is None:
+            return kind
+        try:
+            exact = nonfinite_kind_of(t)
+        except Exception:  # reading it again must not hide the detection
+            exact = None
+        return exact or kind
+
+    @staticmethod
+    def _stat_tensor(rec: Record, fi: int, name: str) -> Optional[torch.Tensor]:
+        """The 0-d abs-min tensor recorded for tensor `name` of frame `fi`."""
+        if not 0 <= fi < len(rec.frames):
+            return None
+        _, items, k = rec.frames[fi]
+        for it in items:
+            if it.__class__ is str:
+                if it == name:
+                    return rec.stats[2 * k] if 2 * k < len(rec.stats) else None
+                k += 1
+        return None
+
+    def _measured(self, mn: torch.Tensor) -> Optional[torch.Tensor]:
+        """The tensor whose measurement gave `mn`, when it is still alive."""
+        for p, seen in self.params_seen.items():
+            if seen[3][0] is mn:
+                return p
+        for acts in (self.acts_seen, self.acts_last):
+            for ref, _, r, _ in acts.values():
+                if r[0] is mn:
+                    return ref()
+        return None
 
     # ------------------------------------------------------------------ a module call
     def frame(self, rec: Record, info: ModuleInfo, args, kwargs, output) -> None:
@@ -93,7 +163,7 @@ class FrameRecorder:
                     break
                 self.value(rec, x, child(name, k if isinstance(k, str) else str(k)), items, depth + 1)
         else:
-            fields = naming.dataclass_fields(v)
+            fields = naming.dataclass_fields(v) or _tensor_attributes(v)
             if fields:
                 child = naming.child
                 for f in fields[:MAX_ITEMS]:

@@ -47,11 +47,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _values(t: torch.Tensor) -> Union[torch.Tensor, str]:
-    """The tensor whose abs min/max describe `t`, or a NOTE_* when there are none."""
+def _values(t: torch.Tensor) -> Union[torch.Tensor, str, list]:
+    """The tensor whose abs min/max describe `t`, or a NOTE_* when there are none (a wrapper
+    subclass without a dequantize method: the list of its inner tensors)."""
     if type(t) not in _PLAIN:
         t = _unwrap_subclass(t)
-        if isinstance(t, str):
+        if isinstance(t, (str, list)):
             return t
     if t.is_meta:
         return NOTE_NO_DATA
@@ -77,8 +78,36 @@ def _values(t: torch.Tensor) -> Union[torch.Tensor, str]:
     return t
 
 
-def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str]:
-    """A plain tensor with the same values, for tensor subclasses; NOTE_NO_DATA if there is none."""
+# Wrapper subclasses (torchao's Float8Tensor, NF4Tensor...) hold their values in inner tensors
+# (`__tensor_flatten__`): measured as the values they stand for when the class offers one of
+# these methods (a full-precision copy, made on each measurement), else as their inner tensors.
+_DEQUANTIZE = ("dequantize", "get_original_weight", "to_original_precision")
+
+
+def _wrapper_values(t: torch.Tensor) -> Union[torch.Tensor, list, None]:
+    """The dequantized value of a wrapper subclass, else the list of its inner tensors; None
+    when `t` is not a wrapper subclass (no `__tensor_flatten__`)."""
+    tp = type(t)
+    if not hasattr(tp, "__tensor_flatten__"):
+        return None
+    for name in _DEQUANTIZE:
+        method = getattr(tp, name, None)
+        if method is None or method is getattr(torch.Tensor, name, None):
+            continue
+        try:
+            v = getattr(t, name)()
+        except Exception:  # another signature (NF4Tensor.dequantize is a static helper)
+            continue
+        if isinstance(v, torch.Tensor) and type(v) in _PLAIN:
+            return v
+    names = t.__tensor_flatten__()[0]
+    inner = [getattr(t, n, None) for n in names]
+    return [x for x in inner if isinstance(x, torch.Tensor)]
+
+
+def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str, list]:
+    """A plain tensor with the same values, for tensor subclasses (a wrapper's inner tensors as a
+    list when it cannot be dequantized); NOTE_NO_DATA if there is none."""
     to_local = getattr(t, "to_local", None)  # DTensor: the local shard
     try:
         if callable(to_local):
@@ -86,6 +115,14 @@ def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str]:
         cls_name = type(t).__name__
         if cls_name in ("FakeTensor", "FunctionalTensor") or t.is_meta:
             return NOTE_NO_DATA
+        wrapped = _wrapper_values(t)
+        if wrapped is not None:
+            if isinstance(wrapped, list):
+                inner = [_values(x) for x in wrapped]
+                inner = [x for x in inner if not isinstance(x, str)]
+                flat = [y for x in inner for y in (x if isinstance(x, list) else (x,))]
+                return flat or NOTE_NO_DATA
+            return wrapped
         with torch._C.DisableTorchFunctionSubclass():
             plain = t.as_subclass(torch.Tensor)
         if plain.untyped_storage().data_ptr() == 0 and plain.numel() > 0:
@@ -115,6 +152,14 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
                        or t.numel() == 0 or t.dtype is torch.bool or t.dtype in _FP8 or t.is_quantized) else t
     if isinstance(v, str):
         return v
+    if isinstance(v, list):  # a wrapper's inner tensors: the extremes over all of them
+        pairs = [p for p in (measure(x) for x in v) if not isinstance(p, str)]
+        if not pairs:
+            return NOTE_NO_DATA
+        mn, mx = pairs[0]
+        for a, b in pairs[1:]:
+            mn, mx = torch.minimum(mn, a), torch.maximum(mx, b)
+        return mn, mx
     dt = v.dtype
     if dt in _FLOATS:
         dev = v.device.type
@@ -225,3 +270,19 @@ def _abs_minmax_torch_cpu(v: torch.Tensor) -> Pair:
             mn, mx = torch.stack(mins).min(), torch.stack(maxs).max()
     mx = mx.view(dt)  # a NaN's pattern is the largest: NaN anywhere is NaN here
     return torch.minimum(mn.view(dt), mx), mx  # and in abs min too (minimum propagates NaN)
+
+
+def nonfinite_kind_of(t: torch.Tensor) -> Optional[str]:
+    """'inf', 'nan', 'inf,nan' or '' for what `t` holds, read now (one host sync: for a
+    detection only, never in the hot path); None when its values cannot be read. The abs
+    min/max say NaN for a tensor holding NaN whether or not it also holds an infinity."""
+    v = _values(t)
+    if isinstance(v, str):
+        return None
+    has_inf = has_nan = False
+    for x in (v if isinstance(v, list) else (v,)):
+        if not (x.is_floating_point() or x.is_complex()):
+            continue
+        has_inf = has_inf or bool(torch.isinf(x).any())
+        has_nan = has_nan or bool(torch.isnan(x).any())
+    return ",".join(k for k, on in (("inf", has_inf), ("nan", has_nan)) if on)

@@ -22,7 +22,7 @@ from . import naming
 from .behaviour import Behaviour
 from .config import WatchConfig
 from .errors import AbortAfterBatch, NonFiniteDetected
-from .events import AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Frame, NonFiniteEvent, merge_kinds
+from .events import AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Frame, NonFiniteEvent
 from .fleet import FleetStop
 from .ports import Sink, SinkFanout
 from .rank import current_rank
@@ -315,7 +315,7 @@ class Watcher:
         event = NonFiniteEvent(
             batch_number=rec.batch_number, rank=current_rank(), module=last.module,
             module_class=last.module_class, tensor=first.name if first else "",
-            kind=merge_kinds(last.kind) or "nan", frames=frames, time=time.time(), phase=rec.phase,
+            kind=self._recorder.kind(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase,
             capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None)
         raising = self.config.on_detect == "raise"
         if self._fleet.active():
