@@ -123,6 +123,7 @@ class Result:
         self.loss = loss
         self.logits = logits
         self.step = 3
+        self.cache = [torch.ones(2)]  # lists of tensors in an object (a key/value cache) are not walked
         self._private = torch.tensor(float("nan"))
 
 
@@ -145,7 +146,7 @@ def test_a_plain_result_objects_loss_is_looked_into_and_named():
         model(torch.ones(1, 2))
         names = [t.name for t in sink.batches[0].frames[-1].tensors]
         assert "output.loss" in names and "output.logits" in names
-        assert not any(n.startswith("output._private") or n == "output.step" for n in names)
+        assert not any(n.startswith(("output._private", "output.cache")) or n == "output.step" for n in names)
         with pytest.raises(NonFiniteDetected) as ei:
             model(torch.ones(1, 2), boom=True)
     ev = ei.value.event

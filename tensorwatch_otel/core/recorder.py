@@ -19,23 +19,14 @@ _PLAIN = (torch.nn.Parameter, torch.Tensor)  # data_ptr() is cheap and defined f
 
 
 def _tensor_attributes(v) -> tuple:
-    """The public attributes of a plain object (a result with `.loss`, `.logits`) that hold
-    tensors, directly or in a list, tuple or dict: looked into as dataclass fields are. Modules
-    and tensors' own attributes are not."""
+    """The public attributes of a plain object (a result with `.loss`, `.logits`) that are
+    tensors: looked into as dataclass fields are. Only direct tensors: an object holding lists of
+    them (a key/value cache) is not walked on every call. Modules and classes are not looked into."""
     attrs = getattr(v, "__dict__", None)
     if not isinstance(attrs, dict) or isinstance(v, (torch.nn.Module, type)):
         return ()
-    out = []
-    for k, x in attrs.items():
-        if not isinstance(k, str) or k[:1] == "_":
-            continue
-        if isinstance(x, torch.Tensor) or (
-                isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) for y in x[:MAX_ITEMS])) or (
-                isinstance(x, dict) and any(isinstance(y, torch.Tensor) for y in list(x.values())[:MAX_ITEMS])):
-            out.append(k)
-            if len(out) >= MAX_ITEMS:
-                break
-    return tuple(out)
+    out = tuple(k for k, x in attrs.items() if isinstance(x, torch.Tensor) and isinstance(k, str) and k[:1] != "_")
+    return out[:MAX_ITEMS]
 
 
 class FrameRecorder:

@@ -146,13 +146,16 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
     """(abs_min, abs_max) as device scalars, or a NOTE_* string. Call under no_grad.
 
     Both are exact element values (in the tensor's dtype, or float64 for integers). NaN
-    anywhere makes both NaN and an infinity shows in abs_max, so detection needs nothing more.
+    anywhere makes both NaN and an infinity shows in abs_max, so detection needs nothing more
+    (whether a NaN-holding tensor also held an infinity: nonfinite_kind_of, at a detection).
+    A wrapper subclass is measured as its dequantized values, or over its inner tensors.
     """
     v = _values(t) if (type(t) not in _PLAIN or t.layout is not torch.strided or t.is_meta
                        or t.numel() == 0 or t.dtype is torch.bool or t.dtype in _FP8 or t.is_quantized) else t
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list):  # a wrapper's inner tensors: the extremes over all of them
+    if not isinstance(v, torch.Tensor):
+        if isinstance(v, str):
+            return v
+        # a wrapper's inner tensors: the extremes over all of them
         pairs = [p for p in (measure(x) for x in v) if not isinstance(p, str)]
         if not pairs:
             return NOTE_NO_DATA
