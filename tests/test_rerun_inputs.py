@@ -17,7 +17,7 @@ from tensorwatch_otel import NonFiniteEvent, watch
 BAD_TOKEN = 63  # its lm_head row (tied to the embedding) is set to inf; the inputs never use it
 
 
-def _gpt2_steps(watched: bool, caplog=None):
+def _gpt2_steps(watched: bool):
     from transformers import DynamicCache
 
     model = tiny_gpt2().eval()

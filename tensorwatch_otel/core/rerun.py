@@ -41,7 +41,7 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, m
     replay would not see the batch as it was), or that holds other objects (a transformers
     cache: the replay would change it and could not give it back) is not replayed: None, with
     one log line naming those inputs."""
-    args, kwargs, rng = held.held(batch_number)
+    _, _, rng = held.held(batch_number)
     if rng is None:
         return None
     problems = held.changed(batch_number)
