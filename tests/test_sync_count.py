@@ -112,10 +112,16 @@ def test_report_mode_with_detection_still_one_transfer():
     with torch.no_grad():
         model.blocks[1][1].bias[0] = float("inf")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with watch(model, sinks=[Collect()], on_detect="report") as w:
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="report") as w:
         counts = _counted_steps(model, opt, torch.randn(2, 8), 2)
         assert w.detections == 2
-    assert counts == [(0, 1)] * 2
+    # the step made a weight nan (0 * nan): abs min/max show NaN whether or not an inf is there
+    # too, so that detection reads the named tensor's inf/nan flags in one more transfer (the
+    # exact kind); a detection whose tensor shows only inf needs none
+    kinds = [(e.tensor, e.kind) for e in sink.events if e.event == "nonfinite_detected"]
+    assert kinds == [("bias", "inf"), ("weight", "nan")]
+    assert counts == [(0, 1), (0, 2)]
 
 
 def _tiny_gpt2():

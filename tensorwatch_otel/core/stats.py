@@ -276,16 +276,16 @@ def _abs_minmax_torch_cpu(v: torch.Tensor) -> Pair:
 
 
 def nonfinite_kind_of(t: torch.Tensor) -> Optional[str]:
-    """'inf', 'nan', 'inf,nan' or '' for what `t` holds, read now (one host sync: for a
+    """'inf', 'nan', 'inf,nan' or '' for what `t` holds, read now in one transfer (for a
     detection only, never in the hot path); None when its values cannot be read. The abs
     min/max say NaN for a tensor holding NaN whether or not it also holds an infinity."""
     v = _values(t)
     if isinstance(v, str):
         return None
-    has_inf = has_nan = False
-    for x in (v if isinstance(v, list) else (v,)):
-        if not (x.is_floating_point() or x.is_complex()):
-            continue
-        has_inf = has_inf or bool(torch.isinf(x).any())
-        has_nan = has_nan or bool(torch.isnan(x).any())
+    flags = [torch.stack([torch.isinf(x).any(), torch.isnan(x).any()])
+             for x in (v if isinstance(v, list) else (v,)) if x.is_floating_point() or x.is_complex()]
+    if not flags:
+        return ""
+    pairs = torch.stack([f.to(flags[0].device) for f in flags]).to("cpu", copy=True).tolist()
+    has_inf, has_nan = any(p[0] for p in pairs), any(p[1] for p in pairs)
     return ",".join(k for k, on in (("inf", has_inf), ("nan", has_nan)) if on)

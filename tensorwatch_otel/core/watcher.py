@@ -204,7 +204,7 @@ class Watcher:
 
     def _capture_hook(self, module, args, kwargs):
         if self._depth == 0 and not self._replaying and not torch.compiler.is_compiling():
-            self._capture.hold(self.batch_number, args, kwargs)  # references only
+            self._capture.hold(self.batch_number, args, kwargs)  # tensors by reference
 
     def _probe(self, model: torch.nn.Module, sink: Sink) -> "Watcher":
         """A silent watcher that checks every module as it returns (for the re-run)."""
