@@ -236,3 +236,57 @@ def test_one_numbering_of_a_skip_with_and_without_gradients():
         assert sink.of(NonFiniteEvent) == []
     assert numbers[False] == numbers[True]
     assert math.isfinite(sum(numbers[False]))
+
+
+def test_the_fused_check_used_on_cuda_finds_inf_and_nan_in_mixed_dtypes(monkeypatch):
+    """The CUDA path (one _foreach_norm per device, float32 results), run here on the CPU."""
+    from tensorwatch_otel.core import steps
+    from test_sync_count import SyncCounter
+
+    monkeypatch.setattr(steps, "FUSED_DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    model = Net()
+    model.b.half()  # fp16 gradients beside fp32 ones
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+
+    def loss():
+        return model.b(torch.relu(model.a(x)).half()).float().square().mean()
+
+    with watch(model, sinks=[Collect()]) as w:
+        loss().backward()
+        with SyncCounter() as c:
+            opt.step()  # healthy: one read
+        assert (c.scalar, c.cpu_copies) == (1, 0) and w.detections == 0
+        opt.zero_grad()
+        loss().backward()
+        model.b.weight.grad[1, 1] = float("nan")
+        before = _weights(model)
+        with pytest.raises(NonFiniteDetected) as ei:
+            opt.step()
+        assert _unchanged(model, before)
+    ev = ei.value.event
+    assert (ev.module, ev.tensor, ev.kind) == ("b", "weight.grad", "nan")
+
+
+@pytest.mark.slow
+def test_multi_rank_guard_detection_goes_through_the_fleet_stop(tmp_path):
+    """DDP on 3 ranks, default options: rank 2's loss turns inf in batch 3, the all-reduce
+    spreads its gradients to every rank, and each rank's guard finds them at its step. The
+    detections go through the fleet stop as gradient detections do: one first rank that all
+    agree on, everybody stopped at the same optimizer step (the next batch's), nobody hangs."""
+    from test_fleet_stop import launch, raw_lines
+
+    at = 3
+    proc, results, _ = launch(tmp_path, 3, "--mode", "ddp", "--inject", "grad", "--bad", "2",
+                              "--at", str(at), "--linger", "0")
+    assert proc.returncode != 0
+    firsts = {res["first_rank"] for res in results.values()}
+    assert len(firsts) == 1, results
+    for r, res in results.items():
+        assert res["stopped"], res
+        assert res["batches_done"] == at + 1  # the ranks' common stop point for gradient detections
+        assert (res["event"], res["batch_number"]) == ("nonfinite_detected", at)
+        assert res["tensor"].endswith(".grad"), res
+        first = [d for d in raw_lines(tmp_path, r) if d["event"] == "nonfinite_detected"][0]
+        assert first["frames"][-1]["phase"] == "backward" and first["first_rank"] in firsts

@@ -101,6 +101,9 @@ class StepTracker:
 
 
 _INF = float("inf")
+#: Devices whose gradients the guard checks with one fused inf-norm (a launch or two for all of
+#: them); elsewhere (CPU) the statistics kernel reads each gradient once, which is faster there.
+FUSED_DEVICES = ("cuda",)
 Watched = List[Tuple[torch.Tensor, ModuleInfo, str]]  # (parameter, its module, "weight.grad")
 
 
@@ -158,7 +161,7 @@ class StepGuard:
             g = p.grad
             if g is None:
                 continue
-            if g.is_cuda and g.layout is torch.strided and g.is_floating_point():
+            if g.device.type in FUSED_DEVICES and g.layout is torch.strided and g.is_floating_point():
                 group = fused.get(g.device)
                 if group is None:
                     group = fused[g.device] = []

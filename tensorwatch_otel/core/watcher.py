@@ -370,11 +370,13 @@ class Watcher:
         if pending is not None:
             self._skips.step_taken()
             self._detected(pending.record, pending.frame)
-        elif self._guard is not None and self._attached and not self._replaying:
+        self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
+        if pending is None and self._guard is not None and self._attached and not self._replaying:
+            # after the stop point: a stop already under way (another rank's, or this rank's
+            # forward detection) is raised there, not named again at the gradients it spoilt
             batch = max(self.batch_number - 1, 0)  # the batch whose gradients the step consumes
             if self._watches(batch):
                 self._guard_step(optimizer, batch)
-        self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
 
     def _guard_step(self, optimizer, batch: int) -> None:
         """The step guard: one read; a detection named at the first bad gradient."""
