@@ -290,3 +290,19 @@ def test_multi_rank_guard_detection_goes_through_the_fleet_stop(tmp_path):
         assert res["tensor"].endswith(".grad"), res
         first = [d for d in raw_lines(tmp_path, r) if d["event"] == "nonfinite_detected"][0]
         assert first["frames"][-1]["phase"] == "backward" and first["first_rank"] in firsts
+
+
+def test_the_drop_in_checks_forwards_only_like_the_peer():
+    from tensorwatch_otel import DebugUnderflowOverflow
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    debug = DebugUnderflowOverflow(model)
+    try:
+        (model(torch.randn(4, 8)).sum() * INF).backward()
+        opt.step()  # the peer does not look at gradients: neither does its drop-in
+        with pytest.raises(ValueError, match="inf/nan detected"):
+            model(torch.randn(4, 8))  # the nan weights, at the next forward, as the peer reports them
+    finally:
+        debug.detach()

@@ -212,7 +212,7 @@ class Watcher:
     def _probe(self, model: torch.nn.Module, sink: Sink) -> "Watcher":
         """A silent watcher that checks every module as it returns (for the re-run)."""
         return Watcher(model, [sink], WatchConfig.build(check="module", on_detect="report", max_frames=1,
-                                                        environ={}))
+                                                        guard_steps=False, environ={}))
 
     def _compiled_away(self) -> None:
         if not self._compile_warned and not self._compiled:
