@@ -306,3 +306,18 @@ def test_the_drop_in_checks_forwards_only_like_the_peer():
             model(torch.randn(4, 8))  # the nan weights, at the next forward, as the peer reports them
     finally:
         debug.detach()
+
+
+def test_parameter_groups_do_not_change_which_gradient_is_named():
+    """Weight decay splits parameters into groups (biases first here): the guard still names
+    the bad gradient nearest the loss in the model's order."""
+    torch.manual_seed(0)
+    model = Net()
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    opt = torch.optim.AdamW([{"params": biases, "weight_decay": 0.0}, {"params": weights}], lr=0.1)
+    with watch(model, sinks=[Collect()]):
+        (model(torch.randn(4, 8)).sum() * INF).backward()
+        with pytest.raises(NonFiniteDetected) as ei:
+            opt.step()
+    assert (ei.value.event.module, ei.value.event.tensor) == ("b", "bias.grad")

@@ -125,17 +125,16 @@ class StepGuard:
         if cached is not None and cached[0] == key:
             return cached[1]
         owners = self._owners
-        out: Watched = []
-        seen = set()
+        found: Dict[int, torch.Tensor] = {}
         for g in groups:
             for p in g["params"]:
-                owner = owners.get(id(p))
-                if owner is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((p, owner[0], owner[1] + ".grad"))
-        # backward order, roughly: the parameters nearest the loss get their gradients first,
+                if id(p) in owners:
+                    found[id(p)] = p
+        # backward order, roughly: the model's parameters last to first, whatever the groups
+        # (weight decay splits them): the parameters nearest the loss get their gradients first,
         # so the first bad one in this order is the nearest to where the backward broke
-        out.reverse()
+        out: Watched = [(found[pid], owners[pid][0], owners[pid][1] + ".grad")
+                        for pid in reversed(list(owners)) if pid in found]
         try:
             self._params[optimizer] = (key, out)
         except TypeError:
@@ -161,7 +160,8 @@ class StepGuard:
             g = p.grad
             if g is None:
                 continue
-            if g.device.type in FUSED_DEVICES and g.layout is torch.strided and g.is_floating_point():
+            if g.__class__ is torch.Tensor and g.device.type in FUSED_DEVICES and g.layout is torch.strided \
+                    and g.is_floating_point():  # (a DTensor's local shard goes through measure)
                 group = fused.get(g.device)
                 if group is None:
                     group = fused[g.device] = []
