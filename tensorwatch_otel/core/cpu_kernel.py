@@ -121,6 +121,10 @@ def _run(cmd: List[str]) -> Tuple[int, str]:
         return proc.returncode, stderr or ""
     except BaseException:
         _kill_group(proc)
+        try:
+            proc.communicate(timeout=5)  # reap the leader, close its pipe
+        except (subprocess.TimeoutExpired, OSError, ValueError):
+            pass
         raise
     finally:
         with _running_lock:
@@ -132,15 +136,12 @@ def _kill_group(proc: "subprocess.Popen") -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # the session's group id is the leader's pid
     except (ProcessLookupError, PermissionError):
         pass
-    try:
-        proc.communicate(timeout=5)  # reap the leader, close its pipe
-    except (subprocess.TimeoutExpired, OSError, ValueError):
-        pass
 
 
 @atexit.register
 def _kill_running() -> None:
-    """The interpreter exits during a build: leave no compiler behind."""
+    """The interpreter exits during a build: leave no compiler behind (and do not wait: the
+    build's thread reaps its own process)."""
     with _running_lock:
         procs = list(_running)
     for proc in procs:
