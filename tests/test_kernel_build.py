@@ -117,3 +117,27 @@ def test_the_torch_mode_builds_nothing(fresh_kernel, monkeypatch):
     monkeypatch.setenv("TENSORWATCH_CPU_KERNEL", "torch")
     assert fresh_kernel.get() is None
     assert fresh_kernel.wait(timeout=1) is None
+
+
+def test_a_process_exiting_during_the_build_leaves_no_compiler_behind(hanging_cc):
+    """The interpreter exits while the hanging compiler runs: the exit kills its process group
+    and does not wait for it."""
+    import subprocess
+    import sys
+
+    script = ("import os, time, torch\n"
+              "from tensorwatch_otel.core import stats\n"
+              "stats.measure(torch.randn(1 << 17))  # starts the build\n"
+              f"while not os.path.exists({str(hanging_cc / 'child.pid')!r}): time.sleep(0.02)\n"
+              "print('exiting', flush=True)\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ))
+    assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+    cc_pid = int(_wait_for_file(str(hanging_cc / "cc.pid")))
+    child_pid = int(_wait_for_file(str(hanging_cc / "child.pid")))
+    deadline = time.monotonic() + 5
+    while (_alive(cc_pid) or _alive(child_pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(cc_pid) and not _alive(child_pid)

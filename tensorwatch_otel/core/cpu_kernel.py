@@ -107,14 +107,17 @@ def _compile(cc: str, folder: str, openmp: Optional[str]) -> str:
 
 _running: "set[subprocess.Popen]" = set()  # compiler processes in flight (killed at exit)
 _running_lock = threading.Lock()
+_exiting = False  # set at interpreter exit: no compiler starts after it
 
 
 def _run(cmd: List[str]) -> Tuple[int, str]:
     """Run one compiler command in a session of its own; past COMPILE_TIMEOUT_S the whole
     process group is killed (a driver's cc1/as/ld children too) and TimeoutExpired raised."""
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    with _running_lock:
+    with _running_lock:  # started and registered at once: the exit handler sees every compiler
+        if _exiting:
+            raise RuntimeError("the interpreter is exiting")
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         _running.add(proc)
     try:
         _, stderr = proc.communicate(timeout=COMPILE_TIMEOUT_S)
@@ -142,7 +145,9 @@ def _kill_group(proc: "subprocess.Popen") -> None:
 def _kill_running() -> None:
     """The interpreter exits during a build: leave no compiler behind (and do not wait: the
     build's thread reaps its own process)."""
+    global _exiting
     with _running_lock:
+        _exiting = True
         procs = list(_running)
     for proc in procs:
         _kill_group(proc)
