@@ -321,3 +321,24 @@ def test_parameter_groups_do_not_change_which_gradient_is_named():
         with pytest.raises(NonFiniteDetected) as ei:
             opt.step()
     assert (ei.value.event.module, ei.value.event.tensor) == ("b", "bias.grad")
+
+
+def test_a_guard_that_fails_logs_once_and_training_goes_on(monkeypatch, caplog):
+    from tensorwatch_otel.core import steps
+
+    def broken(t):
+        raise RuntimeError("no reading this tensor")
+
+    monkeypatch.setattr(steps, "measure", broken)
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("ERROR", logger="tensorwatch_otel.core.watcher"):
+        with watch(model, sinks=[Collect()]) as w:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).square().mean().backward()
+                opt.step()  # not stopped by our failure
+            assert w.batch_number == 3 and w.detections == 0
+    said = [r for r in caplog.records if "optimizer-step gradient check failed" in r.getMessage()]
+    assert len(said) == 1 and "no reading this tensor" in said[0].getMessage()
