@@ -371,7 +371,8 @@ class Watcher:
             self._skips.step_taken()
             self._detected(pending.record, pending.frame)
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
-        if pending is None and self._guard is not None and self._attached and not self._replaying:
+        if pending is None and self._guard is not None and self._attached and not self._replaying \
+                and not torch.compiler.is_compiling():  # (a compiled optimizer step: no read inside its graph)
             # after the stop point: a stop already under way (another rank's, or this rank's
             # forward detection) is raised there, not named again at the gradients it spoilt
             batch = max(self.batch_number - 1, 0)  # the batch whose gradients the step consumes
