@@ -18,7 +18,7 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
           on_detect: Optional[str] = None, check: Optional[str] = None, strict: bool = False,
           flush_timeout_s: Optional[float] = None, optimizer_state: Optional[bool] = None, capture_dir=None,
           grad_scaler=None, max_skipped_steps: Optional[int] = None,
-          rerun_on_detect: Optional[bool] = None) -> Watcher:
+          rerun_on_detect: Optional[bool] = None, guard_steps: Optional[bool] = None) -> Watcher:
     """Watch every module of `model` for inf/nan and export per-module abs min/max.
 
     An option left at None comes from its environment variable when that is set, else from its
@@ -30,7 +30,7 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     flush_timeout_s (TENSORWATCH_FLUSH_TIMEOUT_SECONDS, 5.0), optimizer_state
     (TENSORWATCH_OPTIMIZER_STATE, False), capture_dir (TENSORWATCH_CAPTURE_DIR, off),
     max_skipped_steps (TENSORWATCH_MAX_SKIPPED_STEPS, 20), rerun_on_detect
-    (TENSORWATCH_RERUN_ON_DETECT, False). An invalid value raises ConfigError (a ValueError)
+    (TENSORWATCH_RERUN_ON_DETECT, False), guard_steps (TENSORWATCH_GUARD_STEPS, True). An invalid value raises ConfigError (a ValueError)
     naming the option or variable and the valid range.
 
     Statistics stay on the device and come back in one transfer per batch (`check="batch"`);
@@ -43,13 +43,19 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     only when an optimizer step consumes it; a step skipped instead (torch.amp.GradScaler) is
     counted as a skipped step, and `max_skipped_steps` skips in a row raise an alert event.
     `grad_scaler` (a torch.amp.GradScaler) exports its scale and counts its skips.
+
+    `guard_steps=True` (the default, when gradients are not watched): before each optimizer
+    step of a watched batch, the gradients the step will consume are checked in one host read;
+    a non-finite one is a detection (phase "backward", tensor `weight.grad`...) raised before the
+    step changes the weights. A step GradScaler skips is not checked (it stays a skipped step).
     """
     config = WatchConfig.build(max_frames=max_frames, trace_batches=trace_batches,
                                abort_after_batch=abort_after_batch, every_n_batches=every_n_batches,
                                gradients=gradients, include=include, exclude=exclude,
                                on_detect=on_detect, check=check, flush_timeout_s=flush_timeout_s,
                                strict=strict, optimizer_state=optimizer_state, capture_dir=capture_dir,
-                               max_skipped_steps=max_skipped_steps, rerun_on_detect=rerun_on_detect)
+                               max_skipped_steps=max_skipped_steps, rerun_on_detect=rerun_on_detect,
+                               guard_steps=guard_steps)
     owned: List[Sink] = []
     if sinks is None:
         from .sinks.text import TextReport

@@ -248,7 +248,7 @@ def test_the_kernel_is_built_where_a_compiler_exists():
     the other tests of this file exercise through `measure`."""
     if not cpu_kernel.find_compiler():
         pytest.skip("no C compiler on this machine: the torch path is the one in use")
-    kernel = cpu_kernel.KERNEL.get()
+    kernel = cpu_kernel.KERNEL.wait()  # built on a thread of its own (tests/test_kernel_build.py)
     assert kernel is not None
     assert kernel.parallel == (cpu_kernel._loaded_libgomp() is not None)
     x = _values(torch.float32, 3 * stats._CHUNK + 5, seed=11)
@@ -267,7 +267,7 @@ def test_kernel_without_openmp_and_with_many_threads_agree(dtype, tmp_path):
     if not cc:
         pytest.skip("no C compiler on this machine")
     single = cpu_kernel._bind(__import__("ctypes").CDLL(cpu_kernel._compile(cc, str(tmp_path), None)), parallel=False)
-    kernels = [single] + ([cpu_kernel.KERNEL.get()] if cpu_kernel.KERNEL.get() is not None else [])
+    kernels = [single] + ([cpu_kernel.KERNEL.wait()] if cpu_kernel.KERNEL.wait() is not None else [])
     threads = torch.get_num_threads()
     try:
         for nt in (1, 2, 3):
@@ -299,7 +299,7 @@ def test_no_compiler_falls_back_to_torch_ops_said_once(caplog):
     loader = cpu_kernel._Loader()
     loader.reset(None, done=True)  # what a failed build leaves
     assert loader.get() is None
-    saved = cpu_kernel.KERNEL.get()
+    saved = cpu_kernel.KERNEL.wait()
     cpu_kernel.KERNEL.reset(None, done=True)
     try:
         x = _values(torch.bfloat16, 3 * stats._CHUNK + 5, seed=2)

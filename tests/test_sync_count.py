@@ -1,6 +1,11 @@
 """The transfer count, proven at the dispatcher rather than by reading the code: a
 TorchDispatchMode counts every `_local_scalar_dense` (a host sync: .item(), bool(), format)
-and every copy to the CPU while real training steps run with the watcher on."""
+and every copy to the CPU while real training steps run with the watcher on.
+
+A watched training step makes two reads: the batch's statistics (one copy when the batch
+ends) and the optimizer-step guard (one `bool()` over all the step's gradients, before the
+step runs: it has to stop the step before the weights change, so it cannot wait for the next
+batch's copy). `guard_steps=False` or `gradients=True` leave the copy alone."""
 
 from __future__ import annotations
 
@@ -80,7 +85,9 @@ def test_one_transfer_per_training_step_and_no_scalar_sync(device):
     sink = Collect()
     with watch(model, sinks=[sink]):
         counts = _counted_steps(model, opt, x, 4)
-    assert counts == [(0, 1)] * 4
+    assert counts == [(1, 1)] * 4  # the batch's copy, and the step guard's one read
+    with watch(model, sinks=[Collect()], guard_steps=False):
+        assert _counted_steps(model, opt, x, 2) == [(0, 1)] * 2
     n_frames = len(sink.batches[-1].frames)
     assert n_frames == 1 + 3 * 5 + 1 + 1  # the stats of every module call came back in that one copy
     assert all(t.abs_max is not None for f in sink.batches[-1].frames for t in f.tensors)
@@ -96,7 +103,7 @@ def test_check_module_transfers_once_per_module_call(device):
     with watch(model, sinks=[sink], check="module"):
         counts = _counted_steps(model, opt, x, 2)
     n_frames = len(sink.batches[-1].frames)
-    assert counts == [(0, n_frames)] * 2
+    assert counts == [(1, n_frames)] * 2  # + the step guard's read
 
 
 def test_sampled_batches_transfer_nothing():
@@ -104,7 +111,7 @@ def test_sampled_batches_transfer_nothing():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with watch(model, sinks=[Collect()], every_n_batches=3):
         counts = _counted_steps(model, opt, torch.randn(2, 8), 6)
-    assert counts == [(0, 1), (0, 0), (0, 0), (0, 1), (0, 0), (0, 0)]
+    assert counts == [(1, 1), (0, 0), (0, 0), (1, 1), (0, 0), (0, 0)]  # steps of unwatched batches: unguarded
 
 
 def test_report_mode_with_detection_still_one_transfer():
@@ -114,6 +121,12 @@ def test_report_mode_with_detection_still_one_transfer():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     sink = Collect()
     with watch(model, sinks=[sink], on_detect="report") as w:
+        counts = _counted_steps(model, opt, torch.randn(2, 8), 2)
+        # each step: the forward detection, and the guard's on the gradients the inf made,
+        # located with one more copy (the slow path runs only when a gradient is bad)
+        assert w.detections == 4
+    assert counts == [(1, 2)] * 2
+    with watch(model, sinks=[Collect()], on_detect="report", guard_steps=False) as w:
         counts = _counted_steps(model, opt, torch.randn(2, 8), 2)
         assert w.detections == 2
     # the step made a weight nan (0 * nan): abs min/max show NaN whether or not an inf is there
@@ -156,7 +169,7 @@ def test_transformers_model_one_transfer_per_batch():
     sink = Collect()
     with watch(model, sinks=[sink]):
         watched = _hf_counts(model, opt, ids, 3)
-    assert watched == [(base[0], base[1] + 1)] * 3  # not one more sync than without the watcher
+    assert watched == [(base[0] + 1, base[1] + 1)] * 3  # the batch's copy and the step guard's read
     frames = sink.batches[-1].frames
     assert len(frames) > 20 and frames[-1].module == ""
     assert any(t.name == "output.logits" for t in frames[-1].tensors)

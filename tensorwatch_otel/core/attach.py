@@ -1,6 +1,7 @@
 """Where the watcher's hooks go: a forward pre-hook and hook on every included module of the
 user's model (whatever wraps it: DDP, torch.compile, FSDP), parameter-gradient hooks with
-`gradients=True`, the batch-capture hook on the root, and the global optimizer step hooks.
+`gradients=True`, the batch-capture hook on the root, and the global optimizer step hooks (with
+the step guard that checks the step's gradients when `gradients=True` is off).
 Paths are the user's model's; a compiled model's modules are read through its root."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from . import naming
 from .config import WatchConfig
 from .optim_state import OptimizerStateReader
 from .record import ModuleInfo
-from .steps import StepTracker
+from .steps import StepGuard, StepTracker
 
 if TYPE_CHECKING:  # pragma: no cover
     from .watcher import Watcher
@@ -80,6 +81,8 @@ def place_hooks(w: "Watcher") -> None:
                     w._handles.append(p.register_post_accumulate_grad_hook(
                         w._backward.param_hook(info, name + ".grad")))
     w._optim_state = OptimizerStateReader(w._owners) if cfg.optimizer_state else None
+    # gradients=True localizes bad gradients in the backward: the step guard would add nothing
+    w._guard = StepGuard(w._owners) if cfg.guard_steps and not cfg.gradients else None
     w._steps = StepTracker(inner, w._before_step, w._after_step)
     w._handles.extend(w._steps.handles)
 

@@ -58,12 +58,13 @@ class WatchConfig:
     capture_dir: Optional[str] = None
     max_skipped_steps: int = 20
     rerun_on_detect: bool = False
+    guard_steps: bool = True
 
     @classmethod
     def build(cls, *, max_frames=None, trace_batches=None, abort_after_batch=None, every_n_batches=None,
               gradients=None, include=None, exclude=None, on_detect=None, check=None,
               flush_timeout_s=None, strict=False, optimizer_state=None, capture_dir=None,
-              max_skipped_steps=None, rerun_on_detect=None,
+              max_skipped_steps=None, rerun_on_detect=None, guard_steps=None,
               environ: Optional[Mapping[str, str]] = None) -> "WatchConfig":
         """Validated options. An option left at None comes from its TENSORWATCH_* variable (see
         core/env.py) when that is set, else from the field's default. ``environ``: the variables
@@ -103,7 +104,7 @@ class WatchConfig:
             raise ConfigError(f"{name}={check!r}: expected one of {', '.join(CHECK)}")
         flags = {}
         for option, value in (("gradients", gradients), ("optimizer_state", optimizer_state),
-                              ("rerun_on_detect", rerun_on_detect)):
+                              ("rerun_on_detect", rerun_on_detect), ("guard_steps", guard_steps)):
             name, flags[option] = pick(option, value)
             if not isinstance(flags[option], bool):
                 raise ConfigError(f"{name}={flags[option]!r}: expected True or False")
@@ -128,7 +129,8 @@ class WatchConfig:
                    exclude=exclude, on_detect=on_detect, check=check,
                    flush_timeout_s=float(flush_timeout_s), strict=bool(strict),
                    optimizer_state=flags["optimizer_state"], capture_dir=capture_dir,
-                   max_skipped_steps=max_skipped, rerun_on_detect=flags["rerun_on_detect"])
+                   max_skipped_steps=max_skipped, rerun_on_detect=flags["rerun_on_detect"],
+                   guard_steps=flags["guard_steps"])
 
 
 #: Valid ranges of the integer options, (minimum, maximum or None): for arguments and variables alike.
@@ -163,6 +165,7 @@ _ENV_OPTIONS = {
     "capture_dir": (_env.ENV_CAPTURE_DIR, lambda var, raw: raw),
     "max_skipped_steps": (_env.ENV_MAX_SKIPPED_STEPS, _ints("max_skipped_steps")),
     "rerun_on_detect": (_env.ENV_RERUN_ON_DETECT, _env.parse_bool),
+    "guard_steps": (_env.ENV_GUARD_STEPS, _env.parse_bool),
     "flush_timeout_s": (_env.ENV_FLUSH_TIMEOUT_SECONDS, lambda var, raw: _env.parse_float(var, raw, 0.0)),
 }
 

@@ -9,19 +9,24 @@ patterns is the order of the magnitudes (subnormals, inf, and NaN above inf incl
 two patterns are the exact abs min and abs max, and a NaN anywhere is the largest pattern; the
 kernel then makes the minimum NaN too (the contract of stats.measure).
 
-It is built once per process, into a temporary folder removed right after loading, with
-`-march=native` (the process's own CPU: nothing built here runs on another machine). Where torch
+It is built once per process, on a thread of its own (the torch ops measure until it is
+loaded: a slow or hanging compiler holds no batch), into a temporary folder removed right after
+loading, with `-march=native` (the process's own CPU: nothing built here runs on another machine). Where torch
 runs on OpenMP (libgomp, already loaded) the kernel links that same library, so it splits large
 tensors over torch's threads (`torch.get_num_threads()`) instead of starting a second pool.
-`TENSORWATCH_CPU_KERNEL=torch` keeps the torch ops; `CC` names the compiler.
+`TENSORWATCH_CPU_KERNEL=torch` keeps the torch ops; `CC` names the compiler. A compiler still
+running after COMPILE_TIMEOUT_S is killed with its whole process group (its own children too),
+and the torch ops stay.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +39,7 @@ from . import env as _env
 
 log = logging.getLogger(__name__)
 
+COMPILE_TIMEOUT_S = 60.0  # most seconds one compiler command may run
 _PARALLEL_MIN = 1 << 16  # elements below which waking a second thread costs more than it saves
 
 _SOURCE = r"""
@@ -89,14 +95,62 @@ def _compile(cc: str, folder: str, openmp: Optional[str]) -> str:
         cmds = [[cc, "-O3", "-fPIC", *arch, *(["-fopenmp"] if openmp else []), "-c", src, "-o", obj],
                 [cc, "-shared", obj, "-o", lib, *([openmp] if openmp else [])]]
         for cmd in cmds:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-            if done.returncode != 0:
-                said = done.stderr.strip().splitlines()
-                errors.append(said[-1] if said else f"{cmd[0]} exited with {done.returncode}")
+            code, stderr = _run(cmd)
+            if code != 0:
+                said = stderr.strip().splitlines()
+                errors.append(said[-1] if said else f"{cmd[0]} exited with {code}")
                 break
         else:
             return lib
     raise RuntimeError("; ".join(errors))
+
+
+_running: "set[subprocess.Popen]" = set()  # compiler processes in flight (killed at exit)
+_running_lock = threading.Lock()
+_exiting = False  # set at interpreter exit: no compiler starts after it
+
+
+def _run(cmd: List[str]) -> Tuple[int, str]:
+    """Run one compiler command in a session of its own; past COMPILE_TIMEOUT_S the whole
+    process group is killed (a driver's cc1/as/ld children too) and TimeoutExpired raised."""
+    with _running_lock:  # started and registered at once: the exit handler sees every compiler
+        if _exiting:
+            raise RuntimeError("the interpreter is exiting")
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        _running.add(proc)
+    try:
+        _, stderr = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+        return proc.returncode, stderr or ""
+    except BaseException:
+        _kill_group(proc)
+        try:
+            proc.communicate(timeout=5)  # reap the leader, close its pipe
+        except (subprocess.TimeoutExpired, OSError, ValueError):
+            pass
+        raise
+    finally:
+        with _running_lock:
+            _running.discard(proc)
+
+
+def _kill_group(proc: "subprocess.Popen") -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session's group id is the leader's pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@atexit.register
+def _kill_running() -> None:
+    """The interpreter exits during a build: leave no compiler behind (and do not wait: the
+    build's thread reaps its own process)."""
+    global _exiting
+    with _running_lock:
+        _exiting = True
+        procs = list(_running)
+    for proc in procs:
+        _kill_group(proc)
 
 
 def find_compiler() -> Optional[str]:
@@ -117,7 +171,7 @@ def build(cc: Optional[str] = None) -> Optional[Kernel]:
         with tempfile.TemporaryDirectory(prefix="tensorwatch_otel-") as folder:
             try:
                 path = _compile(cc, folder, openmp)
-            except RuntimeError:
+            except RuntimeError:  # a failed command; a timeout (TimeoutExpired) is not retried
                 if not openmp:
                     raise
                 openmp = None  # a compiler without OpenMP: one thread
@@ -168,29 +222,73 @@ def _result_pairs(dtype: torch.dtype) -> List[tuple]:
 
 
 class _Loader:
-    """The kernel, built at the first request (thread-safe); None for the torch ops."""
+    """The kernel, built on a thread of its own at the first request; None (the torch ops)
+    until it is loaded, and for good when it cannot be built."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._done = False
         self._kernel: Optional[Kernel] = None
+        self._thread: Optional[threading.Thread] = None
+        self._finished = threading.Event()
 
     def get(self) -> Optional[Kernel]:
+        """The kernel, or None while it is being built (the build starts at the first call)."""
         if self._done:
             return self._kernel
+        if self._thread is None:
+            self._start()
+        return self._kernel if self._done else None
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[Kernel]:
+        """Start the build if needed and wait up to `timeout` s for it (tests, benchmarks)."""
+        if not self._done:
+            if self._thread is None:
+                self._start()
+            with self._lock:
+                finished = self._finished
+            finished.wait(timeout)
+        return self._kernel if self._done else None
+
+    def _start(self) -> None:
         with self._lock:
-            if not self._done:
-                try:
-                    self._kernel = build() if _env.cpu_kernel_mode(os.environ) == "native" else None
-                except _env.ConfigError as exc:  # watch() raised it already; statistics go on
-                    log.error("tensorwatch_otel: %s; CPU statistics use torch ops", exc)
+            if self._done or self._thread is not None:
+                return
+            try:
+                native = _env.cpu_kernel_mode(os.environ) == "native"
+            except _env.ConfigError as exc:  # watch() raised it already; statistics go on
+                log.error("tensorwatch_otel: %s; CPU statistics use torch ops", exc)
+                native = False
+            if not native:
                 self._done = True
-        return self._kernel
+                self._finished.set()
+                return
+            t = threading.Thread(target=self._build, args=(self._finished,), daemon=True,
+                                 name="tensorwatch_otel-cpu-kernel")
+            self._thread = t
+            t.start()
+
+    def _build(self, finished: threading.Event) -> None:
+        kernel = None
+        try:
+            kernel = build()
+        except Exception as exc:  # build() logs what it expects; anything else once here
+            log.info("tensorwatch_otel: could not build the CPU statistics kernel (%s): CPU statistics use "
+                     "torch ops", exc)
+        with self._lock:
+            if self._finished is finished:  # not reset meanwhile
+                self._kernel, self._done = kernel, True
+        finished.set()
 
     def reset(self, kernel: Optional[Kernel] = None, done: bool = False) -> None:
-        """Forget the kernel (tests): the next get() builds again, or returns `kernel` if done."""
+        """Forget the kernel (tests): the next get() builds again, or returns `kernel` if done.
+        A build still running is left to finish unheard."""
         with self._lock:
             self._kernel, self._done = kernel, done
+            self._thread = None
+            self._finished = threading.Event()
+            if done:
+                self._finished.set()
 
 
 KERNEL = _Loader()

@@ -3,6 +3,11 @@ is a detection only when a step consumes it, and a step that does not happen whi
 gradients hold inf/nan (a GradScaler skip, or gradients reset without a step) is a skipped
 step: counted, reported, and an alert of its own when `max_skipped_steps` come in a row.
 
+Without `gradients=True`, the StepGuard checks the gradients a step is about to consume in one
+host read, before the step runs: an inf born in the loss or in the backward is named at the
+parameter's gradient before the optimizer writes NaN into the weights. GradScaler's skipped
+steps never reach the optimizer's step, so the guard never sees them.
+
 Steps are seen through torch's global optimizer step hooks (any optimizer, fused or not);
 each watcher keeps the handles and removes them on detach.
 """
@@ -10,16 +15,16 @@ each watcher keeps the handles and removes them on detach.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-import time
-
 from .events import SkippedStepEvent, SkipStreakEvent, merge_kinds
-from .record import Record
+from .record import ModuleInfo, Record
+from .stats import measure
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +63,7 @@ class PendingGradients:
 class StepTracker:
     """Registers the global step hooks and tells the watcher which steps concern its model."""
 
-    def __init__(self, model: torch.nn.Module, on_pre_step: Callable[[], None],
+    def __init__(self, model: torch.nn.Module, on_pre_step: Callable[[torch.optim.Optimizer], None],
                  on_post_step: Callable[[torch.optim.Optimizer], None]):
         self._param_ids = {id(p) for p in model.parameters()}
         self._mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[int, bool]]" = weakref.WeakKeyDictionary()
@@ -82,7 +87,7 @@ class StepTracker:
 
     def _pre(self, optimizer, args, kwargs) -> None:
         if self._concerns(optimizer):
-            self._on_pre()
+            self._on_pre(optimizer)
 
     def _post(self, optimizer, args, kwargs) -> None:
         if self._concerns(optimizer):
@@ -93,6 +98,109 @@ class StepTracker:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+_INF = float("inf")
+#: Devices whose gradients the guard checks with one fused inf-norm (a launch or two for all of
+#: them); elsewhere (CPU) the statistics kernel reads each gradient once, which is faster there.
+FUSED_DEVICES = ("cuda",)
+Watched = List[Tuple[torch.Tensor, ModuleInfo, str]]  # (parameter, its module, "weight.grad")
+
+
+class StepGuard:
+    """The gradients an optimizer step will consume, checked before it runs: one host read per
+    step (CUDA: one fused inf-norm over each device's gradients; CPU: the statistics kernel per
+    gradient, no read of its own), then, only when that read finds inf/nan, a record of every
+    gradient to name the first bad one. Only parameters of watched modules (`owners`) count."""
+
+    def __init__(self, owners: Dict[int, Tuple[ModuleInfo, str]]):
+        self._owners = owners
+        self._params: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[tuple, Watched]]" = \
+            weakref.WeakKeyDictionary()
+
+    def _watched(self, optimizer) -> Watched:
+        groups = optimizer.param_groups
+        key = tuple(len(g["params"]) for g in groups)
+        cached = self._params.get(optimizer)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        owners = self._owners
+        found: Dict[int, torch.Tensor] = {}
+        for g in groups:
+            for p in g["params"]:
+                if id(p) in owners:
+                    found[id(p)] = p
+        # backward order, roughly: the model's parameters last to first, whatever the groups
+        # (weight decay splits them): the parameters nearest the loss get their gradients first,
+        # so the first bad one in this order is the nearest to where the backward broke
+        out: Watched = [(found[pid], owners[pid][0], owners[pid][1] + ".grad")
+                        for pid in reversed(list(owners)) if pid in found]
+        try:
+            self._params[optimizer] = (key, out)
+        except TypeError:
+            pass
+        return out
+
+    def check(self, optimizer, batch: int) -> Optional[Record]:
+        """None when every gradient the step consumes is finite (one host read); else a
+        backward record of all of them, on the host, with a non-finite frame."""
+        watched = self._watched(optimizer)
+        if not watched:
+            return None
+        with torch.no_grad():
+            if self._all_finite(watched):
+                return None
+            return self._locate(watched, batch)
+
+    @staticmethod
+    def _all_finite(watched: Watched) -> bool:
+        tops: List[torch.Tensor] = []  # a 0-d tensor per gradient (or per device group): non-finite iff a bad value
+        fused: Dict[torch.device, List[torch.Tensor]] = {}
+        for p, _, _ in watched:
+            g = p.grad
+            if g is None:
+                continue
+            if g.__class__ is torch.Tensor and g.device.type in FUSED_DEVICES and g.layout is torch.strided \
+                    and g.is_floating_point():  # (a DTensor's local shard goes through measure)
+                group = fused.get(g.device)
+                if group is None:
+                    group = fused[g.device] = []
+                group.append(g)
+                continue
+            r = measure(g)
+            if r.__class__ is not str:
+                tops.append(r[1])  # abs max: inf or NaN when any element is
+        for grads in fused.values():
+            # max |g| of every gradient in one launch (NaN propagates), as float32
+            tops.extend(torch._foreach_norm(grads, _INF, dtype=torch.float32))
+        if not tops:
+            return True
+        try:
+            flag = torch.stack(tops).isfinite().all()
+        except RuntimeError:  # gradients on several devices (a model split over GPUs): a read each
+            by_device: Dict[torch.device, List[torch.Tensor]] = {}
+            for t in tops:
+                by_device.setdefault(t.device, []).append(t)
+            return all(bool(torch.stack(ts).isfinite().all()) for ts in by_device.values())
+        return bool(flag)
+
+    @staticmethod
+    def _locate(watched: Watched, batch: int) -> Record:
+        rec = Record(batch, phase="backward")
+        for p, info, name in watched:
+            g = p.grad
+            if g is None:
+                continue
+            start = len(rec.dtypes)
+            r = measure(g)
+            if r.__class__ is str:
+                rec.frames.append((info, [(name, r)], start))
+                continue
+            rec.stats += r
+            rec.dtypes.append(g.dtype)
+            rec.frames.append((info, [name], start))
+        rec.readback()
+        return rec
 
 
 class ScaleReader:

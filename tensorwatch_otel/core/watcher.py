@@ -32,7 +32,7 @@ from .backward import BackwardRecorder, producer_frame
 from .capture import BatchCapture
 from .rerun import host, replay_would_block, rerun_batch
 from .attach import place_hooks, say_compiled
-from .steps import PendingGradients, ScaleReader, SkipCounter
+from .steps import PendingGradients, ScaleReader, SkipCounter, StepGuard
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class Watcher:
         self._pending: Optional[PendingGradients] = None  # non-finite gradients no step consumed yet
         self._skips = SkipCounter(config.max_skipped_steps)
         self._steps = None  # the StepTracker (core/attach.py)
+        self._guard: Optional[StepGuard] = None  # the optimizer-step guard (core/attach.py)
         self._optim_state = None
         self._compiled = False
         self._compile_warned = False
@@ -110,6 +111,8 @@ class Watcher:
         ACTIVE.discard(self)
         if self._pending is not None:  # bad gradients no step consumed: the run skipped it
             self._skipped()
+        elif self._scale is not None and not self.config.gradients:
+            self._last_scale_read()
         self._fanout.flush(self.config.flush_timeout_s)
         for s in self._owned:
             try:
@@ -209,7 +212,7 @@ class Watcher:
     def _probe(self, model: torch.nn.Module, sink: Sink) -> "Watcher":
         """A silent watcher that checks every module as it returns (for the re-run)."""
         return Watcher(model, [sink], WatchConfig.build(check="module", on_detect="report", max_frames=1,
-                                                        environ={}))
+                                                        guard_steps=False, environ={}))
 
     def _compiled_away(self) -> None:
         if not self._compile_warned and not self._compiled:
@@ -259,7 +262,9 @@ class Watcher:
         if rec.frames or scale_t is not None:
             scale = rec.readback(scale_t)
             if scale_t is not None and self._scale.update(scale) and not self.config.gradients:
-                self._skipped()  # the scale dropped: the scaler skipped a step
+                # the scale dropped: the scaler skipped the step after batch b - 1 (the batch
+                # whose gradients it would have consumed, as gradients=True numbers it)
+                self._skipped(max(b - 1, 0))
             if scale is None and self._scale is not None:
                 scale = self._scale.last  # no scale tensor yet: the scaler's init_scale
             if rec.frames:
@@ -360,12 +365,32 @@ class Watcher:
         if self._fanout.wants_batches:
             self._fanout.on_batch(BatchStats(rec.batch_number, current_rank(), time.time(), rec, phase=rec.phase))
 
-    def _before_step(self) -> None:
+    def _before_step(self, optimizer) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             self._skips.step_taken()
             self._detected(pending.record, pending.frame)
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
+        if pending is None and self._guard is not None and self._attached and not self._replaying \
+                and not torch.compiler.is_compiling():  # (a compiled optimizer step: no read inside its graph)
+            # after the stop point: a stop already under way (another rank's, or this rank's
+            # forward detection) is raised there, not named again at the gradients it spoilt
+            batch = max(self.batch_number - 1, 0)  # the batch whose gradients the step consumes
+            if self._watches(batch):
+                self._guard_step(optimizer, batch)
+
+    def _guard_step(self, optimizer, batch: int) -> None:
+        """The step guard: one read; a detection named at the first bad gradient."""
+        try:
+            rec = self._guard.check(optimizer, batch)
+            fi = rec.first_nonfinite_frame(0) if rec is not None else None
+        except Exception as exc:  # the guard must not stop training: it goes off, said once
+            self._guard = None
+            log.error("tensorwatch_otel: the optimizer-step gradient check failed (%s: %s); training goes on "
+                      "without it", type(exc).__name__, exc)
+            return
+        if fi is not None:
+            self._detected(rec, fi)
 
     def _after_step(self, optimizer) -> None:
         self._recorder.invalidate_weights()  # any optimizer, fused ones included
@@ -377,11 +402,27 @@ class Watcher:
                 self._phase_stats(rec)
                 self._check(rec, 0)
 
-    def _skipped(self) -> None:
+    def _skipped(self, batch: Optional[int] = None) -> None:
+        """Count a skipped step; `batch`: the batch whose gradients it would have consumed
+        (default: the last batch begun; bad gradients pending name their own batch)."""
         pending, self._pending = self._pending, None
         scale = self._scale.last if self._scale is not None else None
-        for event in self._skips.skipped(pending, max(self.batch_number - 1, 0), current_rank(), scale):
+        if batch is None:
+            batch = max(self.batch_number - 1, 0)
+        for event in self._skips.skipped(pending, batch, current_rank(), scale):
             self._fanout.on_event(event)
+
+    def _last_scale_read(self) -> None:
+        """At detach: a drop of the scale since the last batch is the last step's skip (no batch
+        came after it to read the scale)."""
+        try:
+            t = self._scale.tensor()
+            dropped = t is not None and self._scale.update(float(t))
+        except Exception as exc:  # detach must not raise for a scaler we cannot read
+            log.warning("tensorwatch_otel: could not read the loss scale at detach: %s", exc)
+            return
+        if dropped:
+            self._skipped()
 
     @property
     def steps_skipped(self) -> int:

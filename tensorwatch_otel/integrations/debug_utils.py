@@ -39,10 +39,11 @@ class DebugUnderflowOverflow:
                  trace_batch_nums: Optional[Iterable[int]] = None,
                  abort_after_batch_num: Optional[int] = None):
         # The peer's options are its arguments alone: no TENSORWATCH_* option variable applies
-        # (environ={}); the sinks the environment configures are added below.
+        # (environ={}); the sinks the environment configures are added below. Like the peer it
+        # checks forwards only (no optimizer-step guard: watch() has it).
         config = WatchConfig.build(max_frames=max_frames_to_save, trace_batches=trace_batch_nums or (),
                                    abort_after_batch=abort_after_batch_num, on_detect="raise",
-                                   every_n_batches=1, environ={})
+                                   every_n_batches=1, guard_steps=False, environ={})
         self.model = model
         self.trace_batch_nums = list(trace_batch_nums or [])
         self.abort_after_batch_num = abort_after_batch_num
