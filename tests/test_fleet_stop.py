@@ -160,8 +160,13 @@ def test_no_detection_no_stop(tmp_path):
     proc, results, _ = launch(tmp_path, 2, "--mode", "ddp", "--batches", "6")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(not res.get("stopped") and res["batches_done"] == 6 for res in results.values())
-    # one store check per optimizer step, plus the first batch's start (no step seen yet) and the end
-    assert all(res["polls"] == 6 + 2 for res in results.values())
+    # The node's leader (local rank 0) makes one store check per optimizer step, plus the first
+    # batch's start (no step seen yet) and the end; the other rank reads the leader's answers for
+    # the same safe points and asks the store only at the end.
+    leader, other = results[0], results[1]
+    assert (leader["local_rank"], other["local_rank"]) == (0, 1)
+    assert leader["polls"] == 6 + 2 and leader["node_reads"] == 0
+    assert other["polls"] == 1 and other["node_reads"] == 6 + 1
 
 
 def test_stopped_by_rank_event_round_trips_and_renders():
@@ -204,3 +209,28 @@ def test_report_command_renders_a_stopped_rank(tmp_path, capsys):
     assert main(["report", str(tmp_path / "ev.jsonl"), "--event", "stopped_by_rank"]) == 0
     assert capsys.readouterr().out == ("tensorwatch_otel: rank 3 stopped at batch_number=8: rank 1 detected nan "
                                        "in (root) Net output during batch_number=7\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("straggler", [0, 1], ids=["detecting-rank-straggles", "healthy-rank-straggles"])
+def test_no_sync_accumulation_stops_every_rank_at_the_optimizer_step(tmp_path, straggler):
+    """DDP gradient accumulation: micro-batches 0-2 under no_sync(), micro-batch 3 all-reduces,
+    then the optimizer step. Rank 0's input overflows in micro-batch 1; one rank sleeps 3 s
+    before that micro-batch, so the ranks are far apart where nothing synchronises them. No
+    micro-batch start is a common point: every rank stops at the optimizer step after the
+    sync micro-batch's all-reduce, naming rank 0; nobody fails in a collective."""
+    accum, at, nap = 4, 1, 3.0
+    t0 = time.time()
+    proc, results, ended = launch(tmp_path, 2, "--mode", "ddp", "--accum", str(accum), "--bad", "0",
+                                  "--at", str(at), "--batches", "8", "--linger", "0",
+                                  "--straggle", f"{straggler}:{at}:{nap}")
+    for r, res in results.items():
+        assert "error" not in res, res["error"]
+        assert res["stopped"] and res["first_rank"] == 0, res
+        assert (res["module"], res["tensor"], res["batch_number"]) == ("layers.0", "input[0]", at)
+        assert res["batches_done"] == accum - 1, res  # raised in the step after micro-batch 3
+        assert res["event"] == ("nonfinite_detected" if r == 0 else "stopped_by_rank")
+        if r == 1:
+            assert res["stopped_at_batch"] == accum - 1
+    assert "Connection closed" not in proc.stderr
+    assert ended - t0 < PG_TIMEOUT_S
