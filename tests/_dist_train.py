@@ -79,7 +79,8 @@ def main() -> int:
     else:
         model = net
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0, "local_abs_max": {}}
+    result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0, "local_abs_max": {},
+              "polls_by_batch": []}
     gen = torch.Generator().manual_seed(100 + rank)
     watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients,
                                 on_detect=args.on_detect)
@@ -120,6 +121,7 @@ def main() -> int:
                     loss.backward()
                     opt.step()
                 result["batches_done"] = b + 1
+                result["polls_by_batch"].append(watcher._fleet.polls)  # store checks after each batch
     except NonFiniteDetected as exc:
         ev = exc.event
         result.update(stopped=True, time=time.time(), event=ev.event, first_rank=ev.first_rank,

@@ -35,6 +35,34 @@ def launch(tmp_path: Path, nproc: int, *args: str, timeout: float = 240):
     return proc, dict(enumerate(read_observed(tmp_path, nproc, proc))), ended
 
 
+def launch_nodes(tmp_path: Path, nnodes: int, nproc: int, *args: str, timeout: float = 240):
+    """`nnodes` torchrun agents on 127.0.0.1 (static rendezvous, node ranks 0..nnodes-1), as
+    `nnodes` machines of `nproc` ranks would run: LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK real."""
+    port = str(free_port())
+    env = clean_env({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    procs = []
+    for node in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+               str(nproc), "--node-rank", str(node), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+               "--master-port", port, str(SCRIPT), str(tmp_path), *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=str(tmp_path)))
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    ended = time.time()
+    run = subprocess.CompletedProcess(procs[0].args, max(p.returncode for p in procs),
+                                      "".join(o for o, _ in outs), "".join(e for _, e in outs))
+    return run, dict(enumerate(read_observed(tmp_path, nnodes * nproc, run))), ended
+
+
 def events_of(tmp_path: Path, rank: int):
     return read_events(str(tmp_path / f"events-{rank}.jsonl"))
 
@@ -234,3 +262,40 @@ def test_no_sync_accumulation_stops_every_rank_at_the_optimizer_step(tmp_path, s
             assert res["stopped_at_batch"] == accum - 1
     assert "Connection closed" not in proc.stderr
     assert ended - t0 < PG_TIMEOUT_S
+
+
+@pytest.mark.slow
+def test_two_nodes_stop_together_naming_the_first_rank(tmp_path):
+    """Two torchrun agents on 127.0.0.1 as two nodes of two ranks: rank 3 (node 1's second rank,
+    which never asks the store itself) detects at batch 4; every rank stops at that step."""
+    at = 4
+    proc, results, ended = launch_nodes(tmp_path, 2, 2, "--mode", "ddp", "--bad", "3", "--at", str(at),
+                                        "--linger", "0")
+    assert [(r["node"], r["local_rank"]) for r in results.values()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    detected_at = [e for e in events_of(tmp_path, 3) if e.event == "nonfinite_detected"][0].time
+    for r, res in results.items():
+        assert "error" not in res, res["error"]
+        assert res["stopped"] and res["first_rank"] == 3, res
+        assert (res["module"], res["tensor"], res["batch_number"]) == ("layers.0", "input[0]", at)
+        assert res["event"] == ("nonfinite_detected" if r == 3 else "stopped_by_rank")
+        assert res["batches_done"] == at  # within two batches: here the detection's own step
+        if r != 3:
+            assert res["stopped_at_batch"] == at
+        assert res["time"] - detected_at < 10.0
+        # only the nodes' leaders ask the store at the safe points
+        assert (res["polls"] > 0) == (res["local_rank"] == 0), res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nnodes,nproc", [(1, 4), (2, 2), (4, 1)], ids=["1x4", "2x2", "4x1"])
+def test_store_checks_per_step_follow_the_nodes_not_the_ranks(tmp_path, nnodes, nproc):
+    """Four ranks each time: the store checks per optimizer step (all ranks together, batches 1
+    to 5, one optimizer step each) equal the number of nodes."""
+    batches = 6
+    proc, results, _ = launch_nodes(tmp_path, nnodes, nproc, "--mode", "ddp", "--batches", str(batches))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(results) == 4
+    per_step = sum(r["polls_by_batch"][-1] - r["polls_by_batch"][0] for r in results.values()) / (batches - 1)
+    assert per_step == nnodes, [r["polls_by_batch"] for r in results.values()]
+    # the other ranks' answers came from their leader
+    assert all(r["node_reads"] >= batches for r in results.values() if r["local_rank"] > 0)

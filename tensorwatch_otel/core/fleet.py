@@ -363,10 +363,10 @@ class NodeShare:
             if state == _STOP:
                 size = struct.unpack_from("<q", mm, 16)[0]
                 return point, json.loads(bytes(mm[24:24 + size]))
+            if answered >= point:  # (a leader gone after answering `point` answered it)
+                return point, None
             if state == _GONE:
                 return None
-            if answered >= point:
-                return point, None
             now = time.monotonic()
             if deadline is None:
                 deadline = now + timeout
