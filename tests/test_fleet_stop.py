@@ -4,6 +4,7 @@ that names the first rank, while the detecting rank lingers (as a Prometheus sin
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -299,3 +300,105 @@ def test_store_checks_per_step_follow_the_nodes_not_the_ranks(tmp_path, nnodes, 
     assert per_step == nnodes, [r["polls_by_batch"] for r in results.values()]
     # the other ranks' answers came from their leader
     assert all(r["node_reads"] >= batches for r in results.values() if r["local_rank"] > 0)
+
+
+# ---------------------------------------------------------------- one node's ranks, in one process
+# Two FleetStop objects stand for a node's leader (LOCAL_RANK 0) and its second rank, against a
+# real TCPStore served in this process (dropped to make the store fail).
+
+@pytest.fixture
+def store_server():
+    import torch.distributed as dist
+
+    server = {"store": dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)}
+    yield server, server["store"].port
+    server.clear()
+
+
+def _node(monkeypatch, port):
+    import datetime
+    import itertools
+
+    import torch.distributed as dist
+
+    from tensorwatch_otel.core import fleet
+
+    monkeypatch.setattr(fleet, "_dist", lambda: dist)
+    monkeypatch.setattr(fleet, "NODE_WAIT_S", 1.0)
+    stores = {}
+
+    def store():  # one client per simulated rank, as each process has its own
+        return stores[os.environ["LOCAL_RANK"]]
+
+    monkeypatch.setattr(fleet, "_store", store)
+    batch = {"n": 0}
+    emitted = []
+    ranks = []
+    for local in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("GROUP_RANK", "0")
+        stores[local] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+        monkeypatch.setattr(fleet, "_opened", itertools.count())  # each process counts its own
+        fs = fleet.FleetStop(emitted.append, lambda: batch["n"])
+        fs.at_batch_start()  # opens the node's file (the leader first: the other waits for its name)
+        ranks.append(fs)
+    return fleet, ranks, batch, emitted, stores
+
+
+def _as_rank(monkeypatch, local, call):
+    monkeypatch.setenv("LOCAL_RANK", local)
+    return call()
+
+
+def test_a_nodes_second_rank_reads_the_leaders_answers_and_its_stop(monkeypatch, store_server):
+    from tensorwatch_otel import NonFiniteDetected
+
+    _, port = store_server
+    fleet, (leader, other), batch, emitted, stores = _node(monkeypatch, port)
+    assert leader._node.leader and not other._node.leader
+    for b in range(1, 4):  # batches 0..2 run, an optimizer step after each
+        batch["n"] = b
+        _as_rank(monkeypatch, "0", leader.at_optimizer_step)
+        _as_rank(monkeypatch, "1", other.at_optimizer_step)
+    assert (leader.polls, other.polls, other.node_reads) == (4, 0, 4)
+    # another node's rank publishes a forward detection in batch 3
+    record = {"rank": 5, "batch_number": 3, "phase": "forward", "module": "layers.0", "module_class": "Linear",
+              "tensor": "input[0]", "kind": "inf", "time": 0.0}
+    stores["0"].compare_set(fleet.STORE_KEY, "", json.dumps(record))
+    batch["n"] = 4  # the step of batch 3: both stop there, the second rank from the leader's answer
+    with pytest.raises(NonFiniteDetected) as a:
+        _as_rank(monkeypatch, "0", leader.at_optimizer_step)
+    with pytest.raises(NonFiniteDetected) as b:
+        _as_rank(monkeypatch, "1", other.at_optimizer_step)
+    for info in (a, b):
+        ev = info.value.event
+        assert (ev.event, ev.first_rank, ev.batch_number, ev.stopped_at_batch) == ("stopped_by_rank", 5, 3, 3)
+    assert (other.polls, other.node_reads) == (0, 5)
+
+
+def test_a_node_whose_store_fails_stops_alone(monkeypatch, store_server):
+    """The store's server dies: the leader logs it and leaves; the second rank asks the store
+    itself, fails too, and both go back to raising a detection at once."""
+    server, port = store_server
+    fleet, (leader, other), batch, _, _ = _node(monkeypatch, port)
+    server.clear()  # the server goes with its store object
+    gc.collect()
+    batch["n"] = 1
+    _as_rank(monkeypatch, "0", leader.at_optimizer_step)
+    assert leader._failed and not leader.active()
+    _as_rank(monkeypatch, "1", other.at_optimizer_step)  # the leader is gone: asks the store, fails
+    assert other._failed and other._node is False and other.polls == 1
+    assert not other.defer(object())  # a detection raises on its own rank at once
+
+
+def test_a_silent_leader_sends_its_node_back_to_the_store(monkeypatch, store_server):
+    """A leader that stops answering (here: never reaches the safe point) costs its node's
+    ranks one bounded wait, then they ask the store themselves."""
+    _, port = store_server
+    fleet, (leader, other), batch, _, _ = _node(monkeypatch, port)
+    batch["n"] = 1
+    t0 = time.monotonic()
+    _as_rank(monkeypatch, "1", other.at_optimizer_step)
+    assert 0.9 < time.monotonic() - t0 < 10
+    assert other._node is False and other.polls == 1 and not other._failed
