@@ -41,7 +41,7 @@ def _client(port: int) -> "object":
 def _ask(store, start: float, seconds: float) -> List[float]:
     """check() back to back from `start` for `seconds`: each call's latency in microseconds."""
     while time.time() < start:
-        time.sleep(0.001)
+        time.sleep(0.0005)
     out = []
     end = start + seconds
     clock = time.perf_counter
@@ -54,9 +54,14 @@ def _ask(store, start: float, seconds: float) -> List[float]:
             return out
 
 
-def _proc_client(port: int, start: float, seconds: float, q) -> None:
+def _proc_client(port: int, start, go, seconds: float, q) -> None:
     try:
-        q.put(_ask(_client(port), start, seconds))
+        store = _client(port)
+        store.check([KEY])  # connected and answered once
+        q.put("ready")
+        if not go.wait(120):
+            raise TimeoutError("never started")
+        q.put(_ask(store, start.value, seconds))
     except Exception as exc:  # reported, never hangs the parent
         q.put(repr(exc))
 
@@ -83,11 +88,15 @@ def _summary(kind: str, n: int, lat: List[List[float]], seconds: float) -> Dict[
 
 
 def run_procs(port: int, n: int, seconds: float, ctx) -> Dict[str, object]:
-    q = ctx.Queue()
-    start = time.time() + 0.5 + 0.02 * n  # every client connected before the clock starts
-    procs = [ctx.Process(target=_proc_client, args=(port, start, seconds, q), daemon=True) for _ in range(n)]
+    q, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    procs = [ctx.Process(target=_proc_client, args=(port, start, go, seconds, q), daemon=True) for _ in range(n)]
     for p in procs:
         p.start()
+    ready = [q.get(timeout=120) for _ in procs]  # every client connected before the clock starts
+    if any(r != "ready" for r in ready):
+        raise RuntimeError(f"a client failed to connect: {[r for r in ready if r != 'ready'][0]}")
+    start.value = time.time() + 0.1
+    go.set()
     got = [q.get(timeout=120 + seconds) for _ in procs]
     for p in procs:
         p.join(timeout=30)
@@ -99,6 +108,8 @@ def run_procs(port: int, n: int, seconds: float, ctx) -> Dict[str, object]:
 
 def run_threads(port: int, n: int, seconds: float) -> Dict[str, object]:
     stores = [_client(port) for _ in range(n)]
+    for store in stores:
+        store.check([KEY])
     start = time.time() + 0.3
     got: List[List[float]] = [[] for _ in range(n)]
 
