@@ -35,4 +35,5 @@ def test_bench_store_quick(tmp_path):
         every, per_node = ext[(ranks, "every rank")], ext[(ranks, "one per node (8 ranks/node)")]
         assert (every["checks_per_step"], per_node["checks_per_step"]) == (ranks, ranks // 8)
         assert per_node["server_utilisation"] == pytest.approx(every["server_utilisation"] / 8, rel=0.01, abs=1e-4)
+    assert result["crowded_req_per_s"] > 0 and ext[(1024, "every rank")]["burst_drain_ms_crowded"] > 0
     assert result["assumptions"]
