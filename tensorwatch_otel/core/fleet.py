@@ -297,8 +297,8 @@ class NodeShare:
         self._mm = mm
         self.leader = leader
         self.path = path
-        if leader:
-            self._unlink = weakref.finalize(self, _unlink, path)
+        if leader:  # a leader dropped without leaving (its loop raised): its ranks ask the store
+            self._unlink = weakref.finalize(self, _leave_and_unlink, mm, path)
 
     @classmethod
     def open(cls, fleet: FleetStop) -> Optional["NodeShare"]:
@@ -348,8 +348,8 @@ class NodeShare:
     def leave(self) -> None:
         """The leader answers no more (its loop ended, its store failed): unless it published a
         stop, the node's ranks ask the store themselves."""
-        if self.leader and struct.unpack_from("<q", self._mm, 8)[0] == _CLEAR:
-            struct.pack_into("<q", self._mm, 8, _GONE)
+        if self.leader:
+            _leave(self._mm)
 
     # the other ranks
     def read(self, point: int, timeout: float) -> Optional[Tuple[int, Optional[dict]]]:
@@ -378,10 +378,16 @@ class NodeShare:
             nap = min(nap * 2 or 2e-5, 1e-3)
 
 
-def _unlink(path: str) -> None:
+def _leave(mm: mmap.mmap) -> None:
+    if not mm.closed and struct.unpack_from("<q", mm, 8)[0] == _CLEAR:
+        struct.pack_into("<q", mm, 8, _GONE)
+
+
+def _leave_and_unlink(mm: mmap.mmap, path: str) -> None:
     try:
+        _leave(mm)
         os.unlink(path)
-    except OSError:
+    except (OSError, ValueError):
         pass
 
 
