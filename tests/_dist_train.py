@@ -132,6 +132,7 @@ def main() -> int:
         result.update(error=f"{type(exc).__name__}: {exc}"[:2000], time=time.time())
     fleet = watcher._fleet
     result.update(polls=fleet.polls, requests=fleet.requests, node_reads=fleet.node_reads,
+                  node_file=fleet._node.path if fleet._node else None,
                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), node=int(os.environ.get("GROUP_RANK", "0")))
     result["param_names"] = [n for n, _ in net.named_parameters()]
     result["module_classes"] = sorted({type(m).__name__ for m in net.modules()})

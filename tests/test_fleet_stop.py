@@ -285,6 +285,10 @@ def test_two_nodes_stop_together_naming_the_first_rank(tmp_path):
         assert res["time"] - detected_at < 10.0
         # only the nodes' leaders ask the store at the safe points
         assert (res["polls"] > 0) == (res["local_rank"] == 0), res
+    # one shared file per node, and none left behind although torchrun killed the ranks
+    files = {res["node"]: res["node_file"] for res in results.values()}
+    assert len(set(files.values())) == 2 and all(files.values())
+    assert not any(os.path.exists(f) for f in files.values())
 
 
 @pytest.mark.slow

@@ -332,6 +332,9 @@ class NodeShare:
             mm = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
+        fleet.requests += 1
+        if store.add(f"{key}/opened", 1) == local_size - 1:  # the node's last rank to open it
+            _unlink(path)  # the mappings stay: nothing is left behind, even if torchrun kills the ranks
         return cls(mm, False, path)
 
     # the leader
@@ -386,8 +389,15 @@ def _leave(mm: mmap.mmap) -> None:
 def _leave_and_unlink(mm: mmap.mmap, path: str) -> None:
     try:
         _leave(mm)
+    except ValueError:
+        pass
+    _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
         os.unlink(path)
-    except (OSError, ValueError):
+    except OSError:
         pass
 
 
