@@ -378,7 +378,7 @@ class NodeShare:
                             "%.0f s; this rank asks the process group's store itself from now on", timeout)
                 return None
             time.sleep(nap)
-            nap = min(nap * 2 or 2e-5, 1e-3)
+            nap = min(nap * 2 or 2e-5, 2e-4)
 
 
 def _leave(mm: mmap.mmap) -> None:
