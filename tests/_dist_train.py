@@ -3,12 +3,16 @@
 chosen batch. Each rank writes what happened into OUT (tests/_observed.py).
 
 usage: _dist_train.py OUT --mode ddp|fsdp2|eval --bad RANK[,RANK] --at BATCH [--batches N]
-       [--linger S] [--inject input|shard]
+       [--linger S] [--inject input|shard] [--accum K] [--straggle RANK:BATCH:SECONDS]
+
+--accum K: gradient accumulation, DDP `no_sync()` for K-1 micro-batches, then a micro-batch
+that all-reduces and the optimizer step. --straggle: that rank sleeps before that batch's forward.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -51,10 +55,13 @@ def main() -> int:
     ap.add_argument("--on-detect", default="raise", choices=("raise", "report"))
     ap.add_argument("--trace", type=int, action="append", default=[], help="batches to trace")
     ap.add_argument("--watch-first", action="store_true", help="watch() before fully_shard()")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (DDP no_sync)")
+    ap.add_argument("--straggle", default="", help="RANK:BATCH:SECONDS: that rank sleeps before that batch")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     bad = {int(r) for r in args.bad.split(",") if r}
+    straggle = [float(v) for v in args.straggle.split(":")] if args.straggle else [-1, -1, 0]
     torch.manual_seed(0)
     net = Net()
     sinks = [JsonlLog(os.path.join(args.out, "events-{rank}.jsonl")), TextReport(stream=sys.stderr)]
@@ -72,7 +79,8 @@ def main() -> int:
     else:
         model = net
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0, "local_abs_max": {}}
+    result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0, "local_abs_max": {},
+              "polls_by_batch": []}
     gen = torch.Generator().manual_seed(100 + rank)
     watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients,
                                 on_detect=args.on_detect)
@@ -86,6 +94,8 @@ def main() -> int:
                             net.layers[0].weight.to_local()[0, 0] = float("inf")
                     elif args.inject == "input":
                         x[0, 0] = float("inf")
+                if rank == straggle[0] and b == straggle[1]:
+                    time.sleep(straggle[2])
                 if b in args.trace:  # what this rank holds of each weight, to compare with the trace
                     result["local_abs_max"][str(b)] = {
                         n: float((p.to_local() if hasattr(p, "to_local") else p).detach().abs().max())
@@ -95,6 +105,14 @@ def main() -> int:
                         y = model(x)
                         total = y.sum().reshape(1)
                         dist.all_reduce(total)  # a collective per batch, as a metric would
+                elif args.accum > 1:
+                    syncs = (b + 1) % args.accum == 0
+                    with (contextlib.nullcontext() if syncs else model.no_sync()):
+                        loss = model(x).pow(2).mean()
+                        loss.backward()  # no_sync: gradients accumulate locally, no all-reduce
+                    if syncs:
+                        opt.step()
+                        opt.zero_grad()
                 else:
                     loss = model(x).pow(2).mean()
                     if rank in bad and b == args.at and args.inject == "grad":
@@ -103,16 +121,24 @@ def main() -> int:
                     loss.backward()
                     opt.step()
                 result["batches_done"] = b + 1
+                result["polls_by_batch"].append(watcher._fleet.polls)  # store checks after each batch
     except NonFiniteDetected as exc:
         ev = exc.event
         result.update(stopped=True, time=time.time(), event=ev.event, first_rank=ev.first_rank,
                       module=ev.module, module_class=ev.module_class, tensor=ev.tensor, kind=ev.kind,
                       batch_number=ev.batch_number, stopped_at_batch=getattr(ev, "stopped_at_batch", None),
                       message=str(exc))
-    result["polls"] = watcher._fleet.polls
+    except RuntimeError as exc:  # a collective that failed (gloo: "Connection closed by peer")
+        result.update(error=f"{type(exc).__name__}: {exc}"[:2000], time=time.time())
+    fleet = watcher._fleet
+    result.update(polls=fleet.polls, requests=fleet.requests, node_reads=fleet.node_reads,
+                  node_file=fleet._node.path if fleet._node else None,
+                  local_rank=int(os.environ.get("LOCAL_RANK", "0")), node=int(os.environ.get("GROUP_RANK", "0")))
     result["param_names"] = [n for n, _ in net.named_parameters()]
     result["module_classes"] = sorted({type(m).__name__ for m in net.modules()})
     write_observed(args.out, rank, result)
+    if "error" in result:
+        return 4
     if result.get("stopped"):
         if result["event"] == "nonfinite_detected":
             time.sleep(args.linger)  # as a Prometheus sink lingering for its last scrape would

@@ -4,6 +4,7 @@ that names the first rank, while the detecting rank lingers (as a Prometheus sin
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -33,6 +34,34 @@ def launch(tmp_path: Path, nproc: int, *args: str, timeout: float = 240):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(tmp_path))
     ended = time.time()
     return proc, dict(enumerate(read_observed(tmp_path, nproc, proc))), ended
+
+
+def launch_nodes(tmp_path: Path, nnodes: int, nproc: int, *args: str, timeout: float = 240):
+    """`nnodes` torchrun agents on 127.0.0.1 (static rendezvous, node ranks 0..nnodes-1), as
+    `nnodes` machines of `nproc` ranks would run: LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK real."""
+    port = str(free_port())
+    env = clean_env({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    procs = []
+    for node in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+               str(nproc), "--node-rank", str(node), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+               "--master-port", port, str(SCRIPT), str(tmp_path), *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=str(tmp_path)))
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    ended = time.time()
+    run = subprocess.CompletedProcess(procs[0].args, max(p.returncode for p in procs),
+                                      "".join(o for o, _ in outs), "".join(e for _, e in outs))
+    return run, dict(enumerate(read_observed(tmp_path, nnodes * nproc, run))), ended
 
 
 def events_of(tmp_path: Path, rank: int):
@@ -160,8 +189,13 @@ def test_no_detection_no_stop(tmp_path):
     proc, results, _ = launch(tmp_path, 2, "--mode", "ddp", "--batches", "6")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(not res.get("stopped") and res["batches_done"] == 6 for res in results.values())
-    # one store check per optimizer step, plus the first batch's start (no step seen yet) and the end
-    assert all(res["polls"] == 6 + 2 for res in results.values())
+    # The node's leader (local rank 0) makes one store check per optimizer step, plus the first
+    # batch's start (no step seen yet) and the end; the other rank reads the leader's answers for
+    # the same safe points and asks the store only at the end.
+    leader, other = results[0], results[1]
+    assert (leader["local_rank"], other["local_rank"]) == (0, 1)
+    assert leader["polls"] == 6 + 2 and leader["node_reads"] == 0
+    assert other["polls"] == 1 and other["node_reads"] == 6 + 1
 
 
 def test_stopped_by_rank_event_round_trips_and_renders():
@@ -204,3 +238,171 @@ def test_report_command_renders_a_stopped_rank(tmp_path, capsys):
     assert main(["report", str(tmp_path / "ev.jsonl"), "--event", "stopped_by_rank"]) == 0
     assert capsys.readouterr().out == ("tensorwatch_otel: rank 3 stopped at batch_number=8: rank 1 detected nan "
                                        "in (root) Net output during batch_number=7\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("straggler", [0, 1], ids=["detecting-rank-straggles", "healthy-rank-straggles"])
+def test_no_sync_accumulation_stops_every_rank_at_the_optimizer_step(tmp_path, straggler):
+    """DDP gradient accumulation: micro-batches 0-2 under no_sync(), micro-batch 3 all-reduces,
+    then the optimizer step. Rank 0's input overflows in micro-batch 1; one rank sleeps 3 s
+    before that micro-batch, so the ranks are far apart where nothing synchronises them. No
+    micro-batch start is a common point: every rank stops at the optimizer step after the
+    sync micro-batch's all-reduce, naming rank 0; nobody fails in a collective."""
+    accum, at, nap = 4, 1, 3.0
+    t0 = time.time()
+    proc, results, ended = launch(tmp_path, 2, "--mode", "ddp", "--accum", str(accum), "--bad", "0",
+                                  "--at", str(at), "--batches", "8", "--linger", "0",
+                                  "--straggle", f"{straggler}:{at}:{nap}")
+    for r, res in results.items():
+        assert "error" not in res, res["error"]
+        assert res["stopped"] and res["first_rank"] == 0, res
+        assert (res["module"], res["tensor"], res["batch_number"]) == ("layers.0", "input[0]", at)
+        assert res["batches_done"] == accum - 1, res  # raised in the step after micro-batch 3
+        assert res["event"] == ("nonfinite_detected" if r == 0 else "stopped_by_rank")
+        if r == 1:
+            assert res["stopped_at_batch"] == accum - 1
+    assert "Connection closed" not in proc.stderr
+    assert ended - t0 < PG_TIMEOUT_S
+
+
+@pytest.mark.slow
+def test_two_nodes_stop_together_naming_the_first_rank(tmp_path):
+    """Two torchrun agents on 127.0.0.1 as two nodes of two ranks: rank 3 (node 1's second rank,
+    which never asks the store itself) detects at batch 4; every rank stops at that step."""
+    at = 4
+    proc, results, ended = launch_nodes(tmp_path, 2, 2, "--mode", "ddp", "--bad", "3", "--at", str(at),
+                                        "--linger", "0")
+    assert [(r["node"], r["local_rank"]) for r in results.values()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    detected_at = [e for e in events_of(tmp_path, 3) if e.event == "nonfinite_detected"][0].time
+    for r, res in results.items():
+        assert "error" not in res, res["error"]
+        assert res["stopped"] and res["first_rank"] == 3, res
+        assert (res["module"], res["tensor"], res["batch_number"]) == ("layers.0", "input[0]", at)
+        assert res["event"] == ("nonfinite_detected" if r == 3 else "stopped_by_rank")
+        assert res["batches_done"] == at  # within two batches: here the detection's own step
+        if r != 3:
+            assert res["stopped_at_batch"] == at
+        assert res["time"] - detected_at < 10.0
+        # only the nodes' leaders ask the store at the safe points
+        assert (res["polls"] > 0) == (res["local_rank"] == 0), res
+    # one shared file per node, and none left behind although torchrun killed the ranks
+    files = {res["node"]: res["node_file"] for res in results.values()}
+    assert len(set(files.values())) == 2 and all(files.values())
+    assert not any(os.path.exists(f) for f in files.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nnodes,nproc", [(1, 4), (2, 2), (4, 1)], ids=["1x4", "2x2", "4x1"])
+def test_store_checks_per_step_follow_the_nodes_not_the_ranks(tmp_path, nnodes, nproc):
+    """Four ranks each time: the store checks per optimizer step (all ranks together, batches 1
+    to 5, one optimizer step each) equal the number of nodes."""
+    batches = 6
+    proc, results, _ = launch_nodes(tmp_path, nnodes, nproc, "--mode", "ddp", "--batches", str(batches))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(results) == 4
+    per_step = sum(r["polls_by_batch"][-1] - r["polls_by_batch"][0] for r in results.values()) / (batches - 1)
+    assert per_step == nnodes, [r["polls_by_batch"] for r in results.values()]
+    # the other ranks' answers came from their leader
+    assert all(r["node_reads"] >= batches for r in results.values() if r["local_rank"] > 0)
+
+
+# ---------------------------------------------------------------- one node's ranks, in one process
+# Two FleetStop objects stand for a node's leader (LOCAL_RANK 0) and its second rank, against a
+# real TCPStore served in this process (dropped to make the store fail).
+
+@pytest.fixture
+def store_server():
+    import torch.distributed as dist
+
+    server = {"store": dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)}
+    yield server, server["store"].port
+    server.clear()
+
+
+def _node(monkeypatch, port):
+    import datetime
+    import itertools
+
+    import torch.distributed as dist
+
+    from tensorwatch_otel.core import fleet
+
+    monkeypatch.setattr(fleet, "_dist", lambda: dist)
+    monkeypatch.setattr(fleet, "NODE_WAIT_S", 1.0)
+    stores = {}
+
+    def store():  # one client per simulated rank, as each process has its own
+        return stores[os.environ["LOCAL_RANK"]]
+
+    monkeypatch.setattr(fleet, "_store", store)
+    batch = {"n": 0}
+    emitted = []
+    ranks = []
+    for local in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("GROUP_RANK", "0")
+        stores[local] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+        monkeypatch.setattr(fleet, "_opened", itertools.count())  # each process counts its own
+        fs = fleet.FleetStop(emitted.append, lambda: batch["n"])
+        fs.at_batch_start()  # opens the node's file (the leader first: the other waits for its name)
+        ranks.append(fs)
+    return fleet, ranks, batch, emitted, stores
+
+
+def _as_rank(monkeypatch, local, call):
+    monkeypatch.setenv("LOCAL_RANK", local)
+    return call()
+
+
+def test_a_nodes_second_rank_reads_the_leaders_answers_and_its_stop(monkeypatch, store_server):
+    from tensorwatch_otel import NonFiniteDetected
+
+    _, port = store_server
+    fleet, (leader, other), batch, emitted, stores = _node(monkeypatch, port)
+    assert leader._node.leader and not other._node.leader
+    for b in range(1, 4):  # batches 0..2 run, an optimizer step after each
+        batch["n"] = b
+        _as_rank(monkeypatch, "0", leader.at_optimizer_step)
+        _as_rank(monkeypatch, "1", other.at_optimizer_step)
+    assert (leader.polls, other.polls, other.node_reads) == (4, 0, 4)
+    # another node's rank publishes a forward detection in batch 3
+    record = {"rank": 5, "batch_number": 3, "phase": "forward", "module": "layers.0", "module_class": "Linear",
+              "tensor": "input[0]", "kind": "inf", "time": 0.0}
+    stores["0"].compare_set(fleet.STORE_KEY, "", json.dumps(record))
+    batch["n"] = 4  # the step of batch 3: both stop there, the second rank from the leader's answer
+    with pytest.raises(NonFiniteDetected) as a:
+        _as_rank(monkeypatch, "0", leader.at_optimizer_step)
+    with pytest.raises(NonFiniteDetected) as b:
+        _as_rank(monkeypatch, "1", other.at_optimizer_step)
+    for info in (a, b):
+        ev = info.value.event
+        assert (ev.event, ev.first_rank, ev.batch_number, ev.stopped_at_batch) == ("stopped_by_rank", 5, 3, 3)
+    assert (other.polls, other.node_reads) == (0, 5)
+
+
+def test_a_node_whose_store_fails_stops_alone(monkeypatch, store_server):
+    """The store's server dies: the leader logs it and leaves; the second rank asks the store
+    itself, fails too, and both go back to raising a detection at once."""
+    server, port = store_server
+    fleet, (leader, other), batch, _, _ = _node(monkeypatch, port)
+    server.clear()  # the server goes with its store object
+    gc.collect()
+    batch["n"] = 1
+    _as_rank(monkeypatch, "0", leader.at_optimizer_step)
+    assert leader._failed and not leader.active()
+    _as_rank(monkeypatch, "1", other.at_optimizer_step)  # the leader is gone: asks the store, fails
+    assert other._failed and other._node is False and other.polls == 1
+    assert not other.defer(object())  # a detection raises on its own rank at once
+
+
+def test_a_silent_leader_sends_its_node_back_to_the_store(monkeypatch, store_server):
+    """A leader that stops answering (here: never reaches the safe point) costs its node's
+    ranks one bounded wait, then they ask the store themselves."""
+    _, port = store_server
+    fleet, (leader, other), batch, _, _ = _node(monkeypatch, port)
+    batch["n"] = 1
+    t0 = time.monotonic()
+    _as_rank(monkeypatch, "1", other.at_optimizer_step)
+    assert 0.9 < time.monotonic() - t0 < 10
+    assert other._node is False and other.polls == 1 and not other._failed

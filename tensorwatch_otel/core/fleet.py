@@ -11,24 +11,46 @@ step. Every rank then raises at the first safe point at or after the *target bat
 - the optimizer step that would consume the values of a batch >= target (the watcher's global
   optimizer-step pre-hook, for any optimizer holding the model's parameters), or
 - the start of a batch > target (loops without a `torch.optim` step: evaluation, a GradScaler
-  that skipped the step, hand-written updates).
+  that skipped the step, hand-written updates), unless the batch before it ran DDP's backward
+  without its all-reduce (inside `no_sync()`, gradient accumulation): nothing has synchronised
+  the ranks there, so a rank may already be in the accumulation's all-reduce. The ranks meet
+  at the optimizer step after that all-reduce instead.
 
 The target is the detection's batch for a forward detection (the step's backward collectives
 come after the publish, so every rank has seen it by the step's optimizer call), and the next
 batch for a detection made after them (gradients, optimizer state). Every rank derives the same
 stop point from the published record, so nobody is left alone in a collective.
 
-Cost when nothing happened: one store `check` per optimizer step, or per batch start when no
-optimizer step ran since the last one (a round trip to the store's server); no collective.
+Who asks the store. At a safe point a rank needs to know whether anything was published before
+the collective it just left. Under torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK set, more
+than one rank per node) only each node's local rank 0 (the node's *leader*) asks the store; it
+writes its answer for that safe point, keyed by the safe point (2 * batch, + 1 for an optimizer
+step), into a small shared-memory file of the node, and the node's other ranks wait for the
+leader's answer for the same safe point (the leader left the same collective, so its answer
+covers everything published before it). The store's load per step is then one `check` per
+node, not per rank. A leader that stops answering (left its loop, store failure, 30 s without
+an answer) sends its node's ranks back to asking the store themselves. Without torchrun's
+variables every rank asks the store.
+
+Cost when nothing happened: one store `check` per node (per rank without torchrun) per optimizer
+step, or per batch start when no optimizer step ran since the last one; the node's other ranks
+read a few bytes of shared memory; no collective.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import itertools
 import json
 import logging
+import mmap
+import os
+import struct
+import tempfile
 import time
-from typing import Callable, Optional
+import weakref
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -40,6 +62,10 @@ log = logging.getLogger(__name__)
 
 #: the store key a detection is published under (one per process group: the run is over once set)
 STORE_KEY = "tensorwatch_otel/fleet_stop"
+#: the store key prefix under which a node's leader names its shared-memory file
+NODE_KEY = "tensorwatch_otel/fleet_node"
+#: how long a rank waits for its node's leader (the file at first, then each answer)
+NODE_WAIT_S = 30.0
 
 
 def _dist():
@@ -60,20 +86,27 @@ class FleetStop:
     """One watcher's part in stopping the ranks together.
 
     `emit(event)` records an event durably (the watcher's sinks, flushed); `batch_number()` is
-    the watcher's batch counter. With `stops=False` (on_detect="report") detections are still
-    published, for their first_rank, but nothing is checked per batch and nobody stops.
+    the watcher's batch counter; `model` the watched model (to see DDP's `no_sync()`). With
+    `stops=False` (on_detect="report") detections are still published, for their first_rank,
+    but nothing is checked per batch and nobody stops.
     """
 
-    def __init__(self, emit: Callable[[object], None], batch_number: Callable[[], int], stops: bool = True):
+    def __init__(self, emit: Callable[[object], None], batch_number: Callable[[], int], stops: bool = True,
+                 model: Optional[torch.nn.Module] = None):
         self._emit = emit
         self._batch_number = batch_number
+        self._model = model
         self._pending: Optional[NonFiniteDetected] = None  # own detection, raised at the stop point
         self._first: Optional[dict] = None  # the published record (first rank's), once known
         self._done = False  # this watcher has raised its stop
         self._stops = stops
         self._failed = False  # the store failed once: back to raising at once
         self._stepped = False  # an optimizer step was polled since the last batch start
+        self._unsynced = False  # the last batch ran DDP's backward without its all-reduce
+        self._node: Optional[object] = None  # NodeShare; False: none (this rank asks the store)
         self.polls = 0  # store checks made (for tests and measurements)
+        self.requests = 0  # store requests of any kind (check, get, compare_set, set, wait)
+        self.node_reads = 0  # answers read from the node's leader instead of the store
 
     # ------------------------------------------------------------------ the detecting rank
     def active(self) -> bool:
@@ -92,8 +125,9 @@ class FleetStop:
                 "kind": event.kind, "time": event.time}
         payload = json.dumps(mine, separators=(",", ":"))
         try:
+            self.requests += 1
             got = _store().compare_set(STORE_KEY, "", payload)
-            self._first = mine if got == payload.encode() else json.loads(got)
+            self._learned(mine if got == payload.encode() else json.loads(got))
         except Exception as exc:  # no usable store: this rank stops alone, as without a fleet
             self._store_failed(exc)
             return event
@@ -111,34 +145,46 @@ class FleetStop:
     def at_optimizer_step(self) -> None:
         """Before an optimizer step: the batch whose values it consumes is batch_number - 1."""
         self._stepped = True
-        self._at_safe_point(max(self._batch_number() - 1, 0), 0)
+        batch = max(self._batch_number() - 1, 0)
+        self._at_safe_point(batch, 0, 2 * batch + 1)
 
     def at_batch_start(self) -> None:
         """Before the root's outermost forward; polls only when no optimizer step polled since
-        the last batch start (a step poll would have seen every stop this one could)."""
+        the last batch start (a step poll would have seen every stop this one could), and never
+        right after a batch whose backward skipped DDP's all-reduce (no_sync: the ranks are not
+        in step there; they meet at the accumulation's all-reduce and the optimizer step)."""
         stepped, self._stepped = self._stepped, False
-        if stepped and self._first is None:
+        if not self._stops:
             return
-        self._at_safe_point(self._batch_number(), 1)
+        unsynced, self._unsynced = self._unsynced, self._ddp_unsynced()
+        if unsynced or (stepped and self._first is None):
+            return
+        batch = self._batch_number()
+        self._at_safe_point(batch, 1, 2 * batch)
 
     def at_exit(self) -> None:
         """The watcher's with-block ended: a detection still held is raised now, and so is a
         stop another rank published (the loop ended before its stop point)."""
-        if self._done or not self._stops:
-            return
-        if self._pending is not None:
-            self._raise(self._pending)
-        if self._first is not None or (not self._failed and _dist() is not None and self._poll() is not None):
-            self._stop(self._first, self._batch_number())
+        try:
+            if self._done or not self._stops:
+                return
+            if self._pending is not None:
+                self._raise(self._pending)
+            if self._first is not None or (not self._failed and _dist() is not None
+                                           and self._ask_store(None) is not None):
+                self._stop(self._first, self._batch_number())
+        finally:
+            if self._node:
+                self._node.leave()  # a leader's node asks the store itself from now on
 
-    def _at_safe_point(self, batch: int, after: int) -> None:
+    def _at_safe_point(self, batch: int, after: int, point: int) -> None:
         if self._done or self._failed or not self._stops:
             return
         first = self._first
         if first is None:
             if _dist() is None:
                 return
-            first = self._poll()
+            first = self._poll(point)
             if first is None:
                 return
         target = first["batch_number"] + (0 if first.get("phase", "forward") == "forward" else 1)
@@ -147,6 +193,17 @@ class FleetStop:
         if self._pending is not None:
             self._raise(self._pending)
         self._stop(first, batch)
+
+    def _ddp_unsynced(self) -> bool:
+        """This batch runs DDP's backward without the gradient all-reduce (inside no_sync())."""
+        if not torch.is_grad_enabled():
+            return False
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = getattr(DDP, "_active_ddp_module", None)  # set while a DDP forward runs its module
+        if ddp is None and isinstance(self._model, DDP):  # the watched root is the DDP wrapper
+            ddp = self._model
+        return ddp is not None and not getattr(ddp, "require_backward_grad_sync", True)
 
     def _stop(self, first: dict, batch: int) -> None:
         """Raise the stop another rank published, after recording it."""
@@ -157,17 +214,57 @@ class FleetStop:
         self._emit(event)
         self._raise(NonFiniteDetected(stopped_message(event), event))
 
-    def _poll(self) -> Optional[dict]:
+    # ------------------------------------------------------------------ asking
+    def _poll(self, point: int) -> Optional[dict]:
+        """What was published before safe point `point`: from the node's leader, else the store."""
+        node = self._node_share()
+        if node is not None and not node.leader:
+            try:
+                answer = node.read(point, NODE_WAIT_S)
+            except Exception as exc:  # the file went away: ask the store from now on
+                answer = None
+                log.warning("tensorwatch_otel: reading the node's stop signal failed (%s); this rank "
+                            "asks the process group's store itself from now on", exc)
+            if answer is not None:
+                self.node_reads += 1
+                if answer[1] is not None:
+                    self._first = answer[1]
+                return self._first
+            self._node = False  # the leader does not answer: ask the store (logged by read)
+        return self._ask_store(point)
+
+    def _ask_store(self, point: Optional[int]) -> Optional[dict]:
+        node = self._node if self._node and self._node.leader else None
         self.polls += 1
         try:
             store = _store()
+            self.requests += 1
             if not store.check([STORE_KEY]):
+                if node is not None and point is not None:
+                    node.answer(point)
                 return None
-            self._first = json.loads(store.get(STORE_KEY))
+            self.requests += 1
+            self._learned(json.loads(store.get(STORE_KEY)))
         except Exception as exc:
             self._store_failed(exc)
             return None
         return self._first
+
+    def _learned(self, first: dict) -> None:
+        self._first = first
+        node = self._node_share() if self._stops else None
+        if node is not None and node.leader:
+            node.stop(first)  # the node's ranks see it at their next safe point
+
+    def _node_share(self) -> Optional["NodeShare"]:
+        if self._node is None:
+            self._node = False
+            try:
+                self._node = NodeShare.open(self) or False
+            except Exception as exc:  # no shared file: every rank asks the store, as before
+                log.warning("tensorwatch_otel: no node-local stop signal (%s: %s); this rank asks the "
+                            "process group's store at every safe point", type(exc).__name__, exc)
+        return self._node or None
 
     def _raise(self, exc: NonFiniteDetected) -> None:
         self._done = True
@@ -176,8 +273,132 @@ class FleetStop:
 
     def _store_failed(self, exc: Exception) -> None:
         self._failed = True
+        if self._node:
+            self._node.leave()
         log.error("tensorwatch_otel: the process group's store failed (%s: %s); ranks are no longer "
                   "stopped together, a detection raises on its own rank at once", type(exc).__name__, exc)
+
+
+# The node's shared file: the leader's answers, read by the node's other ranks.
+#   [0:8)   int64  point: the last safe point the leader answered (-1: none yet)
+#   [8:16)  int64  state: 0 nothing published, 1 published (the record follows), 2 leader gone
+#   [16:24) int64  length of the record; [24:) the record (JSON)
+# The leader writes the record, then the state, then the point; a reader reads the point, then
+# the state, so an answered point's stop is never missed.
+_SIZE = 4096
+_CLEAR, _STOP, _GONE = 0, 1, 2
+_opened = itertools.count()  # node files this process opened: the same sequence on every local rank
+
+
+class NodeShare:
+    """A node-local channel from the node's leader (local rank 0) to its other ranks."""
+
+    def __init__(self, mm: mmap.mmap, leader: bool, path: str):
+        self._mm = mm
+        self.leader = leader
+        self.path = path
+        if leader:  # a leader dropped without leaving (its loop raised): its ranks ask the store
+            self._unlink = weakref.finalize(self, _leave_and_unlink, mm, path)
+
+    @classmethod
+    def open(cls, fleet: FleetStop) -> Optional["NodeShare"]:
+        """The node's channel under torchrun with several local ranks; None otherwise."""
+        try:
+            local, local_size, group = (int(os.environ[k]) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"))
+        except (KeyError, ValueError):
+            return None
+        if local_size <= 1:
+            return None
+        key = f"{NODE_KEY}/{group}/{next(_opened)}"
+        store = _store()
+        if local == 0:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            fd, path = tempfile.mkstemp(prefix="tensorwatch_otel-fleet-", dir=folder)
+            try:
+                os.ftruncate(fd, _SIZE)
+                mm = mmap.mmap(fd, _SIZE)
+            finally:
+                os.close(fd)
+            struct.pack_into("<qq", mm, 0, -1, _CLEAR)
+            share = cls(mm, True, path)
+            fleet.requests += 1
+            store.set(key, path)
+            return share
+        fleet.requests += 2
+        store.wait([key], datetime.timedelta(seconds=NODE_WAIT_S))
+        path = store.get(key).decode()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        fleet.requests += 1
+        if store.add(f"{key}/opened", 1) == local_size - 1:  # the node's last rank to open it
+            _unlink(path)  # the mappings stay: nothing is left behind, even if torchrun kills the ranks
+        return cls(mm, False, path)
+
+    # the leader
+    def answer(self, point: int) -> None:
+        """Nothing was published before `point`."""
+        struct.pack_into("<q", self._mm, 0, point)
+
+    def stop(self, first: dict) -> None:
+        data = json.dumps(first, separators=(",", ":")).encode()[:_SIZE - 24]
+        self._mm[24:24 + len(data)] = data
+        struct.pack_into("<q", self._mm, 16, len(data))
+        struct.pack_into("<q", self._mm, 8, _STOP)
+
+    def leave(self) -> None:
+        """The leader answers no more (its loop ended, its store failed): unless it published a
+        stop, the node's ranks ask the store themselves."""
+        if self.leader:
+            _leave(self._mm)
+
+    # the other ranks
+    def read(self, point: int, timeout: float) -> Optional[Tuple[int, Optional[dict]]]:
+        """(point, record or None) once the leader answered `point` or published a stop; None when
+        the leader is gone or did not answer within `timeout` seconds."""
+        mm = self._mm
+        nap, deadline = 0.0, None
+        while True:
+            answered = struct.unpack_from("<q", mm, 0)[0]
+            state = struct.unpack_from("<q", mm, 8)[0]
+            if state == _STOP:
+                size = struct.unpack_from("<q", mm, 16)[0]
+                return point, json.loads(bytes(mm[24:24 + size]))
+            if answered >= point:  # (a leader gone after answering `point` answered it)
+                return point, None
+            if state == _GONE:
+                return None
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout
+            elif now > deadline:
+                log.warning("tensorwatch_otel: the node's leader (local rank 0) gave no stop signal for "
+                            "%.0f s; this rank asks the process group's store itself from now on", timeout)
+                return None
+            time.sleep(nap)
+            nap = min(nap * 2 or 2e-5, 2e-4)
+
+
+def _leave(mm: mmap.mmap) -> None:
+    if not mm.closed and struct.unpack_from("<q", mm, 8)[0] == _CLEAR:
+        struct.pack_into("<q", mm, 8, _GONE)
+
+
+def _leave_and_unlink(mm: mmap.mmap, path: str) -> None:
+    try:
+        _leave(mm)
+    except ValueError:
+        pass
+    _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _store():

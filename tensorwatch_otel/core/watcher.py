@@ -86,7 +86,8 @@ class Watcher:
         self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
-        self._fleet = FleetStop(self._record_durable, lambda: self.batch_number, config.on_detect == "raise")
+        self._fleet = FleetStop(self._record_durable, lambda: self.batch_number, config.on_detect == "raise",
+                                 model=model)
         self._attach()
 
     # ---------------------------------------------------------------- lifetime
