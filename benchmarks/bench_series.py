@@ -261,9 +261,10 @@ def baseline_memory(tmp: str, interval_s: float) -> Dict[str, float]:
 
 
 def fleet_budget(n: int, k: int, detail_ranks: int, pairs: int) -> int:
-    """Series the fleet mode may put into Prometheus: K pairs x 3 gauges plus the per-rank series
-    on every rank, everything on the detail ranks, and the fleet recording rules' outputs."""
-    per_rank = 3 * k + PER_RANK + SCRAPE_META
+    """Series the fleet mode may put into Prometheus: at most 2K pairs x 3 gauges (K, plus pairs kept
+    while they stay among the 2K worst) and the per-rank series on every rank, everything on the
+    detail ranks, and the fleet recording rules' outputs."""
+    per_rank = 3 * 2 * k + PER_RANK + SCRAPE_META
     return (n - detail_ranks) * per_rank + detail_ranks * (3 * pairs + PER_RANK + SCRAPE_META) + 3 * pairs + 10
 
 
@@ -346,19 +347,28 @@ def run(args) -> dict:
 
 
 def extrapolate(result: dict, pairs: int, args) -> dict:
-    """Series and Prometheus head memory at 1k/8k/16k ranks, from the largest measured run:
-    series per rank measured, bytes per series measured (Go heap in use; see docs/at-scale.md for
-    why this is a lower bound after a few scrapes)."""
+    """Series, Prometheus head memory and ingest at 1k/8k/16k ranks. Series per rank: measured in
+    the largest detail="all" run (the label set does not depend on the number of ranks). Bytes per
+    series: the Go heap in use, marginal between the smallest and the largest run (fixed costs
+    cancel); after a few scrapes, so a lower bound (docs/at-scale.md). Fleet mode: the budget
+    (2K pairs per rank at most, one detail rank)."""
     if not result["all"]:
         return {}
+    small = min(result["all"], key=lambda m: m["endpoints"])
     big = max(result["all"], key=lambda m: m["endpoints"])
     per_rank_all = big["head_series"] / big["endpoints"]
-    bps = big["heap_bytes_per_series"]
-    out = {}
+    if big["head_series"] > small["head_series"]:
+        bps = (big["heap_inuse_bytes"] - small["heap_inuse_bytes"]) / (big["head_series"] - small["head_series"])
+    else:
+        bps = big["heap_bytes_per_series"]
     k = int(args.detail.split(":")[1]) if args.detail.startswith("top:") else 0
+    out = {"assumptions": {"series_per_rank_all": round(per_rank_all, 1), "heap_bytes_per_series": round(bps, 1),
+                           "fleet": f"detail={args.detail}, one detail rank, the fleet recording rules",
+                           "scrape_interval_s": 15}}
     for ranks in (1024, 8192, 16384):
         fleet = fleet_budget(ranks, k, 1, pairs)
-        out[str(ranks)] = {"all_series": round(ranks * per_rank_all), "all_heap_gib": round(ranks * per_rank_all * bps / 2**30, 1),
+        out[str(ranks)] = {"all_series": round(ranks * per_rank_all),
+                           "all_heap_gib": round(ranks * per_rank_all * bps / 2**30, 1),
                            "fleet_series": fleet, "fleet_heap_gib": round(fleet * bps / 2**30, 2),
                            "samples_per_s_all": round(ranks * per_rank_all / 15), "samples_per_s_fleet": round(fleet / 15)}
     return out

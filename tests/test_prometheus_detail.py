@@ -132,3 +132,28 @@ def test_bad_values_name_the_option(monkeypatch, kwargs, env, needle):
     for k in env:
         monkeypatch.delenv(k)
     PrometheusMetrics(registry=reg).close()
+
+
+def test_top_k_keeps_a_served_pair_while_it_stays_among_the_2k_worst():
+    reg = CollectorRegistry()
+    sink = PrometheusMetrics(registry=reg, detail="top:2", window_s=0)
+
+    def outputs(*his):  # layers.i output abs max his[i]; weights and inputs small
+        return tuple(frame(f"layers.{i}", "Linear", stat("weight", 0.0, 0.01), stat("output", 0.0, hi))
+                     for i, hi in enumerate(his))
+
+    sink.on_batch(batch(outputs(10, 9, 8, 1, 1), number=0))
+    p = scrape(reg)
+    assert pairs(p) == {("layers.0", "output"), ("layers.1", "output")}
+    # layers.2 overtakes layers.1 by a hair: layers.1 is 3rd, within the 2K=4 worst, and stays
+    sink.on_batch(batch(outputs(10, 8.9, 9.1, 1, 1), number=1))
+    p = scrape(reg)
+    assert pairs(p) == {("layers.0", "output"), ("layers.1", "output"), ("layers.2", "output")}
+    # the cutoff is the largest pair left out, whatever stays served
+    assert sample(p, "tensorwatch_detail_cutoff_ratio", rank="0") == pytest.approx(1 / 65504)
+    # layers.1 falls below the 2K worst: it goes
+    sink.on_batch(batch(outputs(10, 0.001, 9.1, 5, 6), number=2))
+    p = scrape(reg)
+    assert pairs(p) == {("layers.0", "output"), ("layers.2", "output")}
+    assert sample(p, "tensorwatch_detail_cutoff_ratio", rank="0") == pytest.approx(6 / 65504)
+    sink.close()

@@ -38,7 +38,7 @@ def test_budget_formula():
     bench = _bench()
     # 64 ranks, top:16, one detail rank, 2,968 pairs: far below the 64 x 8,900 of detail="all"
     b = bench.fleet_budget(64, 16, 1, 2_968)
-    assert b == 63 * (48 + bench.PER_RANK + bench.SCRAPE_META) + 3 * 2_968 + bench.PER_RANK + \
+    assert b == 63 * (96 + bench.PER_RANK + bench.SCRAPE_META) + 3 * 2_968 + bench.PER_RANK + \
         bench.SCRAPE_META + 3 * 2_968 + 10
     assert b < 64 * 3 * 2_968 / 10
 

@@ -11,9 +11,9 @@ See docs/at-scale.md.
 
 from __future__ import annotations
 
-import heapq
 import math
 import os
+import threading
 from typing import FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from ..core import env as _env
@@ -85,14 +85,22 @@ def _badness(row: Row) -> float:
 
 
 class DetailPolicy:
-    """Chooses the rows a rank serves as per-module series; immutable once built."""
+    """Chooses the rows a rank serves as per-module series.
 
-    __slots__ = ("setting", "ranks", "_k")
+    ``top:K`` serves the K worst pairs, and keeps serving a pair it served at the previous scrape
+    while that pair stays among the 2K worst: a pair near the boundary does not flap in and out
+    of Prometheus (each flap is a gap in its series and the recording rules' output). At most 2K
+    pairs are served. The cutoff is computed over whatever is left out, so it stays exact.
+    """
+
+    __slots__ = ("setting", "ranks", "_k", "_served", "_lock")
 
     def __init__(self, setting: str, ranks: FrozenSet[int]):
         self.setting = setting
         self.ranks = ranks
         self._k = int(setting[len(_TOP):]) if setting.startswith(_TOP) else None
+        self._served: FrozenSet[Tuple[str, str]] = frozenset()  # (module, tensor) of the last scrape
+        self._lock = threading.Lock()  # scrapes of two Prometheus servers may overlap
 
     def select(self, rows: Sequence[Row], rank: int, detected: bool) -> Tuple[Sequence[Row], float, int]:
         """(rows to serve, cutoff, hidden): cutoff is the largest badness among the rows left out
@@ -102,8 +110,14 @@ class DetailPolicy:
         k = 0 if self._k is None else self._k
         if k >= len(rows):
             return rows, 0.0, 0
-        ranked = heapq.nlargest(k + 1, rows, key=_badness)
-        return ranked[:k], _badness(ranked[k]), len(rows) - k
+        ranked = sorted(rows, key=_badness, reverse=True)
+        with self._lock:
+            keep = [i for i in range(k, min(2 * k, len(ranked))) if (ranked[i][0], ranked[i][2]) in self._served]
+            chosen = list(range(k)) + keep
+            self._served = frozenset((ranked[i][0], ranked[i][2]) for i in chosen)
+        left = set(chosen)
+        cutoff = next((_badness(ranked[i]) for i in range(len(ranked)) if i not in left), 0.0)
+        return [ranked[i] for i in chosen], cutoff, len(rows) - len(chosen)
 
     @staticmethod
     def worst(rows: Sequence[Row]) -> Optional[Row]:

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -141,8 +141,8 @@ class PrometheusMetrics(Sink):
         max_series: Optional[int] = None,
         linger_s: Optional[float] = None,
         window_s: Optional[float] = None,
-        detail=None,
-        detail_ranks=None,
+        detail: Union[str, int, None] = None,
+        detail_ranks: Union[str, Iterable[int], None] = None,
     ):
         self.max_series = _env_number(ENV_MAX_SERIES, "max_series", max_series, DEFAULT_MAX_SERIES, int, 1)
         self.linger_s = _env_number(ENV_LINGER, "linger_s", linger_s, DEFAULT_LINGER_S, float, 0.0)
