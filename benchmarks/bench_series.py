@@ -17,6 +17,7 @@ model); several ranks share one worker process, each sink with its own registry 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -123,8 +124,7 @@ def worker(args) -> None:
         ports.append(sink.port)
     print(json.dumps({"ports": ports}), flush=True)
     sys.stdin.read()
-    for sink in sinks:
-        sink.close()
+    os._exit(0)  # no detection, nothing to linger for; closing 64 servers one by one takes seconds
 
 
 # ------------------------------------------------------------------------------ Prometheus
@@ -143,8 +143,8 @@ class Prometheus:
     def __init__(self, workdir: str, targets: Sequence[str], interval_s: float, rules: Sequence[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = {"global": {"scrape_interval": f"{interval_s:g}s", "scrape_timeout": f"{interval_s:g}s",
-                          "evaluation_interval": f"{interval_s:g}s"},
+        every = f"{round(interval_s * 1000)}ms"  # Prometheus durations take no fractions
+        cfg = {"global": {"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": every},
                "rule_files": [os.path.abspath(r) for r in rules],
                "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": list(targets)}]}]}
         os.makedirs(workdir, exist_ok=True)
@@ -194,21 +194,28 @@ class Prometheus:
         self.log.close()
 
 
-def start_workers(n: int, workers: int, args, detail: str, detail_ranks: str) -> Tuple[list, List[str]]:
-    procs, targets = [], []
+def start_workers(n: int, workers: int, args, detail: str, detail_ranks: str) -> list:
+    """Worker processes serving ranks 0..n-1 (they start in the background; see targets())."""
+    procs = []
     for w in range(min(workers, n)):
         ranks = ",".join(str(r) for r in range(w, n, workers))
         procs.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", "--ranks", ranks, "--n-ranks", str(n),
              "--blocks", str(args.blocks), "--seed", str(args.seed), "--detail", detail,
              "--detail-ranks", detail_ranks], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    return procs
+
+
+def targets_of(procs) -> List[str]:
+    """Waits until every worker serves; its endpoints as host:port."""
+    targets: List[str] = []
     for p in procs:
         line = p.stdout.readline()
         if not line:
             stop_workers(procs)
             raise RuntimeError("a worker died before serving")
         targets += [f"127.0.0.1:{port}" for port in json.loads(line)["ports"]]
-    return procs, targets
+    return targets
 
 
 def stop_workers(procs) -> None:
@@ -301,46 +308,64 @@ def check_fleet_view(prom: Prometheus, pairs: Sequence[Pair], n: int, args) -> d
             "hot_pair_abs_max": hot_v, "hot_pair_expected": 0.6 * FP16_MAX, "hot_rank": hot_rank(n)}
 
 
+def run_one(n: int, detail: str, detail_ranks: str, rules: Sequence[str], procs: list, pairs: Sequence[Pair],
+            base: Dict[str, float], tmp: str, args) -> dict:
+    """One configuration: its own Prometheus scraping its workers' endpoints."""
+    prom = None
+    try:
+        targets = targets_of(procs)
+        t0 = time.monotonic()
+        prom = Prometheus(os.path.join(tmp, f"{detail}-{n}"), targets, args.interval, rules)
+        scraped(prom, n, args.scrapes, args.interval, args.timeout)
+        m = measure(prom, n, base)
+        m["wall_s"] = round(time.monotonic() - t0, 1)
+        if rules:
+            k = int(detail.split(":")[1])
+            nd = len([r for r in detail_ranks.split(",") if r.strip() and int(r) < n])
+            m.update(detail=detail, detail_ranks=detail_ranks, budget_series=fleet_budget(n, k, nd, len(pairs)))
+            m["view"] = check_fleet_view(prom, pairs, n, args)
+            m["head_series"] = int(prom.own()["prometheus_tsdb_head_series"])  # with the rules' outputs
+            m["within_budget"] = m["head_series"] <= m["budget_series"]
+        print(json.dumps(m), flush=True)
+        return m
+    finally:
+        if prom is not None:
+            prom.stop()
+        stop_workers(procs)
+
+
 def run(args) -> dict:
     pairs = model_pairs(args.blocks)
     result = {"model": {"blocks": args.blocks, "pairs": len(pairs), "tensor_series_per_rank": 3 * len(pairs)},
               "scrape_interval_s": args.interval, "scrapes": args.scrapes, "workers": args.workers,
               "prometheus": subprocess.run([PROMETHEUS, "--version"], capture_output=True, text=True)
               .stdout.splitlines()[0], "all": [], "fleet": None}
+    runs = [(n, "all", "", ()) for n in args.endpoints]
+    if args.fleet_endpoints:
+        runs.append((args.fleet_endpoints, args.detail, args.detail_ranks, (FLEET_RULES,)))
     tmp = tempfile.mkdtemp(prefix="tw-series-")
+    pools: List[list] = []
     try:
+        # every configuration's workers start now: they import torch while the baseline runs
+        for n, detail, detail_ranks, _ in runs:
+            pools.append(start_workers(n, args.workers, args, detail, detail_ranks))
         base = baseline_memory(tmp, args.interval)
         result["baseline"] = {"rss_bytes": int(base["process_resident_memory_bytes"]),
                               "heap_inuse_bytes": int(base["go_memstats_heap_inuse_bytes"])}
-        runs = [(n, "all", "", ()) for n in args.endpoints]
-        if args.fleet_endpoints:
-            runs.append((args.fleet_endpoints, args.detail, args.detail_ranks, (FLEET_RULES,)))
-        for n, detail, detail_ranks, rules in runs:
-            procs, targets = start_workers(n, args.workers, args, detail, detail_ranks)
-            prom = None
-            try:
-                t0 = time.monotonic()
-                prom = Prometheus(os.path.join(tmp, f"{detail}-{n}"), targets, args.interval, rules)
-                scraped(prom, n, args.scrapes, args.interval, args.timeout)
-                m = measure(prom, n, base)
-                m["wall_s"] = round(time.monotonic() - t0, 1)
-                if rules:
-                    k = int(detail.split(":")[1])
-                    nd = len([r for r in detail_ranks.split(",") if r.strip() and int(r) < n])
-                    m.update(detail=detail, detail_ranks=detail_ranks,
-                             budget_series=fleet_budget(n, k, nd, len(pairs)))
-                    m["view"] = check_fleet_view(prom, pairs, n, args)
-                    m["head_series"] = int(prom.own()["prometheus_tsdb_head_series"])  # with the rules' outputs
-                    m["within_budget"] = m["head_series"] <= m["budget_series"]
-                    result["fleet"] = m
-                else:
-                    result["all"].append(m)
-                print(json.dumps(m), flush=True)
-            finally:
-                if prom is not None:
-                    prom.stop()
-                stop_workers(procs)
+        jobs = [(*r, procs, pairs, base, tmp, args) for r, procs in zip(runs, pools)]
+        if args.parallel:  # the configurations side by side, each with its own Prometheus
+            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+                measured = list(ex.map(lambda job: run_one(*job), jobs))
+        else:
+            measured = [run_one(*job) for job in jobs]
+        for (_n, _d, _r, rules), m in zip(runs, measured):
+            if rules:
+                result["fleet"] = m
+            else:
+                result["all"].append(m)
     finally:
+        for procs in pools:
+            stop_workers(procs)
         shutil.rmtree(tmp, ignore_errors=True)
     result["extrapolation"] = extrapolate(result, len(pairs), args)
     return result
@@ -386,7 +411,9 @@ def main(argv=None) -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--workers", type=int, default=2, help="processes serving the endpoints")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="4 endpoints, fleet 8, 4 blocks, 1 s interval")
+    ap.add_argument("--parallel", action="store_true", help="measure the configurations side by side (each its own "
+                    "Prometheus; --quick does: small ones only, the big ones compete for CPU)")
+    ap.add_argument("--quick", action="store_true", help="4 endpoints, fleet 8, 4 blocks, 0.5 s interval")
     ap.add_argument("--json", help="write the figures here")
     # worker role
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -398,7 +425,7 @@ def main(argv=None) -> None:
         return
     if args.quick:
         args.endpoints, args.fleet_endpoints, args.blocks = "4", 8, 4
-        args.interval, args.detail, args.timeout = 1.0, "top:4", 60.0
+        args.interval, args.detail, args.timeout, args.workers, args.parallel = 0.5, "top:4", 60.0, 1, True
     args.endpoints = [int(x) for x in str(args.endpoints).split(",") if x.strip()]
     result = run(args)
     text = json.dumps(result, indent=1)

@@ -68,4 +68,4 @@ def test_bench_series_quick(tmp_path):
     assert view["pairs_exact_above_cutoff"] == view["pairs_above_cutoff"]
     # the planted hot pair lives on a rank that is not a detail rank, and PromQL finds it
     assert view["hot_rank"] != 0 and view["hot_pair_abs_max"] == pytest.approx(view["hot_pair_expected"])
-    assert set(r["extrapolation"]) == {"1024", "8192", "16384"}
+    assert {"1024", "8192", "16384", "assumptions"} == set(r["extrapolation"])
