@@ -157,3 +157,21 @@ def test_top_k_keeps_a_served_pair_while_it_stays_among_the_2k_worst():
     assert pairs(p) == {("layers.0", "output"), ("layers.2", "output")}
     assert sample(p, "tensorwatch_detail_cutoff_ratio", rank="0") == pytest.approx(6 / 65504)
     sink.close()
+
+
+def test_a_stop_caused_by_another_rank_keeps_top_k():
+    """Only the detecting rank turns full detail on: a fleet stop must not put every rank's
+    detail into Prometheus at once."""
+    import time
+
+    from tensorwatch_otel.core.events import StoppedByRankEvent
+
+    reg = CollectorRegistry()
+    sink = PrometheusMetrics(registry=reg, detail="top:2", linger_s=0)
+    sink.on_batch(batch(ten_layers(), rank=4))
+    sink.on_event(StoppedByRankEvent(0, 4, 1, "layers.3", "Linear", "output", "inf", time.time()))
+    p = scrape(reg)
+    assert len(pairs(p)) == 2
+    assert sample(p, "tensorwatch_stopped_by_rank_events_total", module="layers.3", module_class="Linear",
+                  tensor="output", rank="4", first_rank="1") == 1
+    sink.close()
