@@ -29,6 +29,8 @@ CONTRACT_SERIES = {
     # second wave: skipped optimizer steps
     "tensorwatch_optimizer_steps_skipped_total", "tensorwatch_grad_scale",
     "tensorwatch_optimizer_skip_streaks_total", "tensorwatch_optimizer_skip_streak",
+    # fleet mode (PrometheusMetrics(detail=), docs/at-scale.md)
+    "tensorwatch_detail_cutoff_ratio", "tensorwatch_detail_hidden_pairs", "tensorwatch_rank_range_used_max_ratio",
 }
 ALERT_LABELS = {"module", "module_class", "tensor", "rank", "severity"}
 COMPOSE_SERVICES = {"otel-collector", "prometheus", "alertmanager", "jaeger", "grafana"}
@@ -270,6 +272,84 @@ def test_compose_wiring_matches_the_configs(compose):
 
 def _component_ids(section: Dict[str, Any]) -> set:
     return set(section or {})
+
+
+def _check_pipelines(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Every pipeline names defined components only, every defined one is used, memory_limiter first."""
+    receivers = _component_ids(cfg.get("receivers"))
+    processors = _component_ids(cfg.get("processors"))
+    exporters = _component_ids(cfg.get("exporters"))
+    service = cfg["service"]
+    assert set(service.get("extensions", [])) <= _component_ids(cfg.get("extensions"))
+    used: Dict[str, set] = {"receivers": set(), "processors": set(), "exporters": set()}
+    for name, pipe in service["pipelines"].items():
+        assert name.split("/")[0] in ("traces", "metrics", "logs"), name
+        assert pipe.get("receivers") and pipe.get("exporters"), name
+        for kind, defined in (("receivers", receivers), ("processors", processors), ("exporters", exporters)):
+            missing = set(pipe.get(kind, [])) - defined
+            assert not missing, f"pipeline {name} names undefined {kind}: {missing}"
+            used[kind].update(pipe.get(kind, []))
+        if "memory_limiter" in pipe.get("processors", []):
+            assert pipe["processors"][0] == "memory_limiter"
+    assert used == {"receivers": receivers, "processors": processors, "exporters": exporters}
+    return service["pipelines"]
+
+
+# OpenTelemetry metric names of the sink (docs/telemetry.md): the per-module ones carry the rank.
+OTEL_TENSOR_GAUGES = ("tensorwatch.tensor.abs_max", "tensorwatch.tensor.abs_min", "tensorwatch.tensor.range_used",
+                      "tensorwatch.tensor.underflow_ratio", "tensorwatch.tensor.overflow_ratio")
+OTEL_RANK_METRICS = ("tensorwatch.nonfinite.events", "tensorwatch.stopped_by_rank.events",
+                     "tensorwatch.optimizer.steps_skipped", "tensorwatch.grad_scale")
+
+
+def _ottl_is_match_dropped(condition: str, name: str) -> bool:
+    """Evaluates the one OTTL shape the fleet config uses: [not] IsMatch(name, "regex")."""
+    m = re.fullmatch(r'(not )?IsMatch\(name, "(.*)"\)', condition.strip())
+    assert m, f"unexpected OTTL condition {condition!r}"
+    hit = re.search(m.group(2).encode().decode("unicode_escape"), name) is not None
+    return hit != bool(m.group(1))
+
+
+def test_fleet_collector_config_aggregates_the_rank_away():
+    """deploy/otel-collector/fleet.yaml: no Collector binary here, so its structure is checked
+    against the components' documented fields (docs/at-scale.md says it was not run)."""
+    cfg = _load_yaml(DEPLOY / "otel-collector" / "fleet.yaml")
+    pipes = _check_pipelines(cfg)
+    procs = cfg["processors"]
+    fleet, ranks = pipes["metrics/fleet"]["processors"], pipes["metrics/ranks"]["processors"]
+    # resources made identical, then compacted, then batched over one export interval, then aggregated
+    order = [fleet.index(p) for p in ("resource/fleet", "groupbyattrs/compact", "batch/fleet",
+                                      "metricstransform/fleet")]
+    assert order == sorted(order)
+    deleted = {a.get("key") or a.get("pattern") for a in procs["resource/fleet"]["attributes"]
+               if a["action"] == "delete"}
+    assert {"service.instance.id", "tensorwatch.rank", "host.name"} <= deleted
+    assert procs["groupbyattrs/compact"] in ({}, None) or not procs["groupbyattrs/compact"].get("keys")
+    assert float(procs["batch/fleet"]["timeout"].rstrip("s")) >= 15
+    # the two filters split the metrics: tensor gauges to the fleet pipeline, the rest keep their rank
+    fleet_filter = procs[next(p for p in fleet if p.startswith("filter/"))]["metrics"]["metric"]
+    rank_filter = procs[next(p for p in ranks if p.startswith("filter/"))]["metrics"]["metric"]
+    for name in OTEL_TENSOR_GAUGES + OTEL_RANK_METRICS:
+        in_fleet = not any(_ottl_is_match_dropped(c, name) for c in fleet_filter)
+        in_ranks = not any(_ottl_is_match_dropped(c, name) for c in rank_filter)
+        assert in_fleet != in_ranks, name
+        assert in_fleet == (name in OTEL_TENSOR_GAUGES), name
+    # the per-module magnitude histogram is left out of both (docs/at-scale.md)
+    assert any(_ottl_is_match_dropped(c, "tensorwatch.tensor.magnitude") for c in fleet_filter + rank_filter)
+    assert all(any(_ottl_is_match_dropped(c, "tensorwatch.tensor.magnitude") for c in f)
+               for f in (fleet_filter, rank_filter))
+    # every tensor gauge is aggregated, max (min for abs_min), keeping module/class/tensor, not rank
+    transforms = procs["metricstransform/fleet"]["transforms"]
+    for name in OTEL_TENSOR_GAUGES:
+        hits = [t for t in transforms if (re.search(t["include"], name) if t.get("match_type") == "regexp"
+                                           else t["include"] == name)]
+        assert len(hits) == 1, name
+        (op,) = hits[0]["operations"]
+        assert op["action"] == "aggregate_labels"
+        assert op["aggregation_type"] == ("min" if name.endswith("abs_min") else "max")
+        assert {"tensorwatch.module.path", "tensorwatch.module.class", "tensorwatch.tensor"} <= set(op["label_set"])
+        assert "tensorwatch.rank" not in op["label_set"]
+        assert hits[0]["action"] == "update" and hits[0]["new_name"].startswith("tensorwatch.fleet.tensor.")
 
 
 def test_collector_pipelines_name_only_defined_components():

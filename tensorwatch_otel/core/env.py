@@ -55,6 +55,12 @@ ENV_PROMETHEUS_ADDR = "TENSORWATCH_PROMETHEUS_ADDR"
 ENV_PROMETHEUS_MAX_SERIES = "TENSORWATCH_PROMETHEUS_MAX_SERIES"
 #: ``PrometheusMetrics(linger_s=)``: after a detection, seconds to wait at exit for a scrape (>= 0; 30).
 ENV_PROMETHEUS_LINGER_SECONDS = "TENSORWATCH_PROMETHEUS_LINGER_SECONDS"
+#: ``PrometheusMetrics(detail=)``: per-module series served: ``all`` (default), ``summary`` (per-rank
+#: series only) or ``top:K`` (the K (module, tensor) pairs with the largest range used, K >= 1).
+ENV_PROMETHEUS_DETAIL = "TENSORWATCH_PROMETHEUS_DETAIL"
+#: ``PrometheusMetrics(detail_ranks=)``: ranks that serve every per-module series whatever
+#: ``detail`` says, comma-separated integers >= 0 (none).
+ENV_PROMETHEUS_DETAIL_RANKS = "TENSORWATCH_PROMETHEUS_DETAIL_RANKS"
 #: ``window_s=`` of both metric sinks: seconds of batches the tensor gauges cover (>= 0; 60; 0: last batch).
 ENV_METRICS_WINDOW_SECONDS = "TENSORWATCH_METRICS_WINDOW_SECONDS"
 #: Append the JSON lines event log to this path (``{rank}`` in it: one file per rank; off when unset).
@@ -71,6 +77,7 @@ ALL: Tuple[str, ...] = (
     ENV_MAX_SKIPPED_STEPS, ENV_RERUN_ON_DETECT, ENV_FLUSH_TIMEOUT_SECONDS, ENV_GUARD_STEPS,
     ENV_CPU_KERNEL,
     ENV_PROMETHEUS_PORT, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_MAX_SERIES, ENV_PROMETHEUS_LINGER_SECONDS,
+    ENV_PROMETHEUS_DETAIL, ENV_PROMETHEUS_DETAIL_RANKS,
     ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,
 )
 

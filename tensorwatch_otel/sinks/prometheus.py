@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,6 +29,7 @@ from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, 
                            label_for_module)
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
 from ._base import Sink
+from ._detail import DetailPolicy, detail_ranks_setting, detail_setting, summary_families
 
 __all__ = ["PrometheusMetrics", "DEFAULT_MAX_SERIES", "DEFAULT_LINGER_S"]
 
@@ -119,6 +120,10 @@ class PrometheusMetrics(Sink):
     - ``linger_s`` (TENSORWATCH_PROMETHEUS_LINGER_SECONDS, 30): after a detection, serve at exit
       until one scrape happened, at most this long.
     - ``window_s`` (TENSORWATCH_METRICS_WINDOW_SECONDS, 60): seconds of batches the gauges cover.
+    - ``detail`` (TENSORWATCH_PROMETHEUS_DETAIL, ``all``): per-module series served: ``all``,
+      ``summary`` (per-rank series only) or ``top:K`` (the K pairs with the largest range used);
+      ``detail_ranks`` (TENSORWATCH_PROMETHEUS_DETAIL_RANKS): ranks that serve all. A rank that
+      detected inf/nan serves all from then on. See docs/at-scale.md.
     - The nonfinite counter carries the detection's ``trace_id`` as an OpenMetrics exemplar.
     See docs/telemetry.md for each.
     """
@@ -136,10 +141,16 @@ class PrometheusMetrics(Sink):
         max_series: Optional[int] = None,
         linger_s: Optional[float] = None,
         window_s: Optional[float] = None,
+        detail: Union[str, int, None] = None,
+        detail_ranks: Union[str, Iterable[int], None] = None,
     ):
         self.max_series = _env_number(ENV_MAX_SERIES, "max_series", max_series, DEFAULT_MAX_SERIES, int, 1)
         self.linger_s = _env_number(ENV_LINGER, "linger_s", linger_s, DEFAULT_LINGER_S, float, 0.0)
         self._wanted = ModuleFilter(include, exclude)
+        self.detail = detail_setting(detail)
+        self.detail_ranks = detail_ranks_setting(detail_ranks)
+        self._policy = DetailPolicy(self.detail, self.detail_ranks)
+        self._detected = False  # this rank detected inf/nan: serve every per-module series
         self._default_rank = int(os.environ.get("RANK", "0") or 0)
 
         # The tensor gauges: extremes over the batches of the last window_s seconds.
@@ -252,6 +263,7 @@ class PrometheusMetrics(Sink):
                 self._stopped[key] = self._stopped.get(key, 0) + 1
                 self._unscraped_detection = True  # this rank stops now: let the scrape see why
                 return
+            self._detected = True
             entry = self._nonfinite.setdefault(key, [0, None, None])
             entry[0] += 1
             if event.trace_id:
@@ -367,8 +379,10 @@ class PrometheusMetrics(Sink):
                                      "Consecutive skipped optimizer steps, as of the latest skip reported",
                                      labels=("rank",))
         batches = 0
+        rows, cutoff, hidden = ((), 0.0, 0) if snap is None else \
+            self._policy.select(snap.rows, rank, self._detected)
         if snap is not None:
-            for module, cls, tensor, dtype, lo, hi, ru in snap.rows:
+            for module, cls, tensor, dtype, lo, hi, ru in rows:
                 labels = (module, cls, tensor, r)
                 amax.add_metric(labels, hi)
                 amin.add_metric(labels, lo)
@@ -397,4 +411,4 @@ class PrometheusMetrics(Sink):
         for (module, cls, tensor, ev_rank, first), n in stopped:
             stopped_f.add_metric((module, cls, tensor, str(ev_rank), str(first)), n)
         return [amax, amin, used, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f, scale_f,
-                streaks_f, streak_f]
+                streaks_f, streak_f] + summary_families(None if snap is None else snap.rows, r, cutoff, hidden)
