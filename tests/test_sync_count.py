@@ -114,19 +114,25 @@ def test_sampled_batches_transfer_nothing():
     assert counts == [(1, 1), (0, 0), (0, 0), (1, 1), (0, 0), (0, 0)]  # steps of unwatched batches: unguarded
 
 
-def test_report_mode_with_detection_still_one_transfer():
+def _inf_bias_model():
     model = Small()
     with torch.no_grad():
         model.blocks[1][1].bias[0] = float("inf")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    sink = Collect()
-    with watch(model, sinks=[sink], on_detect="report") as w:
+    return model, torch.optim.SGD(model.parameters(), lr=0.0)
+
+
+def test_report_mode_with_detection_still_one_transfer():
+    model, opt = _inf_bias_model()
+    with watch(model, sinks=[Collect()], on_detect="report") as w:
         counts = _counted_steps(model, opt, torch.randn(2, 8), 2)
         # each step: the forward detection, and the guard's on the gradients the inf made,
         # located with one more copy (the slow path runs only when a gradient is bad)
         assert w.detections == 4
-    assert counts == [(1, 2)] * 2
-    with watch(model, sinks=[Collect()], on_detect="report", guard_steps=False) as w:
+    # the second batch's detection also reads its tensor's inf/nan flags (below)
+    assert counts == [(1, 2), (1, 3)]
+    model, opt = _inf_bias_model()
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="report", guard_steps=False) as w:
         counts = _counted_steps(model, opt, torch.randn(2, 8), 2)
         assert w.detections == 2
     # the step made a weight nan (0 * nan): abs min/max show NaN whether or not an inf is there
