@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple
 
 from . import env as _env
+from .rank import env_rank
 from .env import ENV_EVERY_N_BATCHES, ENV_MAX_FRAMES, ENV_ON_DETECT, ConfigError  # noqa: F401  (re-exported)
 
 ON_DETECT = ("raise", "report")
@@ -122,6 +123,7 @@ class WatchConfig:
         include = _patterns(name, include)
         name, exclude = pick("exclude", exclude)
         exclude = _patterns(name, exclude)
+        env_rank(env)  # a bad RANK fails when the watcher is built, not in a sink or at a detection
         _env.cpu_kernel_mode(env)  # process-wide, read by core/cpu_kernel.py; a bad value fails here, early
         return cls(max_frames=max_frames, trace_batches=traced, abort_after_batch=abort_after_batch,
                    every_n_batches=every, gradients=flags["gradients"], include=include,

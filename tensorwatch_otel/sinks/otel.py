@@ -20,11 +20,12 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
                            label_for_module, set_trace_id_source)
+from ..core.rank import current_rank
 from .otel_env import shutdown_bounded
 from .._version import __version__
 from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # noqa: F401 (re-export)
 from ._aggregate import DEFAULT_WINDOW_S, ENV_WINDOW, ModuleFilter, Patterns, Window, window_seconds
-from ._base import Sink
+from ._base import Sink, utf8_safe, utf8_text
 
 __all__ = ["OtelTelemetry", "SCOPE", "DEFAULT_MAX_SERIES"]
 
@@ -108,7 +109,7 @@ class OtelTelemetry(Sink):
         self._window = Window(self._wanted, max_series, window_seconds(window_s), "OpenTelemetry")
         self._rows_cache: Tuple[int, list] = (-1, [])
         self._cache_lock = threading.Lock()
-        self._rank = int(os.environ.get("RANK", "0") or 0)
+        self._rank = current_rank()  # a bad RANK fails here, naming it
         # skipped steps: (events seen, the core's count in BatchStats, added to the counter);
         # the counter follows the larger count, whichever of the two arrives first
         self._skips = [0, 0, 0]
@@ -194,9 +195,9 @@ class OtelTelemetry(Sink):
         ctx = otel_context.get_current()
         if isinstance(event, StoppedByRankEvent):
             self._stopped.add(1, {
-                "tensorwatch.module.path": label_for_module(event.module),
-                "tensorwatch.module.class": event.module_class,
-                "tensorwatch.tensor": event.tensor,
+                "tensorwatch.module.path": utf8_text(label_for_module(event.module)),
+                "tensorwatch.module.class": utf8_text(event.module_class),
+                "tensorwatch.tensor": utf8_text(event.tensor),
                 "tensorwatch.rank": event.rank,
                 "tensorwatch.first_rank": event.first_rank,
             })
@@ -208,9 +209,9 @@ class OtelTelemetry(Sink):
             joined = current.is_valid and format(current.trace_id, "032x") == event.trace_id
             dctx = _detection_context(event.trace_id, ctx) if event.trace_id and not joined else None
             self._nonfinite.add(1, {
-                "tensorwatch.module.path": label_for_module(event.module),
-                "tensorwatch.module.class": event.module_class,
-                "tensorwatch.tensor": event.tensor,
+                "tensorwatch.module.path": utf8_text(label_for_module(event.module)),
+                "tensorwatch.module.class": utf8_text(event.module_class),
+                "tensorwatch.tensor": utf8_text(event.tensor),
                 "tensorwatch.rank": event.rank,
                 "tensorwatch.first_rank": first,
             }, context=dctx or ctx)
@@ -300,7 +301,7 @@ class OtelTelemetry(Sink):
                 item.set()
                 continue
             try:
-                self._spans.emit(item, ctx)
+                self._spans.emit(utf8_safe(item), ctx)  # protobuf takes only encodable strings
             except Exception as exc:  # never let one bad event stop the worker
                 log.warning("tensorwatch_otel: building the span for %s failed: %s: %s",
                             getattr(item, "event", type(item).__name__), type(exc).__name__, exc)
@@ -317,8 +318,8 @@ class OtelTelemetry(Sink):
             rank = snap.rank
             out = []
             for module, cls, tensor, dtype, lo, hi, ru in snap.rows:
-                attrs = {"tensorwatch.module.path": module, "tensorwatch.module.class": cls,
-                         "tensorwatch.tensor": tensor, "tensorwatch.rank": rank}
+                attrs = {"tensorwatch.module.path": utf8_text(module), "tensorwatch.module.class": utf8_text(cls),
+                         "tensorwatch.tensor": utf8_text(tensor), "tensorwatch.rank": rank}
                 out.append((attrs, dtype, lo, hi, ru))
             self._rows_cache = (snap.version, out)
             return out

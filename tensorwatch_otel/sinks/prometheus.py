@@ -27,8 +27,9 @@ from prometheus_client.samples import Exemplar
 from ..core import env as _env
 from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
                            label_for_module)
+from ..core.rank import current_rank
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
-from ._base import Sink
+from ._base import Sink, utf8_text
 
 __all__ = ["PrometheusMetrics", "DEFAULT_MAX_SERIES", "DEFAULT_LINGER_S"]
 
@@ -93,6 +94,15 @@ def _check_registry(registry):
     return registry
 
 
+def _encodable(families: List[Metric]) -> List[Metric]:
+    """Label values that UTF-8 cannot encode (a module named with a lone surrogate) fail the
+    whole page with HTTP 500; such a value is written as its backslash escape instead."""
+    for m in families:
+        if not all(v.isascii() for s in m.samples for v in s.labels.values()):
+            m.samples = [s._replace(labels={k: utf8_text(v) for k, v in s.labels.items()}) for s in m.samples]
+    return families
+
+
 class _TensorwatchCollector(Collector):
     def __init__(self, sink: "PrometheusMetrics"):
         self._sink = sink
@@ -140,7 +150,7 @@ class PrometheusMetrics(Sink):
         self.max_series = _env_number(ENV_MAX_SERIES, "max_series", max_series, DEFAULT_MAX_SERIES, int, 1)
         self.linger_s = _env_number(ENV_LINGER, "linger_s", linger_s, DEFAULT_LINGER_S, float, 0.0)
         self._wanted = ModuleFilter(include, exclude)
-        self._default_rank = int(os.environ.get("RANK", "0") or 0)
+        self._default_rank = current_rank()  # a bad RANK fails here, naming it
 
         # The tensor gauges: extremes over the batches of the last window_s seconds.
         self._window = Window(self._wanted, self.max_series, window_seconds(window_s), "Prometheus")
@@ -327,7 +337,7 @@ class PrometheusMetrics(Sink):
             self._scraped.notify_all()
         snap = self._window.snapshot()
         rank = snap.rank if snap is not None else self._default_rank
-        return iter(self._families(snap, rank))
+        return iter(_encodable(self._families(snap, rank)))
 
     def _families(self, snap: Optional[Snapshot], rank: int) -> List[Metric]:
         r = str(rank)
