@@ -7,11 +7,13 @@ Spans are built on the sink's own thread (_otel_spans.py); gauges read the windo
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Iterable, Optional, Tuple
 
 from opentelemetry import context as otel_context
@@ -59,6 +61,39 @@ def _export_interval_s(provider: Any) -> float:
         except ValueError:
             ms = [60000.0]
     return max(ms, default=0) / 1000.0
+
+
+_exit_sinks: "weakref.WeakSet[OtelTelemetry]" = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+
+
+def _bound_application_exit(sink: "OtelTelemetry") -> None:
+    """The application's SDK providers (opentelemetry-instrument's, or ones set in code) shut
+    down at exit with a final export that waits the exporter's whole timeout (10 s, with
+    retries) when the collector hangs; our instruments give that export something to send.
+    Registered after the SDK's own exit hooks, so run before them: it shuts those providers
+    down itself, bounded by what is left of flush_timeout_s, and takes the SDK's hooks off.
+    Only after a flush of ours found the collector hanging: a healthy exit is left alone."""
+    with _exit_hook_lock:
+        first = not _exit_sinks
+        _exit_sinks.add(sink)
+    if first:
+        atexit.register(_shutdown_application_providers)
+
+
+def _shutdown_application_providers() -> None:
+    sinks = list(_exit_sinks)
+    if not sinks:
+        return
+    budget = min(s._exit_budget() for s in sinks)
+    providers = []
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        handler = getattr(provider, "_atexit_handler", None)  # set by the SDK: it would shut down at exit
+        if handler is not None and callable(getattr(provider, "shutdown", None)):
+            atexit.unregister(handler)
+            providers.append(provider)
+    if providers:
+        shutdown_bounded(providers, budget)
 
 
 class OtelTelemetry(Sink):
@@ -153,6 +188,10 @@ class OtelTelemetry(Sink):
         self._dropped = 0
         self._closed = False
         self._flush_late_logged = False
+        self._marker: Optional[threading.Event] = None  # the last flush's marker in the span queue
+        self._flush_threads: list = []  # flush threads that outlived their flush's timeout
+        self._flush_timeout_s = 5.0  # the watcher's flush_timeout_s, as the last flush() was given
+        self._last_flush = (-1e9, 0.0)  # (monotonic end, seconds taken) of the last flush
 
     # -- sink port (training thread: cheap) -----------------------------------------------
     @property
@@ -222,23 +261,29 @@ class OtelTelemetry(Sink):
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Spans of events seen so far are handed to the span processor, then both providers
-        are flushed; the whole call returns within about timeout_s, whatever the collector does."""
-        deadline = time.monotonic() + timeout_s
+        are flushed; the whole call returns within about timeout_s, whatever the collector does.
+        While an earlier flush is still stuck (the collector hangs) it returns at once: a second
+        wait would only add timeout_s to the detection or the exit, and export nothing more."""
+        self._flush_timeout_s = timeout_s
+        start = time.monotonic()
+        if self._stalled():
+            log.debug("tensorwatch_otel: OpenTelemetry flush skipped: the previous one has not finished")
+            self._last_flush = (time.monotonic(), 0.0)
+            return
+        deadline = start + timeout_s
         if self._worker is not None and self._worker.is_alive():
             marker = threading.Event()
             try:
                 self._queue.put((marker, None), timeout=max(0.0, deadline - time.monotonic()))
+                self._marker = marker
                 marker.wait(max(0.0, deadline - time.monotonic()))
             except queue.Full:
                 pass
         calls = []
-        for provider in (self._tracer_provider or trace.get_tracer_provider(),
-                         self._meter_provider or metrics.get_meter_provider()):
+        for provider in self._providers():
             fn = getattr(provider, "force_flush", None)
             if callable(fn):
                 calls.append(fn)
-        if not calls:
-            return
         # Side by side, so a stalled trace export does not starve the metrics flush; the SDK's
         # force_flush ignores its timeout, hence the daemon threads and the bounded join.
         threads = [threading.Thread(target=self._flush_one, args=(fn,), name="tensorwatch-otel-flush",
@@ -247,11 +292,34 @@ class OtelTelemetry(Sink):
             th.start()
         for th in threads:
             th.join(max(0.0, deadline - time.monotonic()))
-        if any(th.is_alive() for th in threads) and not self._flush_late_logged:
+        self._flush_threads = [th for th in threads if th.is_alive()]
+        self._last_flush = (time.monotonic(), time.monotonic() - start)
+        if self._stalled() and None in (self._tracer_provider, self._meter_provider):
+            _bound_application_exit(self)  # the collector hangs: the application's exit would wait on it too
+        if self._stalled() and not self._flush_late_logged:
             self._flush_late_logged = True
             log.warning("tensorwatch_otel: OpenTelemetry flush did not finish within %.1f s (collector "
                         "slow or unreachable?); training goes on, the export continues in the background",
                         timeout_s)
+
+    def _providers(self) -> list:
+        return [self._tracer_provider or trace.get_tracer_provider(),
+                self._meter_provider or metrics.get_meter_provider()]
+
+    def _stalled(self) -> bool:
+        """True while a flush that outlived its timeout is still under way."""
+        return (self._marker is not None and not self._marker.is_set()) or \
+            any(th.is_alive() for th in self._flush_threads)
+
+    def _exit_budget(self) -> float:
+        """Seconds close() or the exit may still wait: flush_timeout_s in all, counting the flush
+        that came just before (detach() flushes, then closes); nothing while the collector hangs."""
+        if self._stalled():
+            return 0.0
+        ended, took = self._last_flush
+        if time.monotonic() - ended < 1.0:
+            return max(0.0, self._flush_timeout_s - took)
+        return self._flush_timeout_s
 
     @staticmethod
     def _flush_one(fn) -> None:
@@ -264,17 +332,19 @@ class OtelTelemetry(Sink):
         if self._closed:
             return
         self._closed = True
+        budget = self._exit_budget()
+        start = time.monotonic()
         if self._worker is not None:
             try:
-                self._queue.put((_STOP, None), timeout=1.0)
+                self._queue.put_nowait((_STOP, None))
             except queue.Full:
                 pass
             # spans still queued reach the processor before the providers shut down
-            self._worker.join(2.0)
+            self._worker.join(min(2.0, budget))
         if self._shutdown_on_close:
             providers = [p for p in (self._tracer_provider, self._meter_provider)
                          if callable(getattr(p, "shutdown", None))]
-            shutdown_bounded(providers, 5.0)
+            shutdown_bounded(providers, max(0.0, budget - (time.monotonic() - start)))
 
     # -- span worker ---------------------------------------------------------------------
     def _enqueue(self, item) -> None:

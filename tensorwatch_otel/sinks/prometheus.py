@@ -305,10 +305,15 @@ class PrometheusMetrics(Sink):
     def _at_exit(self) -> None:
         if self._server is not None and self._pending_scrape():
             log.warning("tensorwatch_otel: waiting up to %.0f s for Prometheus to scrape the inf/nan "
-                        "detection from %s (%s=0 skips this)", self.linger_s, self.url, ENV_LINGER)
-            if not self.wait_for_scrape(self.linger_s):
-                log.warning("tensorwatch_otel: no scrape within %.0f s; the detection is in the "
-                            "logs and other sinks only", self.linger_s)
+                        "detection from %s (%s=0 skips this, Ctrl-C ends the wait)",
+                        self.linger_s, self.url, ENV_LINGER)
+            try:
+                if not self.wait_for_scrape(self.linger_s):
+                    log.warning("tensorwatch_otel: no scrape within %.0f s; the detection is in the "
+                                "logs and other sinks only", self.linger_s)
+            except KeyboardInterrupt:  # the user chose not to wait: no traceback from an exit hook
+                log.warning("tensorwatch_otel: wait for a scrape ended by Ctrl-C; the detection is in "
+                            "the logs and other sinks only")
         self._stop()
 
     def _stop(self) -> None:
