@@ -147,3 +147,112 @@ def test_lone_surrogate_module_name_otel_and_jsonl(clean_env, tmp_path):
     lines = [json.loads(line) for line in raw.decode("utf-8").splitlines()]
     assert [x["event"] for x in lines] == ["batch_trace", "nonfinite_detected"]
     assert lines[0]["frames"][0]["module"] == "\\ud800"  # written as the same escape as the label
+
+
+# -- item: silent no-ops and mis-aimed errors ------------------------------------------------------
+def _net():
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def test_include_matching_no_module_is_an_error_naming_it(clean_env):
+    with pytest.raises(ConfigError, match=r"include=\['nomatch\.\*'\] matches no module.*e\.g\. \(root\), 0, 1, 2"):
+        watch(_net(), sinks=[], include=["nomatch.*"])
+    clean_env.setenv("TENSORWATCH_INCLUDE", "nomatch.*")
+    with pytest.raises(ConfigError, match=r"TENSORWATCH_INCLUDE=\['nomatch\.\*'\] matches no module"):
+        watch(_net(), sinks=[])
+
+
+def test_unmatched_exclude_or_one_unmatched_include_warns_once(clean_env, caplog):
+    caplog.set_level(logging.WARNING, logger="tensorwatch_otel")
+    with watch(_net(), sinks=[], include=["0", "typo*"], exclude=["nothing"]) as w:
+        assert w.config.include == ("0", "typo*")
+    [rec] = [r for r in caplog.records if "match no module" in r.getMessage()]
+    assert "include pattern 'typo*'" in rec.getMessage() and "exclude pattern 'nothing'" in rec.getMessage()
+    assert "(root), 0, 1, 2" in rec.getMessage()
+
+
+def test_otel_telemetry_without_sdk_providers_warns_once(clean_env, caplog):
+    import tensorwatch_otel.sinks.otel as otel_mod
+    from tensorwatch_otel.sinks import OtelTelemetry
+
+    clean_env.setattr(otel_mod, "_told_nowhere", False)
+    caplog.set_level(logging.WARNING, logger="tensorwatch_otel")
+    OtelTelemetry(), OtelTelemetry()
+    told = [r.getMessage() for r in caplog.records if "exports nothing" in r.getMessage()]
+    assert len(told) == 1 and "tracer_provider=" in told[0]
+    from opentelemetry.sdk.trace import TracerProvider
+
+    caplog.clear()
+    clean_env.setattr(otel_mod, "_told_nowhere", False)
+    OtelTelemetry(tracer_provider=TracerProvider())
+    assert not [r for r in caplog.records if "exports nothing" in r.getMessage()]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_unwritable_capture_dir_variable_fails_at_watch(clean_env, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    clean_env.setenv("TENSORWATCH_CAPTURE_DIR", str(ro / "caps"))
+    with pytest.raises(ConfigError, match="TENSORWATCH_CAPTURE_DIR=.*cannot create files"):
+        watch(_net(), sinks=[])
+
+
+def test_capture_dir_under_a_file_fails_at_watch(clean_env, tmp_path):
+    (tmp_path / "f").write_text("x")
+    clean_env.setenv("TENSORWATCH_CAPTURE_DIR", str(tmp_path / "f" / "caps"))
+    with pytest.raises(ConfigError, match=r"TENSORWATCH_CAPTURE_DIR=.*is a file, not a folder"):
+        watch(_net(), sinks=[])
+    with pytest.raises(ConfigError, match=r"^capture_dir=.*exists and is not a directory"):
+        watch(_net(), sinks=[], capture_dir=str(tmp_path / "f"))
+    clean_env.setenv("TENSORWATCH_CAPTURE_DIR", str(tmp_path / "new" / "caps"))  # creatable: fine
+    watch(_net(), sinks=[]).detach()
+
+
+def test_misspelt_variable_warns_once_naming_the_real_one(clean_env, caplog):
+    import tensorwatch_otel.core.env as twenv
+
+    clean_env.setattr(twenv, "_warned_unknown", set())
+    clean_env.setenv("TENSORWATCH_MAX_FRAME", "3")
+    caplog.set_level(logging.WARNING, logger="tensorwatch_otel")
+    watch(_net(), sinks=[]).detach()
+    watch(_net(), sinks=[]).detach()
+    told = [r.getMessage() for r in caplog.records if "TENSORWATCH_MAX_FRAME " in r.getMessage()]
+    assert told == ["tensorwatch_otel: TENSORWATCH_MAX_FRAME is not a tensorwatch_otel variable and is "
+                    "ignored; did you mean TENSORWATCH_MAX_FRAMES?"]
+
+
+@pytest.mark.parametrize("value", [True, 1, "yes", object()])
+def test_grad_scaler_must_be_a_grad_scaler(clean_env, value):
+    with pytest.raises(TypeError, match=r"^grad_scaler=.*expected a torch\.amp\.GradScaler"):
+        watch(_net(), sinks=[], grad_scaler=value)
+    watch(_net(), sinks=[], grad_scaler=torch.amp.GradScaler("cpu", enabled=False)).detach()
+
+
+def test_bad_prometheus_addr_variable_is_named(clean_env, port):
+    clean_env.setenv("TENSORWATCH_PROMETHEUS_PORT", str(port))
+    clean_env.setenv("TENSORWATCH_PROMETHEUS_ADDR", "999.1.1.1")
+    with pytest.raises(ConfigError, match=r"^TENSORWATCH_PROMETHEUS_ADDR='999\.1\.1\.1': not an address"):
+        watch(_net())
+
+
+def test_unknown_keyword_lists_the_valid_options(clean_env):
+    with pytest.raises(TypeError) as err:
+        watch(_net(), max_frame=3)
+    msg = str(err.value)
+    assert msg.startswith("watch(): unknown watch() option(s) max_frame (did you mean max_frames?); valid: sinks, ")
+    assert "rerun_on_detect" in msg
+    from tensorwatch_otel.integrations.transformers import TensorwatchCallback
+
+    with pytest.raises(TypeError, match=r"unknown watch\(\) option\(s\) max_frame \(did you mean max_frames\?\)"):
+        TensorwatchCallback(max_frame=3)
+
+
+def test_a_single_sink_for_sinks_says_it_takes_a_list(clean_env):
+    from tensorwatch_otel.sinks import TextReport
+
+    with pytest.raises(TypeError, match=r"^sinks: expected a list of sinks, got one TextReport; write "
+                                        r"sinks=\[TextReport\(\.\.\.\)\]"):
+        watch(_net(), sinks=TextReport())
+    with pytest.raises(TypeError, match=r"^sinks: expected a list of sinks .*got int"):
+        watch(_net(), sinks=3)

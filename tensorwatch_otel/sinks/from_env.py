@@ -44,7 +44,13 @@ def sinks_from_env() -> List[Sink]:
         from .prometheus import PrometheusMetrics
 
         addr = text(os.environ, ENV_PROMETHEUS_ADDR) or "127.0.0.1"
-        sinks.append(PrometheusMetrics(port=port, addr=addr))
+        try:
+            sinks.append(PrometheusMetrics(port=port, addr=addr))
+        except ValueError as exc:
+            if not str(exc).startswith("addr="):
+                raise
+            raise ConfigError(f"{ENV_PROMETHEUS_ADDR}={addr!r}: not an address this host can listen on; "
+                              f"expected e.g. 127.0.0.1, 0.0.0.0 or a local interface's address") from None
 
     path = text(os.environ, ENV_JSONL)
     if path:

@@ -63,6 +63,25 @@ def _export_interval_s(provider: Any) -> float:
     return max(ms, default=0) / 1000.0
 
 
+_told_nowhere = False
+
+
+def _warn_if_exporting_nowhere(tracer_provider: Any, meter_provider: Any) -> None:
+    """One warning per process when neither a provider was given nor an SDK one is installed
+    globally: the API's default provider drops everything without a word."""
+    global _told_nowhere
+    if _told_nowhere or tracer_provider is not None or meter_provider is not None:
+        return
+    from .otel_env import application_providers
+
+    if application_providers() == (None, None):
+        _told_nowhere = True
+        log.warning("tensorwatch_otel: OtelTelemetry() found no OpenTelemetry SDK provider, so it exports "
+                    "nothing until one is installed globally (trace.set_tracer_provider / "
+                    "metrics.set_meter_provider, or opentelemetry-instrument). Pass tracer_provider=/"
+                    "meter_provider=, or use watch(sinks=None) with OTEL_EXPORTER_OTLP_ENDPOINT set")
+
+
 _exit_sinks: "weakref.WeakSet[OtelTelemetry]" = weakref.WeakSet()
 _exit_hook_lock = threading.Lock()
 
@@ -128,6 +147,7 @@ class OtelTelemetry(Sink):
             raise ValueError(f"max_series={max_series!r}: expected an integer >= 1")
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
+        _warn_if_exporting_nowhere(tracer_provider, meter_provider)
         self._tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
         self._spans = SpanBuilder(self._tracer, tracer_provider)
         # Detections made while the application has a span open join its trace (the event's
