@@ -256,3 +256,26 @@ def test_a_single_sink_for_sinks_says_it_takes_a_list(clean_env):
         watch(_net(), sinks=TextReport())
     with pytest.raises(TypeError, match=r"^sinks: expected a list of sinks .*got int"):
         watch(_net(), sinks=3)
+
+
+def test_port_mismatch_hint_fires_on_the_instrument_path(clean_env, caplog):
+    """opentelemetry-instrument's distro sets OTEL_EXPORTER_OTLP_PROTOCOL=grpc; deploy/README's
+    endpoint is the OTLP/HTTP port 4318: the application's providers export nothing, and the hint
+    says so once."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    import tensorwatch_otel.sinks._otlp_check as check
+    from tensorwatch_otel.sinks.from_env import otel_sink_from_env
+
+    clean_env.setattr(check, "_reported", set())
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    clean_env.setattr("opentelemetry.trace._TRACER_PROVIDER", TracerProvider())  # as the distro does
+    caplog.set_level(logging.WARNING, logger="tensorwatch_otel")
+    for _ in range(2):
+        sink = otel_sink_from_env()
+        assert sink is not None
+        sink.close()
+    told = [r.getMessage() for r in caplog.records if "port 4318 is OTLP/HTTP's" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf" in told[0]

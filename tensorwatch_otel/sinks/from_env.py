@@ -96,6 +96,10 @@ def otel_sink_from_env() -> Optional[Sink]:
     # to the application; the providers made here are shut down when the watcher detaches.
     tracer_provider = None if app_tp is not None else (own[0] if own else NoOpTracerProvider())
     meter_provider = None if app_mp is not None else (own[1] if own else NoOpMeterProvider())
+    if (app_tp is not None or app_mp is not None) and otlp_configured():
+        from ._otlp_check import warn_well_known_port_mismatch
+
+        warn_well_known_port_mismatch(os.environ)  # the application's exporters: a port that cannot work
     if app_tp is not None or app_mp is not None:
         log.debug("tensorwatch_otel: exporting through the application's OpenTelemetry providers "
                   "(traces: %s, metrics: %s)", type(app_tp).__name__, type(app_mp).__name__)
