@@ -114,7 +114,7 @@ def test_clean_run_under_opentelemetry_instrument_with_a_black_hole():
 
     def run(disabled: bool, endpoint: str) -> float:
         env = _env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-                   OTEL_LOGS_EXPORTER="none", OTEL_SERVICE_NAME="black-hole", OUT_DIR=str(ROOT / "out-unused"),
+                   OTEL_LOGS_EXPORTER="none", OTEL_SERVICE_NAME="black-hole", OUT_DIR=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tw-out-unused"),
                    TENSORWATCH_FLUSH_TIMEOUT_SECONDS=str(T))
         if disabled:
             env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = "tensorwatch_otel"

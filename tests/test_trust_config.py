@@ -279,3 +279,43 @@ def test_port_mismatch_hint_fires_on_the_instrument_path(clean_env, caplog):
     told = [r.getMessage() for r in caplog.records if "port 4318 is OTLP/HTTP's" in r.getMessage()]
     assert len(told) == 1, told
     assert "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf" in told[0]
+
+
+def test_readme_series_table_lists_every_family_metrics_serves(clean_env):
+    """A real /metrics after a detection and skipped steps: every metric family it serves, and
+    every family the sink can produce, has a row in README.md's series table (docs cannot drift)."""
+    import re
+
+    from prometheus_client import CollectorRegistry
+
+    from tensorwatch_otel.core.events import SkippedStepEvent, SkipStreakEvent
+    from tensorwatch_otel.sinks import PrometheusMetrics
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    table = readme[readme.index("| series | type | labels |"):]
+    table = table[:table.index("\n\n")]
+    documented = set(re.findall(r"`(tensorwatch_[a-z_]+)`", table))
+    sink = PrometheusMetrics(port=0, registry=CollectorRegistry(), linger_s=0)
+    model = OverflowNet()
+    try:
+        with watch(model, sinks=[sink], on_detect="report"):
+            model(torch.randn(2, 8))
+            model.boom.factor = 1e39
+            model(torch.randn(2, 8))
+        import dataclasses
+
+        for cls in (SkippedStepEvent, SkipStreakEvent):
+            kw = {f.name: 0 for f in dataclasses.fields(cls) if f.init and f.default is dataclasses.MISSING
+                  and f.default_factory is dataclasses.MISSING}
+            sink.on_event(dataclasses.replace(cls(**kw), streak=3, time=1.0))
+        with urllib.request.urlopen(sink.url, timeout=5) as resp:
+            body = resp.read().decode("utf-8")
+    finally:
+        sink.close()
+    served = {name for (name, _) in parse_prom(body)}
+    assert {"tensorwatch_nonfinite_events_total", "tensorwatch_optimizer_skip_streak",
+            "tensorwatch_optimizer_steps_skipped_total"} <= served
+    missing = sorted(n for n in served if n not in documented)
+    assert not missing, f"README.md's series table lacks {missing}"
+    every = {m.name + ("_total" if m.type == "counter" else "") for m in sink._families(None, 0)}
+    assert not sorted(every - documented), sorted(every - documented)
