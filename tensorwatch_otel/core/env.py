@@ -72,8 +72,6 @@ ALL: Tuple[str, ...] = (
     ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,
 )
 
-#: Variables with the prefix that are not options (the test suite's own).
-_NOT_OPTIONS: FrozenSet[str] = frozenset({"TENSORWATCH_REGEN_GOLDEN"})
 _warned_unknown: set = set()
 
 
@@ -82,8 +80,7 @@ def warn_unknown(environ: Mapping[str, str]) -> None:
     misspelt one would otherwise be ignored without a word), naming the closest real one."""
     prefix = "TENSORWATCH_"
     for name in environ:
-        if not isinstance(name, str) or not name.startswith(prefix) or name in ALL or name in _NOT_OPTIONS \
-                or name in _warned_unknown:
+        if not isinstance(name, str) or not name.startswith(prefix) or name in ALL or name in _warned_unknown:
             continue
         _warned_unknown.add(name)
         close = difflib.get_close_matches(name, ALL, n=1, cutoff=0.6)
