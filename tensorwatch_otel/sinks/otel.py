@@ -23,7 +23,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
                            label_for_module, set_trace_id_source)
 from ..core.rank import current_rank
-from .otel_env import shutdown_bounded
+from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__
 from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # noqa: F401 (re-export)
 from ._aggregate import DEFAULT_WINDOW_S, ENV_WINDOW, ModuleFilter, Patterns, Window, window_seconds
@@ -112,6 +112,8 @@ def _shutdown_application_providers() -> None:
             atexit.unregister(handler)
             providers.append(provider)
     if providers:
+        if budget <= 0:  # the collector hangs: end the stuck calls rather than wait for them
+            close_exporters_now(providers)
         shutdown_bounded(providers, budget)
 
 
@@ -364,7 +366,10 @@ class OtelTelemetry(Sink):
         if self._shutdown_on_close:
             providers = [p for p in (self._tracer_provider, self._meter_provider)
                          if callable(getattr(p, "shutdown", None))]
-            shutdown_bounded(providers, max(0.0, budget - (time.monotonic() - start)))
+            left = max(0.0, budget - (time.monotonic() - start))
+            if left <= 0:  # the collector hangs: end the stuck calls rather than wait for them
+                close_exporters_now(providers)
+            shutdown_bounded(providers, left)
 
     # -- span worker ---------------------------------------------------------------------
     def _enqueue(self, item) -> None:
