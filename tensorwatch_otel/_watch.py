@@ -3,11 +3,16 @@ plus what the environment configures."""
 
 from __future__ import annotations
 
+import fnmatch
+import inspect
+import logging
 from typing import List, Optional, Sequence
 
 import torch
 
-from .core.config import WatchConfig
+from .core import naming
+from .core.config import WatchConfig, check_keywords
+from .core.env import ENV_EXCLUDE, ENV_INCLUDE, ConfigError
 from .core.ports import Sink
 from .core.watcher import Watcher
 
@@ -18,7 +23,7 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
           on_detect: Optional[str] = None, check: Optional[str] = None, strict: bool = False,
           flush_timeout_s: Optional[float] = None, optimizer_state: Optional[bool] = None, capture_dir=None,
           grad_scaler=None, max_skipped_steps: Optional[int] = None,
-          rerun_on_detect: Optional[bool] = None, guard_steps: Optional[bool] = None) -> Watcher:
+          rerun_on_detect: Optional[bool] = None, guard_steps: Optional[bool] = None, **unknown) -> Watcher:
     """Watch every module of `model` for inf/nan and export per-module abs min/max.
 
     An option left at None comes from its environment variable when that is set, else from its
@@ -49,6 +54,11 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     a non-finite one is a detection (phase "backward", tensor `weight.grad`...) raised before the
     step changes the weights. A step GradScaler skips is not checked (it stays a skipped step).
     """
+    if unknown:
+        check_keywords("watch()", unknown, _OPTIONS)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    _check_grad_scaler(grad_scaler)
     config = WatchConfig.build(max_frames=max_frames, trace_batches=trace_batches,
                                abort_after_batch=abort_after_batch, every_n_batches=every_n_batches,
                                gradients=gradients, include=include, exclude=exclude,
@@ -56,18 +66,82 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
                                strict=strict, optimizer_state=optimizer_state, capture_dir=capture_dir,
                                max_skipped_steps=max_skipped_steps, rerun_on_detect=rerun_on_detect,
                                guard_steps=guard_steps)
+    _check_patterns(model, config, include is None, exclude is None)
     owned: List[Sink] = []
+    if sinks is not None:
+        sinks = _sink_list(sinks)
     if sinks is None:
         from .sinks.text import TextReport
 
         owned = [TextReport()] + env_sinks()
         sinks = owned
-    else:
-        sinks = list(sinks)
-        for s in sinks:
-            if not isinstance(s, Sink) and not (hasattr(s, "on_event") and hasattr(s, "on_batch")):
-                raise TypeError(f"sinks: {s!r} is not a sink (see tensorwatch_otel.sinks)")
     return Watcher(model, sinks, config, owned_sinks=owned, grad_scaler=grad_scaler)
+
+
+log = logging.getLogger(__name__)
+#: watch()'s options, for the error that lists them.
+_OPTIONS = tuple(n for n, p in inspect.signature(watch).parameters.items() if p.kind is p.KEYWORD_ONLY)
+
+
+def _is_sink(s) -> bool:
+    return isinstance(s, Sink) or (hasattr(s, "on_event") and hasattr(s, "on_batch"))
+
+
+def _sink_list(sinks) -> List[Sink]:
+    if _is_sink(sinks):
+        name = type(sinks).__name__
+        raise TypeError(f"sinks: expected a list of sinks, got one {name}; write sinks=[{name}(...)]")
+    try:
+        out = list(sinks)
+    except TypeError:
+        raise TypeError(f"sinks: expected a list of sinks (see tensorwatch_otel.sinks), got "
+                        f"{type(sinks).__name__}") from None
+    for s in out:
+        if not _is_sink(s):
+            raise TypeError(f"sinks: {s!r} is not a sink (see tensorwatch_otel.sinks)")
+    return out
+
+
+def _check_grad_scaler(scaler) -> None:
+    # what the watcher reads of it: the scale (core/steps.py ScaleReader) and whether it is on
+    if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("get_scale", "update", "step")):
+        raise TypeError(f"grad_scaler={scaler!r}: expected a torch.amp.GradScaler (or None)")
+
+
+def _check_patterns(model: torch.nn.Module, config: WatchConfig, include_from_env: bool,
+                    exclude_from_env: bool) -> None:
+    """include matching no module path is a ConfigError: a model that is silently not watched
+    is the worst outcome of a watcher. An exclude pattern (or one of several include patterns)
+    matching nothing is a warning: the rest of the model is still watched."""
+    if not config.include and not config.exclude:
+        return
+    labels = _module_labels(model)
+
+    def matches(pattern: str) -> bool:
+        return any(fnmatch.fnmatchcase(label, pattern) for label in labels)
+
+    some = ", ".join(labels[:6]) + (", ..." if len(labels) > 6 else "")
+    inc_name = ENV_INCLUDE if include_from_env else "include"
+    exc_name = ENV_EXCLUDE if exclude_from_env else "exclude"
+    unmatched_inc = [p for p in config.include if not matches(p)]
+    if config.include and len(unmatched_inc) == len(config.include):
+        raise ConfigError(f"{inc_name}={list(config.include)!r} matches no module, so nothing would be "
+                          f"watched; module paths are glob-matched, e.g. {some}")
+    unmatched = [(inc_name, p) for p in unmatched_inc] + [(exc_name, p) for p in config.exclude if not matches(p)]
+    if unmatched:
+        log.warning("tensorwatch_otel: %s match no module of %s (module paths: %s)",
+                    ", ".join(f"{n} pattern {p!r}" for n, p in unmatched), type(model).__name__, some)
+
+
+def _module_labels(model: torch.nn.Module) -> List[str]:
+    """Module paths as include/exclude see them (core/attach.py): the user's model inside
+    DDP / torch.compile wrappers, wrapper segments dropped, the root as ``(root)``."""
+    inner = naming.unwrap_root(model)
+    out = ["(root)"]
+    for path, module in inner.named_modules():
+        if module is not inner and type(module).__name__ not in naming.INNER_WRAPPERS:
+            out.append(naming.user_path(path))
+    return out
 
 
 def env_sinks() -> List[Sink]:

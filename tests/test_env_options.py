@@ -73,7 +73,10 @@ def test_each_variable_sets_its_option_when_the_watcher_is_built(clean_env, var)
     raw, option, want = GOOD[var]
     # set after the package was imported: the environment is read when a watcher is built
     clean_env.setenv(var, raw)
-    w = watch(torch.nn.Linear(2, 2), sinks=[])
+    # module paths the include/exclude examples match (an include matching nothing is an error)
+    model = torch.nn.ModuleDict({"encoder": torch.nn.Sequential(torch.nn.Linear(2, 2)),
+                                 "lm_head": torch.nn.Linear(2, 2), "dropout": torch.nn.Dropout()})
+    w = watch(model, sinks=[])
     try:
         assert getattr(w.config, option) == want
         others = {k: v for k, v in DEFAULTS.items() if k != option}

@@ -29,14 +29,23 @@ def usage_error(command: str, message: str) -> int:
     return EXIT_USAGE
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage_error()'s one line instead of a usage block on bad arguments."""
+
+    def error(self, message: str):  # type: ignore[override]
+        command = self.prog.split(" ", 1)[1] if " " in self.prog else "COMMAND"
+        sys.exit(usage_error(command, f"{message} (see tensorwatch-otel {command} --help)"
+                             if command != "COMMAND" else f"{message} (see tensorwatch-otel --help)"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tensorwatch-otel",
         description="Find the first inf/nan in PyTorch training, export per-module tensor "
         "statistics to Prometheus/OpenTelemetry, and check the cluster it runs on.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, modname in COMMANDS.items():
         try:
             mod = importlib.import_module(modname)

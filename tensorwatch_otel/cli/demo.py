@@ -209,7 +209,11 @@ def run(args) -> int:
         where = event.module or "(root)"
         print(f"demo: {event.kind} detected in {where} ({event.module_class}) {event.tensor} during "
               f"batch_number={event.batch_number}, after {elapsed:.1f} s; the report is above", file=sys.stderr)
-    print(f"demo: event log: {jsonl} (render it: tensorwatch-otel report {args.jsonl})", file=sys.stderr)
+    if event is not None or traced:
+        print(f"demo: event log: {jsonl} (render it: tensorwatch-otel report {args.jsonl})", file=sys.stderr)
+    else:  # this run detected and traced nothing: no event of it to render
+        print(f"demo: event log: {jsonl} (nothing written by this run: no detection, no traced batch)",
+              file=sys.stderr)
     if len(traced) == 2 and event is not None:
         a, b = traced
         print(f"demo: compare the traced batches: tensorwatch-otel diff {args.jsonl}:{a} {args.jsonl}:{b}",

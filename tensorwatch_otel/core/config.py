@@ -6,12 +6,15 @@ when a watcher is built, never at import.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import tempfile
 from dataclasses import dataclass, fields
 from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple
 
 from . import env as _env
+from .rank import env_rank
 from .env import ENV_EVERY_N_BATCHES, ENV_MAX_FRAMES, ENV_ON_DETECT, ConfigError  # noqa: F401  (re-exported)
 
 ON_DETECT = ("raise", "report")
@@ -39,6 +42,42 @@ def _patterns(name: str, value) -> Tuple[str, ...]:
         if not isinstance(p, str):
             raise ConfigError(f"{name}: pattern {p!r} is not a string")
     return out
+
+
+def check_keywords(owner: str, given, valid) -> None:
+    """TypeError for keywords `owner` does not take, listing the valid ones (and the closest
+    one to each unknown): watch() and the framework callbacks say the same."""
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(valid), n=1)
+        if close:
+            hints.append(f"{name} (did you mean {close[0]}?)")
+        else:
+            hints.append(name)
+    raise TypeError(f"{owner}: unknown watch() option(s) {', '.join(hints)}; valid: {', '.join(valid)}")
+
+
+def _check_capture_dir(name: str, path: str) -> None:
+    """ConfigError naming the option or variable unless `path` is, or can become, a folder that
+    takes new files: found when the watcher is built, not at the first detection."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{name}={path!r}: {why}; expected a folder that can be created and written")
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise bad("exists and is not a directory")
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):  # folders still to create: the first existing one decides
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise bad(f"{folder!r} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise bad(f"cannot create files in {folder!r} ({exc.strerror or exc})") from None
 
 
 @dataclass(frozen=True)
@@ -111,8 +150,7 @@ class WatchConfig:
         name, capture_dir = pick("capture_dir", capture_dir)
         if capture_dir is not None:
             capture_dir = os.fspath(capture_dir)
-            if os.path.exists(capture_dir) and not os.path.isdir(capture_dir):
-                raise ConfigError(f"{name}={capture_dir!r}: exists and is not a directory")
+            _check_capture_dir(name, capture_dir)
         max_skipped = _int_option(*pick("max_skipped_steps", max_skipped_steps),
                                   *_INT_RANGE["max_skipped_steps"])
         name, flush_timeout_s = pick("flush_timeout_s", flush_timeout_s)
@@ -123,6 +161,8 @@ class WatchConfig:
         include = _patterns(name, include)
         name, exclude = pick("exclude", exclude)
         exclude = _patterns(name, exclude)
+        _env.warn_unknown(env)
+        env_rank(env)  # a bad RANK fails when the watcher is built, not in a sink or at a detection
         _env.cpu_kernel_mode(env)  # process-wide, read by core/cpu_kernel.py; a bad value fails here, early
         return cls(max_frames=max_frames, trace_batches=traced, abort_after_batch=abort_after_batch,
                    every_n_batches=every, gradients=flags["gradients"], include=include,

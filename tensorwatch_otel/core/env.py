@@ -7,6 +7,8 @@ Precedence everywhere: argument, then environment variable, then default.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
 
@@ -80,6 +82,23 @@ ALL: Tuple[str, ...] = (
     ENV_PROMETHEUS_DETAIL, ENV_PROMETHEUS_DETAIL_RANKS,
     ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,
 )
+
+_warned_unknown: set = set()
+
+
+def warn_unknown(environ: Mapping[str, str]) -> None:
+    """One warning per process and name for a TENSORWATCH_* variable that is none of ours (a
+    misspelt one would otherwise be ignored without a word), naming the closest real one."""
+    prefix = "TENSORWATCH_"
+    for name in environ:
+        if not isinstance(name, str) or not name.startswith(prefix) or name in ALL or name in _warned_unknown:
+            continue
+        _warned_unknown.add(name)
+        close = difflib.get_close_matches(name, ALL, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "see README.md for the variables"
+        logging.getLogger(__name__).warning("tensorwatch_otel: %s is not a tensorwatch_otel variable and is "
+                                            "ignored; %s", name, hint)
+
 
 _TRUE: FrozenSet[str] = frozenset({"1", "true", "yes", "on"})
 _FALSE: FrozenSet[str] = frozenset({"0", "false", "no", "off"})

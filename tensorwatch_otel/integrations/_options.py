@@ -7,19 +7,17 @@ import inspect
 from typing import Any, Dict
 
 from .._watch import watch
-from ..core.config import WatchConfig
+from ..core.config import WatchConfig, check_keywords
 
-_WATCH_PARAMS = tuple(inspect.signature(watch).parameters)[1:]  # all but `model`
+_WATCH_PARAMS = tuple(n for n, p in inspect.signature(watch).parameters.items()
+                      if p.kind is p.KEYWORD_ONLY)  # all but `model` (and no **unknown)
 _CONFIG_PARAMS = frozenset(inspect.signature(WatchConfig.build).parameters)
 
 
 def check_watch_options(owner: str, options: Dict[str, Any]) -> Dict[str, Any]:
     """Fail early, when the callback is built, on an option watch() does not take or a value it
     rejects (the same ConfigError naming the option that watch() would raise at train begin)."""
-    unknown = sorted(set(options) - set(_WATCH_PARAMS))
-    if unknown:
-        raise TypeError(f"{owner}: unknown watch() option(s) {', '.join(unknown)}; "
-                        f"valid: {', '.join(_WATCH_PARAMS)}")
+    check_keywords(owner, options, _WATCH_PARAMS)
     WatchConfig.build(**{k: v for k, v in options.items() if k in _CONFIG_PARAMS})
     return dict(options)
 

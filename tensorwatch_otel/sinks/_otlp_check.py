@@ -207,3 +207,29 @@ def checked_metric_exporter(inner: Any, check: MismatchCheck) -> Any:
             return inner.shutdown(*args, **kwargs)
 
     return CheckedMetricExporter()
+
+
+def warn_well_known_port_mismatch(env: Mapping[str, str]) -> None:
+    """For exporters that are not ours (opentelemetry-instrument's, whose distro sets
+    OTEL_EXPORTER_OTLP_PROTOCOL=grpc): one warning per process and (host, port, protocol) when
+    the protocol is the other one than the endpoint's well-known port speaks (gRPC to 4318,
+    http/protobuf to 4317). Nothing is probed: those exports fail out of our sight."""
+    for signal in ("traces", "metrics"):
+        try:
+            t = resolve(signal, env)
+        except OtlpConfigError:
+            continue
+        if (t.protocol, t.port) == ("grpc", HTTP_PORT):
+            fix = f"set {ENV_PROTOCOL}=http/protobuf, or use the collector's OTLP/gRPC port ({GRPC_PORT})"
+        elif (t.protocol, t.port) == ("http/protobuf", GRPC_PORT):
+            fix = f"set {ENV_PROTOCOL}=grpc, or use the collector's OTLP/HTTP port ({HTTP_PORT})"
+        else:
+            continue
+        key = (t.host, t.port, t.protocol)
+        with _reported_lock:
+            if key in _reported:
+                continue
+            _reported.add(key)
+        log.warning("tensorwatch_otel: OTLP %s to %s (%s) over %s: port %d is OTLP/%s's, so the export "
+                    "fails (opentelemetry-instrument's distro defaults to grpc); %s", t.signal, t.endpoint,
+                    t.endpoint_var, t.protocol, t.port, "HTTP" if t.port == HTTP_PORT else "gRPC", fix)

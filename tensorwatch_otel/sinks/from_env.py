@@ -44,7 +44,13 @@ def sinks_from_env() -> List[Sink]:
         from .prometheus import PrometheusMetrics
 
         addr = text(os.environ, ENV_PROMETHEUS_ADDR) or "127.0.0.1"
-        sinks.append(PrometheusMetrics(port=port, addr=addr))
+        try:
+            sinks.append(PrometheusMetrics(port=port, addr=addr))
+        except ValueError as exc:
+            if not str(exc).startswith("addr="):
+                raise
+            raise ConfigError(f"{ENV_PROMETHEUS_ADDR}={addr!r}: not an address this host can listen on; "
+                              f"expected e.g. 127.0.0.1, 0.0.0.0 or a local interface's address") from None
 
     path = text(os.environ, ENV_JSONL)
     if path:
@@ -90,6 +96,10 @@ def otel_sink_from_env() -> Optional[Sink]:
     # to the application; the providers made here are shut down when the watcher detaches.
     tracer_provider = None if app_tp is not None else (own[0] if own else NoOpTracerProvider())
     meter_provider = None if app_mp is not None else (own[1] if own else NoOpMeterProvider())
+    if (app_tp is not None or app_mp is not None) and otlp_configured():
+        from ._otlp_check import warn_well_known_port_mismatch
+
+        warn_well_known_port_mismatch(os.environ)  # the application's exporters: a port that cannot work
     if app_tp is not None or app_mp is not None:
         log.debug("tensorwatch_otel: exporting through the application's OpenTelemetry providers "
                   "(traces: %s, metrics: %s)", type(app_tp).__name__, type(app_mp).__name__)

@@ -11,7 +11,7 @@ from ..report.codec import to_line
 from ..core.events import (AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent, SkipStreakEvent,
                            StoppedByRankEvent)
 from ..core.rank import current_rank
-from ._base import Sink
+from ._base import Sink, utf8_safe
 
 # fsynced before on_event returns: what may precede an exception that ends the run. A single
 # skipped optimizer step is flushed but not fsynced (there can be many).
@@ -72,6 +72,8 @@ class JsonlLog(Sink):
 
     def on_event(self, event) -> None:
         line = to_line(event)
+        if "\\ud" in line:  # a surrogate escape: a lone one (unencodable name) is written as text
+            line = to_line(utf8_safe(event))
         with self._lock:
             f = self._open(self._rank if self._rank is not None else event.rank)
             f.write(line)

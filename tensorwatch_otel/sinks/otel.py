@@ -7,11 +7,13 @@ Spans are built on the sink's own thread (_otel_spans.py); gauges read the windo
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Iterable, Optional, Tuple
 
 from opentelemetry import context as otel_context
@@ -20,11 +22,12 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
                            label_for_module, set_trace_id_source)
-from .otel_env import shutdown_bounded
+from ..core.rank import current_rank
+from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__
 from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # noqa: F401 (re-export)
 from ._aggregate import DEFAULT_WINDOW_S, ENV_WINDOW, ModuleFilter, Patterns, Window, window_seconds
-from ._base import Sink
+from ._base import Sink, utf8_safe, utf8_text
 
 __all__ = ["OtelTelemetry", "SCOPE", "DEFAULT_MAX_SERIES"]
 
@@ -60,6 +63,60 @@ def _export_interval_s(provider: Any) -> float:
     return max(ms, default=0) / 1000.0
 
 
+_told_nowhere = False
+
+
+def _warn_if_exporting_nowhere(tracer_provider: Any, meter_provider: Any) -> None:
+    """One warning per process when neither a provider was given nor an SDK one is installed
+    globally: the API's default provider drops everything without a word."""
+    global _told_nowhere
+    if _told_nowhere or tracer_provider is not None or meter_provider is not None:
+        return
+    from .otel_env import application_providers
+
+    if application_providers() == (None, None):
+        _told_nowhere = True
+        log.warning("tensorwatch_otel: OtelTelemetry() found no OpenTelemetry SDK provider, so it exports "
+                    "nothing until one is installed globally (trace.set_tracer_provider / "
+                    "metrics.set_meter_provider, or opentelemetry-instrument). Pass tracer_provider=/"
+                    "meter_provider=, or use watch(sinks=None) with OTEL_EXPORTER_OTLP_ENDPOINT set")
+
+
+_exit_sinks: "weakref.WeakSet[OtelTelemetry]" = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+
+
+def _bound_application_exit(sink: "OtelTelemetry") -> None:
+    """The application's SDK providers (opentelemetry-instrument's, or ones set in code) shut
+    down at exit with a final export that waits the exporter's whole timeout (10 s, with
+    retries) when the collector hangs; our instruments give that export something to send.
+    Registered after the SDK's own exit hooks, so run before them: it shuts those providers
+    down itself, bounded by what is left of flush_timeout_s, and takes the SDK's hooks off.
+    Only after a flush of ours found the collector hanging: a healthy exit is left alone."""
+    with _exit_hook_lock:
+        first = not _exit_sinks
+        _exit_sinks.add(sink)
+    if first:
+        atexit.register(_shutdown_application_providers)
+
+
+def _shutdown_application_providers() -> None:
+    sinks = list(_exit_sinks)
+    if not sinks:
+        return
+    budget = min(s._exit_budget() for s in sinks)
+    providers = []
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        handler = getattr(provider, "_atexit_handler", None)  # set by the SDK: it would shut down at exit
+        if handler is not None and callable(getattr(provider, "shutdown", None)):
+            atexit.unregister(handler)
+            providers.append(provider)
+    if providers:
+        if budget <= 0:  # the collector hangs: end the stuck calls rather than wait for them
+            close_exporters_now(providers)
+        shutdown_bounded(providers, budget)
+
+
 class OtelTelemetry(Sink):
     """Exports to OpenTelemetry through the given providers, or the global ones when None.
 
@@ -92,6 +149,7 @@ class OtelTelemetry(Sink):
             raise ValueError(f"max_series={max_series!r}: expected an integer >= 1")
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
+        _warn_if_exporting_nowhere(tracer_provider, meter_provider)
         self._tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
         self._spans = SpanBuilder(self._tracer, tracer_provider)
         # Detections made while the application has a span open join its trace (the event's
@@ -108,7 +166,7 @@ class OtelTelemetry(Sink):
         self._window = Window(self._wanted, max_series, window_seconds(window_s), "OpenTelemetry")
         self._rows_cache: Tuple[int, list] = (-1, [])
         self._cache_lock = threading.Lock()
-        self._rank = int(os.environ.get("RANK", "0") or 0)
+        self._rank = current_rank()  # a bad RANK fails here, naming it
         # skipped steps: (events seen, the core's count in BatchStats, added to the counter);
         # the counter follows the larger count, whichever of the two arrives first
         self._skips = [0, 0, 0]
@@ -152,6 +210,10 @@ class OtelTelemetry(Sink):
         self._dropped = 0
         self._closed = False
         self._flush_late_logged = False
+        self._marker: Optional[threading.Event] = None  # the last flush's marker in the span queue
+        self._flush_threads: list = []  # flush threads that outlived their flush's timeout
+        self._flush_timeout_s = 5.0  # the watcher's flush_timeout_s, as the last flush() was given
+        self._last_flush = (-1e9, 0.0)  # (monotonic end, seconds taken) of the last flush
 
     # -- sink port (training thread: cheap) -----------------------------------------------
     @property
@@ -194,9 +256,9 @@ class OtelTelemetry(Sink):
         ctx = otel_context.get_current()
         if isinstance(event, StoppedByRankEvent):
             self._stopped.add(1, {
-                "tensorwatch.module.path": label_for_module(event.module),
-                "tensorwatch.module.class": event.module_class,
-                "tensorwatch.tensor": event.tensor,
+                "tensorwatch.module.path": utf8_text(label_for_module(event.module)),
+                "tensorwatch.module.class": utf8_text(event.module_class),
+                "tensorwatch.tensor": utf8_text(event.tensor),
                 "tensorwatch.rank": event.rank,
                 "tensorwatch.first_rank": event.first_rank,
             })
@@ -208,9 +270,9 @@ class OtelTelemetry(Sink):
             joined = current.is_valid and format(current.trace_id, "032x") == event.trace_id
             dctx = _detection_context(event.trace_id, ctx) if event.trace_id and not joined else None
             self._nonfinite.add(1, {
-                "tensorwatch.module.path": label_for_module(event.module),
-                "tensorwatch.module.class": event.module_class,
-                "tensorwatch.tensor": event.tensor,
+                "tensorwatch.module.path": utf8_text(label_for_module(event.module)),
+                "tensorwatch.module.class": utf8_text(event.module_class),
+                "tensorwatch.tensor": utf8_text(event.tensor),
                 "tensorwatch.rank": event.rank,
                 "tensorwatch.first_rank": first,
             }, context=dctx or ctx)
@@ -221,23 +283,29 @@ class OtelTelemetry(Sink):
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Spans of events seen so far are handed to the span processor, then both providers
-        are flushed; the whole call returns within about timeout_s, whatever the collector does."""
-        deadline = time.monotonic() + timeout_s
+        are flushed; the whole call returns within about timeout_s, whatever the collector does.
+        While an earlier flush is still stuck (the collector hangs) it returns at once: a second
+        wait would only add timeout_s to the detection or the exit, and export nothing more."""
+        self._flush_timeout_s = timeout_s
+        start = time.monotonic()
+        if self._stalled():
+            log.debug("tensorwatch_otel: OpenTelemetry flush skipped: the previous one has not finished")
+            self._last_flush = (time.monotonic(), 0.0)
+            return
+        deadline = start + timeout_s
         if self._worker is not None and self._worker.is_alive():
             marker = threading.Event()
             try:
                 self._queue.put((marker, None), timeout=max(0.0, deadline - time.monotonic()))
+                self._marker = marker
                 marker.wait(max(0.0, deadline - time.monotonic()))
             except queue.Full:
                 pass
         calls = []
-        for provider in (self._tracer_provider or trace.get_tracer_provider(),
-                         self._meter_provider or metrics.get_meter_provider()):
+        for provider in self._providers():
             fn = getattr(provider, "force_flush", None)
             if callable(fn):
                 calls.append(fn)
-        if not calls:
-            return
         # Side by side, so a stalled trace export does not starve the metrics flush; the SDK's
         # force_flush ignores its timeout, hence the daemon threads and the bounded join.
         threads = [threading.Thread(target=self._flush_one, args=(fn,), name="tensorwatch-otel-flush",
@@ -246,11 +314,34 @@ class OtelTelemetry(Sink):
             th.start()
         for th in threads:
             th.join(max(0.0, deadline - time.monotonic()))
-        if any(th.is_alive() for th in threads) and not self._flush_late_logged:
+        self._flush_threads = [th for th in threads if th.is_alive()]
+        self._last_flush = (time.monotonic(), time.monotonic() - start)
+        if self._stalled() and None in (self._tracer_provider, self._meter_provider):
+            _bound_application_exit(self)  # the collector hangs: the application's exit would wait on it too
+        if self._stalled() and not self._flush_late_logged:
             self._flush_late_logged = True
             log.warning("tensorwatch_otel: OpenTelemetry flush did not finish within %.1f s (collector "
                         "slow or unreachable?); training goes on, the export continues in the background",
                         timeout_s)
+
+    def _providers(self) -> list:
+        return [self._tracer_provider or trace.get_tracer_provider(),
+                self._meter_provider or metrics.get_meter_provider()]
+
+    def _stalled(self) -> bool:
+        """True while a flush that outlived its timeout is still under way."""
+        return (self._marker is not None and not self._marker.is_set()) or \
+            any(th.is_alive() for th in self._flush_threads)
+
+    def _exit_budget(self) -> float:
+        """Seconds close() or the exit may still wait: flush_timeout_s in all, counting the flush
+        that came just before (detach() flushes, then closes); nothing while the collector hangs."""
+        if self._stalled():
+            return 0.0
+        ended, took = self._last_flush
+        if time.monotonic() - ended < 1.0:
+            return max(0.0, self._flush_timeout_s - took)
+        return self._flush_timeout_s
 
     @staticmethod
     def _flush_one(fn) -> None:
@@ -263,17 +354,22 @@ class OtelTelemetry(Sink):
         if self._closed:
             return
         self._closed = True
+        budget = self._exit_budget()
+        start = time.monotonic()
         if self._worker is not None:
             try:
-                self._queue.put((_STOP, None), timeout=1.0)
+                self._queue.put_nowait((_STOP, None))
             except queue.Full:
                 pass
             # spans still queued reach the processor before the providers shut down
-            self._worker.join(2.0)
+            self._worker.join(min(2.0, budget))
         if self._shutdown_on_close:
             providers = [p for p in (self._tracer_provider, self._meter_provider)
                          if callable(getattr(p, "shutdown", None))]
-            shutdown_bounded(providers, 5.0)
+            left = max(0.0, budget - (time.monotonic() - start))
+            if left <= 0:  # the collector hangs: end the stuck calls rather than wait for them
+                close_exporters_now(providers)
+            shutdown_bounded(providers, left)
 
     # -- span worker ---------------------------------------------------------------------
     def _enqueue(self, item) -> None:
@@ -300,7 +396,7 @@ class OtelTelemetry(Sink):
                 item.set()
                 continue
             try:
-                self._spans.emit(item, ctx)
+                self._spans.emit(utf8_safe(item), ctx)  # protobuf takes only encodable strings
             except Exception as exc:  # never let one bad event stop the worker
                 log.warning("tensorwatch_otel: building the span for %s failed: %s: %s",
                             getattr(item, "event", type(item).__name__), type(exc).__name__, exc)
@@ -317,8 +413,8 @@ class OtelTelemetry(Sink):
             rank = snap.rank
             out = []
             for module, cls, tensor, dtype, lo, hi, ru in snap.rows:
-                attrs = {"tensorwatch.module.path": module, "tensorwatch.module.class": cls,
-                         "tensorwatch.tensor": tensor, "tensorwatch.rank": rank}
+                attrs = {"tensorwatch.module.path": utf8_text(module), "tensorwatch.module.class": utf8_text(cls),
+                         "tensorwatch.tensor": utf8_text(tensor), "tensorwatch.rank": rank}
                 out.append((attrs, dtype, lo, hi, ru))
             self._rows_cache = (snap.version, out)
             return out

@@ -27,8 +27,9 @@ from prometheus_client.samples import Exemplar
 from ..core import env as _env
 from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
                            label_for_module)
+from ..core.rank import current_rank
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
-from ._base import Sink
+from ._base import Sink, utf8_text
 from ._detail import DetailPolicy, detail_ranks_setting, detail_setting, summary_families
 
 __all__ = ["PrometheusMetrics", "DEFAULT_MAX_SERIES", "DEFAULT_LINGER_S"]
@@ -94,6 +95,15 @@ def _check_registry(registry):
     return registry
 
 
+def _encodable(families: List[Metric]) -> List[Metric]:
+    """Label values that UTF-8 cannot encode (a module named with a lone surrogate) fail the
+    whole page with HTTP 500; such a value is written as its backslash escape instead."""
+    for m in families:
+        if not all(v.isascii() for s in m.samples for v in s.labels.values()):
+            m.samples = [s._replace(labels={k: utf8_text(v) for k, v in s.labels.items()}) for s in m.samples]
+    return families
+
+
 class _TensorwatchCollector(Collector):
     def __init__(self, sink: "PrometheusMetrics"):
         self._sink = sink
@@ -151,7 +161,7 @@ class PrometheusMetrics(Sink):
         self.detail_ranks = detail_ranks_setting(detail_ranks)
         self._policy = DetailPolicy(self.detail, self.detail_ranks)
         self._detected = False  # this rank detected inf/nan: serve every per-module series
-        self._default_rank = int(os.environ.get("RANK", "0") or 0)
+        self._default_rank = current_rank()  # a bad RANK fails here, naming it
 
         # The tensor gauges: extremes over the batches of the last window_s seconds.
         self._window = Window(self._wanted, self.max_series, window_seconds(window_s), "Prometheus")
@@ -307,10 +317,15 @@ class PrometheusMetrics(Sink):
     def _at_exit(self) -> None:
         if self._server is not None and self._pending_scrape():
             log.warning("tensorwatch_otel: waiting up to %.0f s for Prometheus to scrape the inf/nan "
-                        "detection from %s (%s=0 skips this)", self.linger_s, self.url, ENV_LINGER)
-            if not self.wait_for_scrape(self.linger_s):
-                log.warning("tensorwatch_otel: no scrape within %.0f s; the detection is in the "
-                            "logs and other sinks only", self.linger_s)
+                        "detection from %s (%s=0 skips this, Ctrl-C ends the wait)",
+                        self.linger_s, self.url, ENV_LINGER)
+            try:
+                if not self.wait_for_scrape(self.linger_s):
+                    log.warning("tensorwatch_otel: no scrape within %.0f s; the detection is in the "
+                                "logs and other sinks only", self.linger_s)
+            except KeyboardInterrupt:  # the user chose not to wait: no traceback from an exit hook
+                log.warning("tensorwatch_otel: wait for a scrape ended by Ctrl-C; the detection is in "
+                            "the logs and other sinks only")
         self._stop()
 
     def _stop(self) -> None:
@@ -339,7 +354,7 @@ class PrometheusMetrics(Sink):
             self._scraped.notify_all()
         snap = self._window.snapshot()
         rank = snap.rank if snap is not None else self._default_rank
-        return iter(self._families(snap, rank))
+        return iter(_encodable(self._families(snap, rank)))
 
     def _families(self, snap: Optional[Snapshot], rank: int) -> List[Metric]:
         r = str(rank)

@@ -1,0 +1,184 @@
+"""What a hung collector or a lingering metrics endpoint costs at a detection and at exit: an
+OTLP endpoint that accepts connections and never answers (a black hole) adds at most
+flush_timeout_s, in-process, at interpreter exit and under `opentelemetry-instrument`; Ctrl-C
+ends the Prometheus linger at once, without a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _blackhole import BlackHole
+from _otel_fixtures import OverflowNet
+from tensorwatch_otel import NonFiniteDetected, watch
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+T = 1.5  # flush_timeout_s of these tests
+SLACK = 1.0  # thread start-up and a loaded machine
+
+
+@pytest.fixture
+def otlp_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith(("OTEL_", "TENSORWATCH_")):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TENSORWATCH_"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_detection_leaves_the_with_block_within_flush_timeout(otlp_env, protocol):
+    with BlackHole() as bh:
+        otlp_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", bh.endpoint)
+        otlp_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+        model, x = OverflowNet(), torch.randn(2, 8)
+        took = None
+        with pytest.raises(NonFiniteDetected):
+            with watch(model, flush_timeout_s=T, trace_batches=[0]):  # sinks=None: OTLP from the env
+                model(x)
+                model.boom.factor = 1e39
+                t0 = time.perf_counter()
+                try:
+                    model(x)
+                finally:
+                    took = time.perf_counter() - t0  # the detection's own flush
+        left = time.perf_counter() - t0  # ... and detach(): flush and shutdown of the providers
+        assert bh.accepted > 0  # the exporter really reached the black hole
+    assert T - 0.2 <= took <= T + SLACK, took
+    assert left <= T + SLACK, (took, left)
+
+
+_CLEAN_RUN = textwrap.dedent("""
+    import sys, time, torch
+    from _otel_fixtures import OverflowNet
+    from tensorwatch_otel import watch
+    model, x = OverflowNet(), torch.randn(2, 8)
+    if sys.argv[1] == "watched":
+        with watch(model, flush_timeout_s=float(sys.argv[2])):
+            for _ in range(3):
+                model(x)
+            print("DETACH", time.time(), flush=True)
+    else:
+        for _ in range(3):
+            model(x)
+        print("DETACH", time.time(), flush=True)
+""")
+
+
+def _exit_seconds(mode: str, **env) -> float:
+    """Seconds from the end of training (just before detach) to the process's end."""
+    proc = subprocess.run([sys.executable, "-c", _CLEAN_RUN, mode, str(T)], env=_env(**env),
+                          capture_output=True, text=True, timeout=120)
+    end = time.time()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("DETACH")]
+    return end - float(line.split()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_clean_exit_with_a_black_hole_collector_within_flush_timeout(protocol):
+    with BlackHole() as bh:
+        base = [_exit_seconds("unwatched") for _ in range(2)]
+        hung = [_exit_seconds("watched", OTEL_EXPORTER_OTLP_ENDPOINT=bh.endpoint,
+                              OTEL_EXPORTER_OTLP_PROTOCOL=protocol) for _ in range(2)]
+        assert bh.accepted > 0
+    assert min(hung) - min(base) <= T + SLACK, (hung, base)
+
+
+@pytest.mark.slow
+def test_clean_run_under_opentelemetry_instrument_with_a_black_hole():
+    """The distro's providers export over gRPC to a hung collector: the watched run exits within
+    flush_timeout_s of the same run with tensorwatch_otel's instrumentation turned off."""
+    pytest.importorskip("opentelemetry.distro")
+    pytest.importorskip("lightning")
+    sys.path.insert(0, str(TESTS))
+    from test_integrations_instrumentor import _instrument_command, _need_entry_point
+
+    _need_entry_point()
+
+    def run(disabled: bool, endpoint: str) -> float:
+        """Seconds from the end of training (Lightning's "fit stopped" line) to the process's
+        end: the same run's import and training times, which vary a lot on a loaded machine,
+        are left out."""
+        env = _env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                   OTEL_LOGS_EXPORTER="none", OTEL_SERVICE_NAME="black-hole",
+                   OUT_DIR=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tw-out-unused"),
+                   TENSORWATCH_FLUSH_TIMEOUT_SECONDS=str(T))
+        if disabled:
+            env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = "tensorwatch_otel"
+        proc = subprocess.Popen(_instrument_command() + [sys.executable, str(TESTS / "_zero_code_train.py"),
+                                                          "lightning", "env"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=str(ROOT))  # opentelemetry-instrument puts the cwd first on PYTHONPATH
+        stopped, out = None, []
+        for line in proc.stdout:
+            out.append(line)
+            if "Trainer.fit` stopped" in line:
+                stopped = time.perf_counter()
+        proc.wait(timeout=300)
+        end = time.perf_counter()
+        assert proc.returncode == 0 and stopped is not None, "".join(out)[-3000:]
+        return end - stopped
+
+    with BlackHole() as bh:
+        off, on = run(True, bh.endpoint), run(False, bh.endpoint)
+        assert bh.accepted > 0
+    assert on - off <= T + 2 * SLACK, (on, off)  # before: about 30 s more
+
+
+_LINGER = textwrap.dedent("""
+    import logging, torch
+    from prometheus_client import CollectorRegistry
+    from _otel_fixtures import OverflowNet
+    from tensorwatch_otel import watch
+    from tensorwatch_otel.sinks import PrometheusMetrics
+    logging.basicConfig(level=logging.WARNING)
+    sink = PrometheusMetrics(port=0, registry=CollectorRegistry())  # linger_s from the environment
+    model, x = OverflowNet(), torch.randn(2, 8)
+    with watch(model, sinks=[sink], on_detect="report"):
+        model(x)
+        model.boom.factor = 1e39
+        model(x)
+    # the end of the script: the exit handler waits for a scrape that never comes
+""")
+
+
+def test_ctrl_c_ends_the_prometheus_linger_at_once_without_traceback():
+    proc = subprocess.Popen([sys.executable, "-c", _LINGER], env=_env(TENSORWATCH_PROMETHEUS_LINGER_SECONDS="60"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = []
+    try:
+        for line in proc.stderr:
+            err.append(line)
+            if "waiting up to 60 s for Prometheus" in line:
+                break
+        else:
+            raise AssertionError("".join(err)[-3000:])
+        time.sleep(0.3)
+        t = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=20)[1]
+        took = time.perf_counter() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(err) + rest
+    assert took < 3.0, took
+    assert "Traceback" not in text, text[-3000:]
+    assert "ended by Ctrl-C" in text
