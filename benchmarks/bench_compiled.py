@@ -16,6 +16,8 @@ every step, untimed):
     plain           PROTOTYPE: the same hooks with plain torch ops (abs, amin, amax,
                     torch.where on a 0-dim device flag, buf[r] = ...) that inductor may fuse
                     into the kernels producing the tensors
+    custom_kernel   `custom` with the package's statistics in the op's body (one read of the
+                    tensor: the compiled CPU kernel) instead of abs() + aminmax()
     custom_sampled  `custom`'s compiled model, on every 10th step only (host flag)
     plain_sampled   `plain`'s compiled model, device flag on every 10th step only (the
                     statistics are still computed, torch.where keeps the old row)
@@ -31,6 +33,7 @@ an inf born inside the graph is pinned on.
 
     python benchmarks/bench_compiled.py                  # CPU, 20 rounds (compiles take minutes)
     python benchmarks/bench_compiled.py --quick          # a tiny model, 2 rounds (smoke test)
+    python benchmarks/bench_compiled.py --threads 1 --clock cpu   # on a loaded machine
     python benchmarks/bench_compiled.py --device cuda --json out.json
 """
 
@@ -56,7 +59,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _bracketed import median_interval, run_bracketed  # noqa: E402
 
-VARIANTS = ("null", "today", "custom", "plain", "custom_sampled", "plain_sampled")
+VARIANTS = ("null", "today", "custom", "plain", "custom_sampled", "plain_sampled", "custom_kernel")
+RECORDERS = ("custom", "plain", "custom_kernel")
 SAMPLE_EVERY = 10
 
 
@@ -141,6 +145,24 @@ def _absminmax_fake(buf, row, x) -> None:
     return None
 
 
+@torch.library.custom_op("twbench::absminmax_kernel", mutates_args=("buf",))
+def absminmax_kernel(buf: torch.Tensor, row: int, x: torch.Tensor) -> None:
+    """absminmax through the package's statistics (tensorwatch_otel.core.stats.measure: one read
+    of the tensor, the compiled CPU kernel on a CPU) instead of abs() + aminmax()."""
+    if buf.data_ptr() in _OFF:
+        return
+    from tensorwatch_otel.core.stats import measure
+
+    pair = measure(x.detach())
+    if not isinstance(pair, str):
+        buf[row].copy_(torch.stack(pair).to(buf.dtype))
+
+
+@absminmax_kernel.register_fake
+def _absminmax_kernel_fake(buf, row, x) -> None:
+    return None
+
+
 class Recorder:
     """One buffer row per (module, tensor): input 0 and output of every module called in the
     forward; hooks registered before torch.compile are traced into the graph."""
@@ -158,7 +180,7 @@ class Recorder:
 
     def attach(self, model: Optional[nn.Module] = None, mods=None) -> None:
         mods = mods or [(n or "<root>", m) for n, m in model.named_modules() if not isinstance(m, nn.ModuleList)]
-        hook = self._custom_hook if self.kind == "custom" else self._plain_hook
+        hook = self._plain_hook if self.kind == "plain" else self._custom_hook
         self.handles = [m.register_forward_hook(hook(2 * i)) for i, (_, m) in enumerate(mods)]
 
     def detach(self) -> None:
@@ -167,13 +189,13 @@ class Recorder:
         self.handles = []
 
     def _custom_hook(self, row: int):
-        buf = self.buf
+        buf, op = self.buf, absminmax if self.kind == "custom" else absminmax_kernel
 
         def hook(mod, args, out):
             if args and isinstance(args[0], torch.Tensor):
-                absminmax(buf, row, args[0])
+                op(buf, row, args[0])
             if isinstance(out, torch.Tensor):
-                absminmax(buf, row + 1, out)
+                op(buf, row + 1, out)
         return hook
 
     def _plain_hook(self, row: int):
@@ -191,7 +213,7 @@ class Recorder:
         return hook
 
     def set_enabled(self, enabled: bool) -> None:
-        if self.kind == "custom":
+        if self.kind != "plain":
             (_OFF.discard if enabled else _OFF.add)(self.buf.data_ptr())
         else:
             self.on.fill_(enabled)
@@ -226,13 +248,17 @@ class CompiledTrainer:
             self.watcher = tw.watch(self.compiled, sinks=[], on_detect="report")
         self.calls = 0
 
+    #: wall time, or the process' CPU time (time.process_time, CPU only): immune to the
+    #: preemption of a loaded shared machine
+    clock: Callable[[], float] = time.perf_counter
+
     def _sync(self):
         if self.x.device.type == "cuda":
             torch.cuda.synchronize(self.x.device)
 
     def step(self) -> float:
         self._sync()
-        t0 = time.perf_counter()
+        t0 = CompiledTrainer.clock()
         with torch.autocast(self.x.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             out = self.compiled(self.x)
         out.float().square().mean().backward()
@@ -241,7 +267,7 @@ class CompiledTrainer:
         if self.recorder is not None:
             self.recorder.read_back()
         self._sync()
-        return time.perf_counter() - t0
+        return CompiledTrainer.clock() - t0
 
     def sampled_step(self) -> float:
         """A step with the recorder on every SAMPLE_EVERY-th call only (switched untimed)."""
@@ -260,9 +286,9 @@ def _graph_counts() -> Dict[str, int]:
             "breaks": sum(counters["graph_break"].values())}
 
 
-def first_step(trainer: CompiledTrainer) -> dict:
+def first_step(trainer: CompiledTrainer, code_dir: Optional[str] = None, name: str = "") -> dict:
     """The first (compiling) step: graphs compiled, graph breaks, the kernels inductor
-    generated and the custom-op calls in that code."""
+    generated and the custom-op calls in that code (written to code_dir when given)."""
     codes: List[str] = []
     from torch._inductor.graph import GraphLowering
 
@@ -271,12 +297,15 @@ def first_step(trainer: CompiledTrainer) -> dict:
     with mock.patch.object(GraphLowering, "save_output_code", codes.append):
         trainer.step()
     after = _graph_counts()
-    kernels = set()
-    for code in codes:
-        kernels |= set(re.findall(r"^(\w+) = async_compile\.", code, re.M))
+    if code_dir:
+        os.makedirs(code_dir, exist_ok=True)
+        for i, code in enumerate(codes):
+            with open(os.path.join(code_dir, f"{name}_{i}.py"), "w") as f:
+                f.write(code)
+    kernels = [len(re.findall(r"^\w+ = async_compile\.", code, re.M)) for code in codes]
     return {"graphs": after["graphs"] - before["graphs"], "graph_breaks": after["breaks"] - before["breaks"],
-            "compile_s": time.perf_counter() - t0, "kernels": len(kernels),
-            "custom_op_calls": sum(c.count("torch.ops.twbench.absminmax") for c in codes)}
+            "compile_s": time.perf_counter() - t0, "kernels": sum(kernels), "kernels_per_graph": kernels,
+            "custom_op_calls": sum(len(re.findall(r"torch\.ops\.twbench\.\w+\.default\(", c)) for c in codes)}
 
 
 def eager_reference(model, x, autocast, recorder: Recorder) -> torch.Tensor:
@@ -288,8 +317,10 @@ def eager_reference(model, x, autocast, recorder: Recorder) -> torch.Tensor:
     return ref
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+def rel_diff(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None) -> float:
+    """max |a - b| / |scale| (scale: b). An abs min is the value nearest zero of a tensor: its
+    relative difference is the rounding of that one value; against the row's abs max it is not."""
+    return float(((a - b).abs() / (b if scale is None else scale).abs().clamp_min(1e-30)).max())
 
 
 def probe_switches(trainer: CompiledTrainer) -> dict:
@@ -345,7 +376,11 @@ def main(argv=None) -> int:
                         "compiled graphs guard on the modules' hooks; torch: torch's default (True: "
                         "hooks added or removed after a compile, or on a second copy of the same "
                         "classes, can be ignored)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time (default), or the process' CPU time (CPU only): immune to "
+                        "preemption on a shared machine, blind to time spent waiting")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--code-dir", metavar="DIR", help="write the code inductor generated per variant there")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
     if args.quick:
@@ -359,6 +394,10 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.clock == "cpu":
+        if device.type != "cpu":
+            p.error("--clock cpu: CPU only")
+        CompiledTrainer.clock = time.process_time
     autocast = torch.bfloat16 if device.type == "cuda" else None
     # every copy and every attach/detach compiles the same code object again: room for all
     torch._dynamo.config.recompile_limit = 64
@@ -367,10 +406,10 @@ def main(argv=None) -> int:
     base, x = build(args.quick, device)
     print(f"model: {len(base.blocks)} pre-norm blocks, {sum(1 for _ in base.modules())} modules, input "
           f"{tuple(x.shape)}, device {device}, autocast {autocast}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, skip_nnmodule_hook_guards "
+          f"{torch.get_num_threads()} threads, {args.clock} clock, skip_nnmodule_hook_guards "
           f"{torch._dynamo.config.skip_nnmodule_hook_guards}", file=sys.stderr)
     result: dict = {"device": str(device), "threads": torch.get_num_threads(), "rounds": args.rounds,
-                    "backend": args.backend,
+                    "backend": args.backend, "clock": args.clock,
                     "input": list(x.shape), "blocks": len(base.blocks), "torch": torch.__version__,
                     "skip_nnmodule_hook_guards": torch._dynamo.config.skip_nnmodule_hook_guards}
     trainers: Dict[str, CompiledTrainer] = {}
@@ -378,16 +417,18 @@ def main(argv=None) -> int:
     match: Dict[str, dict] = {}
     # the prototypes compile first: under torch's default skip_nnmodule_hook_guards=True a
     # hooked copy compiled after a hook-less copy of the same classes keeps only its root's hooks
-    for name in [n for n in ("custom", "plain") if n in names] + ["unwatched"] + [
+    for name in [n for n in RECORDERS if n in names] + ["unwatched"] + [
             n for n in ("null", "today") if n in names]:
         model = copy.deepcopy(base)
-        rec = Recorder(model, name) if name in ("custom", "plain") else None
+        rec = Recorder(model, name) if name in RECORDERS else None
         ref = eager_reference(model, x, autocast, rec) if rec is not None else None
         trainers[name] = CompiledTrainer(model, x, autocast, rec, watch=name == "today", backend=args.backend)
-        first[name] = first_step(trainers[name])
+        first[name] = first_step(trainers[name], args.code_dir, name)
         if rec is not None:  # the first step's forward ran on the reference's weights
-            match[name] = {"rel_diff_abs_min": rel_diff(rec.buf[:, 0], ref[:, 0]),
-                           "rel_diff_abs_max": rel_diff(rec.buf[:, 1], ref[:, 1]), "rows": len(rec.names)}
+            match[name] = {"rel_diff_abs_max": rel_diff(rec.buf[:, 1], ref[:, 1]),
+                           "rel_diff_abs_min": rel_diff(rec.buf[:, 0], ref[:, 0]),
+                           "abs_min_diff_over_abs_max": rel_diff(rec.buf[:, 0], ref[:, 0], ref[:, 1]),
+                           "rows": len(rec.names)}
         print(f"{name}: first step {first[name]}" + (f", vs eager {match[name]}" if name in match else ""),
               file=sys.stderr)
     result["first_step"], result["eager_match"] = first, match
@@ -409,8 +450,8 @@ def main(argv=None) -> int:
         entry["median_interval_90"] = list(median_interval(entry["ratios"]))
         entry["ratio_mean"] = statistics.fmean(entry["ratios"])
     result["variants"] = variants
-    result["switches"] = {n: probe_switches(trainers[n]) for n in ("custom", "plain") if n in trainers}
-    result["detection"] = {n: probe_detection(trainers[n]) for n in ("custom", "plain") if n in trainers}
+    result["switches"] = {n: probe_switches(trainers[n]) for n in RECORDERS if n in trainers}
+    result["detection"] = {n: probe_detection(trainers[n]) for n in RECORDERS if n in trainers}
     report(result)
     if args.json:
         with open(args.json, "w") as f:
@@ -422,15 +463,15 @@ def report(result: dict) -> None:
     print(f"\n{'variant':<15} {'median':>7} {'90% interval':>15} {'min':>7} {'max':>7} {'mean':>7} "
           f"{'graphs':>6} {'breaks':>6} {'kernels':>7} {'op calls':>8}")
     for name, v in result["variants"].items():
-        f = result["first_step"].get(name.split("_")[0] if name.endswith("_sampled") else name, {})
+        f = result["first_step"].get(name[:-len("_sampled")] if name.endswith("_sampled") else name, {})
         lo, hi = v["median_interval_90"]
         print(f"{name:<15} {v['ratio_median']:>7.3f} {lo:>7.3f}..{hi:<7.3f} {v['ratio_min']:>7.3f} "
               f"{v['ratio_max']:>7.3f} {v['ratio_mean']:>7.3f} {f.get('graphs', 0):>6} "
               f"{f.get('graph_breaks', 0):>6} {f.get('kernels', 0):>7} {f.get('custom_op_calls', 0):>8}")
     print(f"recompiles while timed: {result['recompiles_while_timed']}")
     for name, m in result["eager_match"].items():
-        print(f"{name} vs eager hooks ({m['rows']} rows): max rel diff abs min {m['rel_diff_abs_min']:.2e}, "
-              f"abs max {m['rel_diff_abs_max']:.2e}")
+        print(f"{name} vs eager hooks ({m['rows']} rows): max rel diff abs max {m['rel_diff_abs_max']:.2e}, "
+              f"abs min {m['rel_diff_abs_min']:.2e} (over the row's abs max {m['abs_min_diff_over_abs_max']:.2e})")
     for name, s in result["switches"].items():
         print(f"{name} switches: " + ", ".join(
             f"{k} {v['recompiles']} recompile(s) {'written' if v['buffer_written'] else 'not written'}"

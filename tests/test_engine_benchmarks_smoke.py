@@ -43,17 +43,20 @@ def test_bench_compiled_quick(tmp_path):
     result, stdout = _run("bench_compiled.py", tmp_path)
     assert result["skip_nnmodule_hook_guards"] is False and result["backend"] == "inductor"
     v = result["variants"]
-    assert set(v) == {"unwatched", "null", "today", "custom", "plain", "custom_sampled", "plain_sampled"}
+    assert set(v) == {"unwatched", "null", "today", "custom", "plain", "custom_sampled", "plain_sampled",
+                      "custom_kernel"}
     for name, r in v.items():
         assert len(r["ratios"]) == 2 and 0.05 < r["ratio_median"] < 50, (name, r)
     first = result["first_step"]
-    for name in ("custom", "plain"):  # every hook in one graph, no break, values as eager
+    for name in ("custom", "plain", "custom_kernel"):  # every hook traced, no break, values as eager
         assert first[name]["graphs"] >= 1 and first[name]["graph_breaks"] == 0, first[name]
         m = result["eager_match"][name]
         assert m["rel_diff_abs_max"] < 1e-4 and m["rows"] == 2 * 13, m
     rows = result["eager_match"]["custom"]["rows"]
-    assert first["custom"]["custom_op_calls"] == rows  # each (module, tensor) one call in the graph
+    # each (module, tensor) one op call in the generated code; the plain ops fused into kernels
+    assert first["custom"]["custom_op_calls"] == first["custom_kernel"]["custom_op_calls"] == rows
     assert first["plain"]["custom_op_calls"] == 0 and first["unwatched"]["graph_breaks"] == 0
+    assert first["plain"]["kernels"] - first["unwatched"]["kernels"] < rows // 2, first
     assert result["recompiles_while_timed"] == 0  # sampling toggles a flag: no recompile
     for name, s in result["switches"].items():
         assert s["flag_off"] == {"recompiles": 0, "buffer_written": False}, (name, s)
