@@ -18,6 +18,9 @@ every step, untimed):
                     into the kernels producing the tensors
     custom_kernel   `custom` with the package's statistics in the op's body (one read of the
                     tensor: the compiled CPU kernel) instead of abs() + aminmax()
+    kernel_grad     `custom_kernel` plus the gradient of every module's output: an identity
+                    autograd.Function (a view) on the output whose backward calls the op on the
+                    gradient, writing a second buffer (traced into the compiled backward)
     custom_sampled  `custom`'s compiled model, on every 10th step only (host flag)
     plain_sampled   `plain`'s compiled model, device flag on every 10th step only (the
                     statistics are still computed, torch.where keeps the old row)
@@ -59,8 +62,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _bracketed import median_interval, run_bracketed  # noqa: E402
 
-VARIANTS = ("null", "today", "custom", "plain", "custom_sampled", "plain_sampled", "custom_kernel")
-RECORDERS = ("custom", "plain", "custom_kernel")
+VARIANTS = ("null", "today", "custom", "plain", "custom_sampled", "plain_sampled", "custom_kernel", "kernel_grad")
+RECORDERS = ("custom", "plain", "custom_kernel", "kernel_grad")
 SAMPLE_EVERY = 10
 
 
@@ -163,6 +166,23 @@ def _absminmax_kernel_fake(buf, row, x) -> None:
     return None
 
 
+_GRAD_BUF: List[torch.Tensor] = []  # the gradient buffer of the (one) kernel_grad recorder
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity on a module's output (a view: no copy); its backward measures the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, row: int):
+        ctx.row = row
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        absminmax_kernel(_GRAD_BUF[0], ctx.row, grad)
+        return grad, None
+
+
 class Recorder:
     """One buffer row per (module, tensor): input 0 and output of every module called in the
     forward; hooks registered before torch.compile are traced into the graph."""
@@ -175,6 +195,10 @@ class Recorder:
         self.buf = torch.zeros(len(self.names), 2, device=dev)
         self.host = torch.zeros(len(self.names), 2, pin_memory=dev.type == "cuda")
         self.on = torch.ones((), dtype=torch.bool, device=dev)  # the plain recorder's device flag
+        self.gbuf = torch.zeros(len(mods), 2, device=dev) if kind == "kernel_grad" else None
+        if self.gbuf is not None:
+            _GRAD_BUF[:] = [self.gbuf]
+            self.ghost = torch.zeros(len(mods), 2, pin_memory=dev.type == "cuda")
         self.handles = []
         self.attach(model, mods)
 
@@ -190,12 +214,16 @@ class Recorder:
 
     def _custom_hook(self, row: int):
         buf, op = self.buf, absminmax if self.kind == "custom" else absminmax_kernel
+        grads = self.kind == "kernel_grad"
 
         def hook(mod, args, out):
             if args and isinstance(args[0], torch.Tensor):
                 op(buf, row, args[0])
             if isinstance(out, torch.Tensor):
                 op(buf, row + 1, out)
+                if grads and out.requires_grad:
+                    return _GradTap.apply(out, row // 2)
+            return None
         return hook
 
     def _plain_hook(self, row: int):
@@ -214,13 +242,17 @@ class Recorder:
 
     def set_enabled(self, enabled: bool) -> None:
         if self.kind != "plain":
-            (_OFF.discard if enabled else _OFF.add)(self.buf.data_ptr())
+            for b in (self.buf, self.gbuf):
+                if b is not None:
+                    (_OFF.discard if enabled else _OFF.add)(b.data_ptr())
         else:
             self.on.fill_(enabled)
 
     def read_back(self) -> bool:
         """The per-batch read-back: one copy to the host; True when every value is finite."""
         self.host.copy_(self.buf)
+        if self.gbuf is not None:
+            self.ghost.copy_(self.gbuf)
         return bool(torch.isfinite(self.host).all())
 
     def born_in(self) -> List[str]:
@@ -308,13 +340,22 @@ def first_step(trainer: CompiledTrainer, code_dir: Optional[str] = None, name: s
             "custom_op_calls": sum(len(re.findall(r"torch\.ops\.twbench\.\w+\.default\(", c)) for c in codes)}
 
 
-def eager_reference(model, x, autocast, recorder: Recorder) -> torch.Tensor:
-    """The buffer eager hooks fill on the same weights and input (before any step)."""
-    with torch.no_grad(), torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
-        model(x)
+def eager_reference(model, x, autocast, recorder: Recorder):
+    """The buffers eager hooks fill on the same weights and input (before any step): forward,
+    and for kernel_grad the gradients of a backward (the weights' gradients dropped)."""
+    grads = recorder.gbuf is not None
+    with torch.set_grad_enabled(grads), torch.autocast(x.device.type, dtype=autocast,
+                                                       enabled=autocast is not None):
+        out = model(x)
+    gref = None
+    if grads:
+        out.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        gref = recorder.gbuf.clone()
+        recorder.gbuf.zero_()
     ref = recorder.buf.clone()
     recorder.buf.zero_()
-    return ref
+    return ref, gref
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None) -> float:
@@ -421,7 +462,7 @@ def main(argv=None) -> int:
             n for n in ("null", "today") if n in names]:
         model = copy.deepcopy(base)
         rec = Recorder(model, name) if name in RECORDERS else None
-        ref = eager_reference(model, x, autocast, rec) if rec is not None else None
+        ref, gref = eager_reference(model, x, autocast, rec) if rec is not None else (None, None)
         trainers[name] = CompiledTrainer(model, x, autocast, rec, watch=name == "today", backend=args.backend)
         first[name] = first_step(trainers[name], args.code_dir, name)
         if rec is not None:  # the first step's forward ran on the reference's weights
@@ -429,6 +470,10 @@ def main(argv=None) -> int:
                            "rel_diff_abs_min": rel_diff(rec.buf[:, 0], ref[:, 0]),
                            "abs_min_diff_over_abs_max": rel_diff(rec.buf[:, 0], ref[:, 0], ref[:, 1]),
                            "rows": len(rec.names)}
+            if gref is not None:
+                match[name]["grad_rows"] = len(gref)
+                match[name]["grad_rel_diff_abs_max"] = rel_diff(rec.gbuf[:, 1], gref[:, 1])
+                match[name]["grad_rows_written"] = int((rec.gbuf != 0).any(dim=1).sum())
         print(f"{name}: first step {first[name]}" + (f", vs eager {match[name]}" if name in match else ""),
               file=sys.stderr)
     result["first_step"], result["eager_match"] = first, match
@@ -471,7 +516,9 @@ def report(result: dict) -> None:
     print(f"recompiles while timed: {result['recompiles_while_timed']}")
     for name, m in result["eager_match"].items():
         print(f"{name} vs eager hooks ({m['rows']} rows): max rel diff abs max {m['rel_diff_abs_max']:.2e}, "
-              f"abs min {m['rel_diff_abs_min']:.2e} (over the row's abs max {m['abs_min_diff_over_abs_max']:.2e})")
+              f"abs min {m['rel_diff_abs_min']:.2e} (over the row's abs max {m['abs_min_diff_over_abs_max']:.2e})"
+              + (f"; output gradients: {m['grad_rows_written']} of {m['grad_rows']} rows written, max rel diff "
+                 f"abs max {m['grad_rel_diff_abs_max']:.2e}" if "grad_rows" in m else ""))
     for name, s in result["switches"].items():
         print(f"{name} switches: " + ", ".join(
             f"{k} {v['recompiles']} recompile(s) {'written' if v['buffer_written'] else 'not written'}"

@@ -44,11 +44,11 @@ def test_bench_compiled_quick(tmp_path):
     assert result["skip_nnmodule_hook_guards"] is False and result["backend"] == "inductor"
     v = result["variants"]
     assert set(v) == {"unwatched", "null", "today", "custom", "plain", "custom_sampled", "plain_sampled",
-                      "custom_kernel"}
+                      "custom_kernel", "kernel_grad"}
     for name, r in v.items():
         assert len(r["ratios"]) == 2 and 0.05 < r["ratio_median"] < 50, (name, r)
     first = result["first_step"]
-    for name in ("custom", "plain", "custom_kernel"):  # every hook traced, no break, values as eager
+    for name in ("custom", "plain", "custom_kernel", "kernel_grad"):  # every hook traced, no break, as eager
         assert first[name]["graphs"] >= 1 and first[name]["graph_breaks"] == 0, first[name]
         m = result["eager_match"][name]
         assert m["rel_diff_abs_max"] < 1e-4 and m["rows"] == 2 * 13, m
@@ -57,6 +57,9 @@ def test_bench_compiled_quick(tmp_path):
     assert first["custom"]["custom_op_calls"] == first["custom_kernel"]["custom_op_calls"] == rows
     assert first["plain"]["custom_op_calls"] == 0 and first["unwatched"]["graph_breaks"] == 0
     assert first["plain"]["kernels"] - first["unwatched"]["kernels"] < rows // 2, first
+    g = result["eager_match"]["kernel_grad"]  # output gradients measured in the compiled backward
+    assert g["grad_rows_written"] == g["grad_rows"] == 13 and g["grad_rel_diff_abs_max"] < 1e-4, g
+    assert first["kernel_grad"]["custom_op_calls"] == rows + 13
     assert result["recompiles_while_timed"] == 0  # sampling toggles a flag: no recompile
     for name, s in result["switches"].items():
         assert s["flag_off"] == {"recompiles": 0, "buffer_written": False}, (name, s)
