@@ -1,4 +1,4 @@
-"""The compiled step: what watching costs under torch.compile, and two prototype in-graph recorders.
+"""The compiled step: what watching costs under torch.compile, and prototype in-graph recorders.
 
 A stack of pre-norm transformer blocks (CPU: 4 blocks, d 256, batch 8x128, fp32; `--device cuda`:
 GPT-2-medium-shaped, 24 blocks, d 1024, batch 8x512, bf16 autocast) takes fwd+bwd+AdamW steps,
@@ -33,6 +33,12 @@ generated code, and for the prototypes the buffer against eager hooks on the sam
 relative difference of each column), then whether toggling the flag recompiles, what removing
 the hooks after compile does (torch._dynamo.config.skip_nnmodule_hook_guards), and which module
 an inf born inside the graph is pinned on.
+
+The hooks are registered before torch.compile. By default the benchmark sets
+torch._dynamo.config.skip_nnmodule_hook_guards = False (`--hook-guards torch` keeps torch's
+True): with torch's default, the graph of a hook-less copy compiled first is reused for a
+hooked copy of the same classes, whose hooks then run only on the root (a separate small
+graph: torch.compile(model) compiles forward, and the root's hooks apart from it).
 
     python benchmarks/bench_compiled.py                  # CPU, 20 rounds (compiles take minutes)
     python benchmarks/bench_compiled.py --quick          # a tiny model, 2 rounds (smoke test)
