@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     print_sweep(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "clock": args.clock, "tokens": args.tokens, "rounds": args.rounds,
-                       "sizes": rows}, f, indent=2)
+            json.dump({"threads": torch.get_num_threads(), "clock": args.clock, "tokens": args.tokens,
+                       "rounds": args.rounds, "sizes": rows}, f, indent=2)
     return 0
 
 
