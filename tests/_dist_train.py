@@ -130,6 +130,7 @@ def main() -> int:
                       message=str(exc))
     except RuntimeError as exc:  # a collective that failed (gloo: "Connection closed by peer")
         result.update(error=f"{type(exc).__name__}: {exc}"[:2000], time=time.time())
+    result["weights_finite"] = all(bool(torch.isfinite(p.detach()).all()) for p in net.parameters())
     fleet = watcher._fleet
     result.update(polls=fleet.polls, requests=fleet.requests, node_reads=fleet.node_reads,
                   node_file=fleet._node.path if fleet._node else None,

@@ -273,8 +273,8 @@ def test_the_fused_check_used_on_cuda_finds_inf_and_nan_in_mixed_dtypes(monkeypa
 def test_multi_rank_guard_detection_goes_through_the_fleet_stop(tmp_path):
     """DDP on 3 ranks, default options: rank 2's loss turns inf in batch 3, the all-reduce
     spreads its gradients to every rank, and each rank's guard finds them at its step. The
-    detections go through the fleet stop as gradient detections do: one first rank that all
-    agree on, everybody stopped at the same optimizer step (the next batch's), nobody hangs."""
+    gradients are the same everywhere, so every rank raises at that step, before the weights
+    change: one first rank that all agree on, nobody hangs, no weight spoilt."""
     from test_fleet_stop import launch, raw_lines
 
     at = 3
@@ -285,7 +285,8 @@ def test_multi_rank_guard_detection_goes_through_the_fleet_stop(tmp_path):
     assert len(firsts) == 1, results
     for r, res in results.items():
         assert res["stopped"], res
-        assert res["batches_done"] == at + 1  # the ranks' common stop point for gradient detections
+        assert res["batches_done"] == at  # raised in batch `at`'s own optimizer step
+        assert res["weights_finite"], res  # before the step consumed the inf gradients
         assert (res["event"], res["batch_number"]) == ("nonfinite_detected", at)
         assert res["tensor"].endswith(".grad"), res
         first = [d for d in raw_lines(tmp_path, r) if d["event"] == "nonfinite_detected"][0]

@@ -103,6 +103,7 @@ class FleetStop:
         self._failed = False  # the store failed once: back to raising at once
         self._stepped = False  # an optimizer step was polled since the last batch start
         self._unsynced = False  # the last batch ran DDP's backward without its all-reduce
+        self._synced = False  # the last batch ran DDP's backward with its all-reduce
         self._node: Optional[object] = None  # NodeShare; False: none (this rank asks the store)
         self.polls = 0  # store checks made (for tests and measurements)
         self.requests = 0  # store requests of any kind (check, get, compare_set, set, wait)
@@ -133,9 +134,15 @@ class FleetStop:
             return event
         return _with_first(event, self._first["rank"])
 
-    def defer(self, exc: NonFiniteDetected) -> bool:
-        """Hold `exc` until the stop point; False when it must be raised now."""
+    def defer(self, exc: NonFiniteDetected, replicated: bool = False) -> bool:
+        """Hold `exc` until the stop point; False when it must be raised now. `replicated`: every
+        rank holds the values that were found bad (all-reduced gradients) and finds them at this
+        same point, so this rank raises now, as every other does (nobody waits in a collective)."""
         if self._first is None or self._failed or not self._stops:
+            return False
+        if replicated:
+            self._done = True
+            self._pending = None
             return False
         if self._pending is None:
             self._pending = exc
@@ -156,7 +163,10 @@ class FleetStop:
         stepped, self._stepped = self._stepped, False
         if not self._stops:
             return
-        unsynced, self._unsynced = self._unsynced, self._ddp_unsynced()
+        unsynced = self._unsynced
+        ddp = self._active_ddp()
+        self._unsynced = ddp is not None and not getattr(ddp, "require_backward_grad_sync", True)
+        self._synced = ddp is not None and not self._unsynced
         if unsynced or (stepped and self._first is None):
             return
         batch = self._batch_number()
@@ -194,16 +204,23 @@ class FleetStop:
             self._raise(self._pending)
         self._stop(first, batch)
 
-    def _ddp_unsynced(self) -> bool:
-        """This batch runs DDP's backward without the gradient all-reduce (inside no_sync())."""
+    def gradients_replicated(self) -> bool:
+        """The gradients the coming optimizer step consumes are the same on every rank: the last
+        batch ran a DistributedDataParallel backward with its all-reduce (an inf or nan on any
+        rank is then on all of them). False for FSDP (each rank holds its own shard), no_sync()
+        micro-batches, and anything not seen to be DDP."""
+        return self._synced and self._stops and not self._failed and _dist() is not None
+
+    def _active_ddp(self):
+        """The DistributedDataParallel module whose backward this batch runs, if any."""
         if not torch.is_grad_enabled():
-            return False
+            return None
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = getattr(DDP, "_active_ddp_module", None)  # set while a DDP forward runs its module
         if ddp is None and isinstance(self._model, DDP):  # the watched root is the DDP wrapper
             ddp = self._model
-        return ddp is not None and not getattr(ddp, "require_backward_grad_sync", True)
+        return ddp
 
     def _stop(self, first: dict, batch: int) -> None:
         """Raise the stop another rank published, after recording it."""

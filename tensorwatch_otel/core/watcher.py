@@ -302,7 +302,9 @@ class Watcher:
         stops_at = self.behaviour.ring_stops_at
         return self._history.ring(rec, fi, lambda prev: stops_at(prev, traced))
 
-    def _detected(self, rec: Record, fi: int) -> None:
+    def _detected(self, rec: Record, fi: int, replicated: bool = False) -> None:
+        """`replicated`: the values are the same on every rank (the step guard's all-reduced
+        gradients), so every rank finds them at this point and may raise here."""
         rec.detected = True
         frames = self._ring(rec, fi)
         last = frames[-1]
@@ -333,7 +335,7 @@ class Watcher:
             # drop what the aborted batch left behind so a caught exception leaves a clean state
             self._recorder.acts_seen.clear()
             exc = NonFiniteDetected(self.behaviour.detection_message(event), event)
-            if not self._fleet.defer(exc):  # multi-rank: raised at the ranks' common stop point
+            if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
                 raise exc
 
     def _abort(self) -> None:
@@ -391,7 +393,7 @@ class Watcher:
                       "without it", type(exc).__name__, exc)
             return
         if fi is not None:
-            self._detected(rec, fi)
+            self._detected(rec, fi, replicated=self._fleet.gradients_replicated())
 
     def _after_step(self, optimizer) -> None:
         self._recorder.invalidate_weights()  # any optimizer, fused ones included
