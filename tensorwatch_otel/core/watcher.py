@@ -71,6 +71,7 @@ class Watcher:
         self.grad_scaler = grad_scaler
         self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
         self._pending: Optional[PendingGradients] = None  # non-finite gradients no step consumed yet
+        self._skipping_step = False  # a fused optimizer's step that skips itself (GradScaler's found_inf)
         self._skips = SkipCounter(config.max_skipped_steps)
         self._steps = None  # the StepTracker (core/attach.py)
         self._guard: Optional[StepGuard] = None  # the optimizer-step guard (core/attach.py)
@@ -369,6 +370,22 @@ class Watcher:
             self._fanout.on_batch(BatchStats(rec.batch_number, current_rank(), time.time(), rec, phase=rec.phase))
 
     def _before_step(self, optimizer) -> None:
+        found_inf = getattr(optimizer, "found_inf", None)
+        if found_inf.__class__ is torch.Tensor and not torch.compiler.is_compiling() and (
+                self._guard is not None or self._pending is not None or self._scale is not None):
+            # A GradScaler hands its verdict to a fused optimizer (AdamW(fused=True)): step()
+            # runs on the still-scaled gradients and writes nothing when found_inf is set. The
+            # scaler checked every gradient of this optimizer: one read of its verdict, instead
+            # of the guard's; a skip stays a skip (counted here with gradients=True, else by the
+            # scale's drop at the next read).
+            self._skipping_step = bool(found_inf)
+            if self._skipping_step:
+                if self._pending is not None:
+                    self._skipped()
+                return
+            if self._pending is None:
+                self._fleet.at_optimizer_step()
+                return
         pending, self._pending = self._pending, None
         if pending is not None:
             self._skips.step_taken()
@@ -396,6 +413,9 @@ class Watcher:
             self._detected(rec, fi, replicated=self._fleet.gradients_replicated())
 
     def _after_step(self, optimizer) -> None:
+        if self._skipping_step:  # the fused step skipped itself: no weight changed
+            self._skipping_step = False
+            return
         self._recorder.invalidate_weights()  # any optimizer, fused ones included
         self._skips.step_taken()
         if self._optim_state is not None and self._attached and self._watches(max(self.batch_number - 1, 0)):
