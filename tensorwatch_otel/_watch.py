@@ -127,6 +127,10 @@ def _check_patterns(model: torch.nn.Module, config: WatchConfig, include_from_en
     if config.include and len(unmatched_inc) == len(config.include):
         raise ConfigError(f"{inc_name}={list(config.include)!r} matches no module, so nothing would be "
                           f"watched; module paths are glob-matched, e.g. {some}")
+    if not any((not config.include or any(fnmatch.fnmatchcase(label, p) for p in config.include))
+               and not any(fnmatch.fnmatchcase(label, p) for p in config.exclude) for label in labels):
+        raise ConfigError(f"{inc_name}={list(config.include)!r} with {exc_name}={list(config.exclude)!r} leaves no "
+                          f"module, so nothing would be watched; module paths are glob-matched, e.g. {some}")
     unmatched = [(inc_name, p) for p in unmatched_inc] + [(exc_name, p) for p in config.exclude if not matches(p)]
     if unmatched:
         log.warning("tensorwatch_otel: %s match no module of %s (module paths: %s)",

@@ -74,3 +74,84 @@ def test_fused_adamw_with_grad_scaler_healthy_steps_are_taken():
     assert sink.of(NonFiniteEvent) == [] and w.steps_skipped == 0
     assert opt.state[next(model.parameters())]["step"].item() == 3  # every step taken
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# -- item 4: a step that runs its own closure (Lightning's automatic optimization) ------------
+
+@pytest.mark.parametrize("gradients", [False, True])
+def test_a_closure_step_is_checked_after_its_closure_before_the_weights_change(gradients):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    sink = Collect()
+    state = {"poison": False}
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).sum()
+        if state["poison"]:
+            loss = loss * float("inf")  # born in the loss, outside every module
+        loss.backward()
+        return loss
+
+    with watch(model, sinks=[sink], gradients=gradients):
+        opt.step(closure)
+        opt.step(closure)
+        state["poison"] = True
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(Exception) as ei:
+            opt.step(closure)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # not written
+    ev = ei.value.event
+    assert (ev.phase, ev.batch_number) == ("backward", 2)
+    assert ev.tensor.endswith(".grad")
+    assert sink.of(NonFiniteEvent) == [ev]
+
+
+def test_lightning_inf_in_the_loss_stops_before_the_weights_change():
+    import warnings
+
+    from _lit import Regressor, loader, trainer
+    from tensorwatch_otel import NonFiniteDetected
+    from tensorwatch_otel.integrations.lightning import TensorwatchCallback
+
+    class LossInf(Regressor):
+        def training_step(self, batch, i):
+            loss = super().training_step(batch, i)
+            if self.global_step == 2:
+                self.before = {n: p.detach().clone() for n, p in self.named_parameters()}
+                loss = loss * float("inf")
+            return loss
+
+    model = LossInf()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(NonFiniteDetected) as ei:
+            trainer([TensorwatchCallback()]).fit(model, loader())
+    ev = ei.value.event
+    assert (ev.module, ev.tensor, ev.phase, ev.batch_number) == ("out", "bias.grad", "backward", 2)
+    assert all(torch.equal(p, model.before[n]) for n, p in model.named_parameters())
+
+
+# -- item 10: patterns that leave nothing watched fail at watch(), never silently -------------
+
+@pytest.mark.parametrize("patterns", [dict(exclude=["*"]), dict(include=["a", "b"], exclude=["a", "b"]),
+                                      dict(include=["a*"], exclude=["a"])])
+def test_include_and_exclude_that_leave_no_module_watched_is_a_config_error(patterns):
+    from tensorwatch_otel.core.config import ConfigError
+
+    model = Net()
+    with pytest.raises(ConfigError, match="nothing would be watched"):
+        watch(model, sinks=[], **patterns)
+    assert not model._forward_hooks and not model.a._forward_hooks  # nothing left attached
+
+
+def test_exclude_of_most_modules_still_watches_the_rest():
+    model = Net()
+    with watch(model, sinks=[], exclude=["(root)", "a"]):
+        with torch.no_grad():
+            model.b.weight[0, 0] = float("inf")
+        with pytest.raises(Exception) as ei:
+            model(torch.ones(1, 8))
+    assert (ei.value.event.module, ei.value.event.tensor) == ("b", "weight")

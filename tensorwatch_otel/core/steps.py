@@ -6,7 +6,9 @@ step: counted, reported, and an alert of its own when `max_skipped_steps` come i
 Without `gradients=True`, the StepGuard checks the gradients a step is about to consume in one
 host read, before the step runs: an inf born in the loss or in the backward is named at the
 parameter's gradient before the optimizer writes NaN into the weights. GradScaler's skipped
-steps never reach the optimizer's step, so the guard never sees them.
+steps never reach the optimizer's step, so the guard never sees them (a fused optimizer that
+takes the scaler's found_inf and skips itself: the guard reads that verdict instead). A step
+given a closure is checked when the closure has run its forward and backward.
 
 Steps are seen through torch's global optimizer step hooks (any optimizer, fused or not);
 each watcher keeps the handles and removes them on detach.
@@ -63,7 +65,7 @@ class PendingGradients:
 class StepTracker:
     """Registers the global step hooks and tells the watcher which steps concern its model."""
 
-    def __init__(self, model: torch.nn.Module, on_pre_step: Callable[[torch.optim.Optimizer], None],
+    def __init__(self, model: torch.nn.Module, on_pre_step: Callable[..., object],
                  on_post_step: Callable[[torch.optim.Optimizer], None]):
         self._param_ids = {id(p) for p in model.parameters()}
         self._mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[int, bool]]" = weakref.WeakKeyDictionary()
@@ -85,9 +87,14 @@ class StepTracker:
             pass
         return mine
 
-    def _pre(self, optimizer, args, kwargs) -> None:
+    def _pre(self, optimizer, args, kwargs):
         if self._concerns(optimizer):
+            closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args[0] is the optimizer)
+            if callable(closure):  # the step computes its gradients itself: check them after that
+                args, kwargs = self._on_pre(optimizer, closure, args, kwargs)
+                return args, kwargs
             self._on_pre(optimizer)
+        return None
 
     def _post(self, optimizer, args, kwargs) -> None:
         if self._concerns(optimizer):

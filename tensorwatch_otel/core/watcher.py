@@ -369,7 +369,20 @@ class Watcher:
         if self._fanout.wants_batches:
             self._fanout.on_batch(BatchStats(rec.batch_number, current_rank(), time.time(), rec, phase=rec.phase))
 
-    def _before_step(self, optimizer) -> None:
+    def _before_step(self, optimizer, closure=None, args=(), kwargs=None):
+        if closure is not None:
+            # optimizer.step(closure) (Lightning's automatic optimization): the closure runs the
+            # forward and backward inside the step; the gradients it leaves are checked when it
+            # returns, before the step changes any weight
+            def checked(*a, **k):
+                loss = closure(*a, **k)
+                if self._attached:
+                    self._before_step(optimizer)
+                return loss
+
+            if len(args) > 1:  # (the optimizer, closure, ...)
+                return (args[0], checked) + tuple(args[2:]), kwargs
+            return args, dict(kwargs or {}, closure=checked)
         found_inf = getattr(optimizer, "found_inf", None)
         if found_inf.__class__ is torch.Tensor and not torch.compiler.is_compiling() and (
                 self._guard is not None or self._pending is not None or self._scale is not None):
