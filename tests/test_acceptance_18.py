@@ -155,3 +155,27 @@ def test_exclude_of_most_modules_still_watches_the_rest():
         with pytest.raises(Exception) as ei:
             model(torch.ones(1, 8))
     assert (ei.value.event.module, ei.value.event.tensor) == ("b", "weight")
+
+
+def test_lightning_16_mixed_with_fused_adamw_skips_overflows_without_a_false_alarm():
+    import warnings
+
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from _lit import Regressor, loader, trainer
+    from tensorwatch_otel.integrations.lightning import TensorwatchCallback
+
+    class Fused(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    model = Fused()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100)  # the first steps overflow
+    sink = Collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer([TensorwatchCallback(grad_scaler=scaler, sinks=[sink])], max_steps=6,
+                plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]).fit(model, loader())
+    assert sink.of(NonFiniteEvent) == []  # the healthy run was stopped at batch 0 before the fix
+    assert len(sink.of(SkippedStepEvent)) == 6 and scaler.get_scale() == 2.0 ** 94
+    assert all(torch.isfinite(p).all() for p in model.parameters())
