@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 _MAX_PENDING = 2_000_000  # stat slots held before an early read-back (no root forward seen)
 _WEIGHT_REFRESH = 32  # no-grad batches between full weight re-measurements (see _end_batch)
 
+
 class _BatchState:
     """One thread's batch in progress: the call depth (pre-hook +1, forward hook -1), the record
     being filled (None between batches), whether this batch is recorded, how many `batch()`
