@@ -120,6 +120,24 @@ def test_each_training_step_is_one_batch_with_its_backward_and_step():
     assert remaining_hooks(model) == {}
 
 
+def test_an_exception_in_training_step_leaves_fit_unchanged_with_the_step_recorded():
+    class Breaks(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if self.global_step == 2:
+                raise RuntimeError("broke after the forward")
+            return loss
+
+    model = Breaks(call_root=False)
+    sink = Collect()
+    cb = TensorwatchCallback(sinks=[sink])
+    with pytest.raises(RuntimeError, match="broke after the forward"):
+        trainer([cb]).fit(model, loader())
+    assert [b.batch_number for b in sink.batches] == [0, 1, 2]
+    assert [f.module for f in sink.batches[2].frames] == ["inp", "boom", "out"]
+    assert remaining_hooks(model) == {} and cb.watcher is None and cb._step is None
+
+
 def test_options_are_checked_when_the_callback_is_built():
     with pytest.raises(ConfigError, match="every_n_batches"):
         TensorwatchCallback(every_n_batches=0)
