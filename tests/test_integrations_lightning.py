@@ -82,17 +82,60 @@ def test_other_exceptions_leave_no_hook():
 
 
 def test_training_step_that_calls_submodules_directly():
-    """The LightningModule's own forward never runs: each outermost call (inp, boom, out) ends a
-    batch, so the overflow in step 3's second call is batch 3 * 3 + 1."""
+    """The LightningModule's own forward never runs: the callback holds each training step in
+    `watcher.batch()`, so the three outermost calls (inp, boom, out) of step 3 are batch 3."""
     torch.manual_seed(0)
     model = Regressor(overflow_at=3, call_root=False)
     sink = Collect()
     with pytest.raises(NonFiniteDetected) as info:
         trainer([TensorwatchCallback(sinks=[sink])]).fit(model, loader())
     event = info.value.event
-    assert (event.module, event.tensor, event.batch_number) == ("boom", "output", 10)
-    assert {f.module for b in sink.batches for f in b.frames} == {"inp", "boom", "out"}
+    assert (event.module, event.tensor, event.batch_number) == ("boom", "output", 3)
+    assert [f.module for f in event.frames][-2:] == ["inp", "boom"]
+    assert [b.batch_number for b in sink.batches] == [0, 1, 2, 3]
+    assert [[f.module for f in b.frames] for b in sink.batches[:3]] == [["inp", "boom", "out"]] * 3
+    assert [f.module for f in sink.batches[3].frames] == ["inp", "boom"]  # stopped at the detection
     assert remaining_hooks(model) == {}
+
+
+def test_each_training_step_is_one_batch_with_its_backward_and_step():
+    torch.manual_seed(0)
+    model = Regressor(call_root=False)
+    sink = Collect()
+    steps = []
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            steps.append(cb.watcher.batch_number)  # the step's batch is still open
+
+    cb = TensorwatchCallback(sinks=[sink], gradients=True)
+    # 2 micro-batches per optimizer step: every micro-batch (training_step call) is a batch
+    trainer([cb, Probe()], max_steps=3, accumulate_grad_batches=2).fit(model, loader())
+    forward = [b for b in sink.batches if b.phase == "forward"]
+    assert [b.batch_number for b in forward] == list(range(6))
+    assert all([f.module for f in b.frames] == ["inp", "boom", "out"] for b in forward)
+    backward = sorted(b.batch_number for b in sink.batches if b.phase == "backward")
+    assert backward == list(range(6))
+    assert steps == [1, 3, 5]
+    assert remaining_hooks(model) == {}
+
+
+def test_an_exception_in_training_step_leaves_fit_unchanged_with_the_step_recorded():
+    class Breaks(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if self.global_step == 2:
+                raise RuntimeError("broke after the forward")
+            return loss
+
+    model = Breaks(call_root=False)
+    sink = Collect()
+    cb = TensorwatchCallback(sinks=[sink])
+    with pytest.raises(RuntimeError, match="broke after the forward"):
+        trainer([cb]).fit(model, loader())
+    assert [b.batch_number for b in sink.batches] == [0, 1, 2]
+    assert [f.module for f in sink.batches[2].frames] == ["inp", "boom", "out"]
+    assert remaining_hooks(model) == {} and cb.watcher is None and cb._step is None
 
 
 def test_options_are_checked_when_the_callback_is_built():

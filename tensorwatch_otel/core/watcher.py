@@ -1,11 +1,13 @@
 """The watcher: forward hooks that record a frame per module call, read the batch's statistics
 back in one host transfer when the batch ends, and hand events to the sinks.
 
-A batch ends when the outermost watched call ends: the root's forward, as in
+A batch ends when a thread's outermost watched call ends: the root's forward, as in
 transformers.debug_utils (with gradient accumulation every micro-batch forward is a batch; eval
 forwards count too, `generate()` one batch per decoding step), or, for a model used through
-its submodules (`model.encode(...)`, a LightningModule calling `self.net(x)`), each outermost
-submodule call. The sinks are given to it (the port in core/ports.py): the core imports no sink.
+its submodules (`model.encode(...)`), each outermost submodule call; inside `with
+watcher.batch():` every watched call of that thread is one batch, ended when the block ends.
+Each thread has its own batch in progress; batch numbers come from one counter, taken when a
+thread's batch starts. The sinks are given to it (the port in core/ports.py): the core imports no sink.
 """
 
 from __future__ import annotations
@@ -39,6 +41,50 @@ log = logging.getLogger(__name__)
 _MAX_PENDING = 2_000_000  # stat slots held before an early read-back (no root forward seen)
 _WEIGHT_REFRESH = 32  # no-grad batches between full weight re-measurements (see _end_batch)
 
+
+class _BatchState:
+    """One thread's batch in progress: the call depth (pre-hook +1, forward hook -1), the record
+    being filled (None between batches), whether this batch is recorded, how many `batch()`
+    blocks hold it open, the frames already checked, the root's inputs waiting for a number,
+    and the thread's finished records a detection ring reaches back into."""
+
+    __slots__ = ("depth", "rec", "active", "held", "checked", "inputs", "history")
+
+    def __init__(self, max_frames: int):
+        self.depth = 0
+        self.rec: Optional[Record] = None
+        self.active = False
+        self.held = 0
+        self.checked = 0
+        self.inputs: Optional[tuple] = None
+        self.history = History(max_frames)
+
+
+class _PerThread(threading.local):
+    """`.st`: the calling thread's _BatchState, made on its first access in that thread."""
+
+    def __init__(self, max_frames: int):
+        self.st = _BatchState(max_frames)
+
+
+class BatchScope:
+    """What `Watcher.batch()` returns: a context manager, re-entrant, for the calling thread."""
+
+    __slots__ = ("_watcher", "_state")
+
+    def __init__(self, watcher: "Watcher"):
+        self._watcher = watcher
+        self._state: List[_BatchState] = []
+
+    def __enter__(self) -> "Watcher":
+        self._state.append(self._watcher._hold())
+        return self._watcher
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._watcher._release(self._state.pop(), exc_type is not None)
+        return False
+
+
 # Watchers alive in this process, for detect_overflow(); weak so a dropped watcher goes away.
 ACTIVE: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
 
@@ -54,19 +100,17 @@ class Watcher:
         self.model = model
         self.config = config
         self.behaviour = behaviour or Behaviour()
-        self.batch_number = 0
+        self._batches = 0  # batches begun, by every thread: the next batch's number
         self.detections = 0
         self._fanout = SinkFanout(sinks, strict=config.strict)
         self._owned = list(owned_sinks)
         self._handles: list = []
         self._lock = threading.Lock()
         self._attached = False
-        self._depth = 0  # watched module calls in progress (pre-hook +1, forward hook -1)
+        self._tls = _PerThread(config.max_frames)  # each thread's batch in progress
         self._recorder = FrameRecorder(model)
-        self._rec = Record(0)
-        self._history = History(config.max_frames)
-        self._backward = BackwardRecorder(lambda: max(self.batch_number - 1, 0),
-                                          lambda: self._attached and self._watches(max(self.batch_number - 1, 0)),
+        self._backward = BackwardRecorder(self._last_batch,
+                                          lambda: self._attached and self._watches(self._last_batch()),
                                           self._backward_done, self._hook_failed)
         self.grad_scaler = grad_scaler
         self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
@@ -84,10 +128,9 @@ class Watcher:
         self._capture = BatchCapture(config.capture_dir or "", current_rank()) \
             if config.capture_dir or config.rerun_on_detect else None
         self._replaying = False
-        self._active = self._watches(0)
         self._failed_hooks = 0
         self._hook_error_logged = False
-        self._fleet = FleetStop(self._record_durable, lambda: self.batch_number, config.on_detect == "raise",
+        self._fleet = FleetStop(self._record_durable, lambda: self._batches, config.on_detect == "raise",
                                  model=model)
         self._attach()
 
@@ -144,6 +187,59 @@ class Watcher:
         """Failures per sink method, counted since the watcher was built."""
         return dict(self._fanout.failures)
 
+    @property
+    def batch_number(self) -> int:
+        """The number of the calling thread's batch in progress; between its batches, the number
+        the next batch takes (the batches begun so far, by every thread)."""
+        rec = self._tls.st.rec
+        return rec.batch_number if rec is not None else self._batches
+
+    def _last_batch(self) -> int:
+        """The batch begun last (a batch() block's own while it is open): the one a backward or
+        an optimizer step belongs to."""
+        return max(self._batches - 1, 0)
+
+    @property
+    def _history(self) -> History:
+        """The calling thread's finished records."""
+        return self._tls.st.history
+
+    def batch(self) -> BatchScope:
+        """A context manager: every watched call inside it (in the calling thread) is one batch.
+
+        Use it when one step calls several submodules directly, or to count a forward, its
+        backward and the optimizer step as one batch. Nested blocks are the same batch; it ends
+        when the outermost block ends, even on an exception (the exception goes on unchanged;
+        the frames are still recorded). Each outermost call inside it is still checked as it
+        ends, so a detection raises there, before the backward or the step that would follow.
+        A block in which no watched call ran takes no batch number.
+
+        Example::
+
+            with watcher.batch():
+                loss = model.head(model.encoder(x)).sum()
+                loss.backward()
+                optimizer.step()
+        """
+        return BatchScope(self)
+
+    def _hold(self) -> "_BatchState":
+        st = self._tls.st
+        st.held += 1
+        return st
+
+    def _release(self, st: "_BatchState", failed: bool) -> None:
+        st.held -= 1
+        if st.held or st.depth or st.rec is None:
+            return
+        if not failed:
+            self._end_batch(st)
+            return
+        try:  # the user's exception goes on; a detection here is in the sinks already
+            self._end_batch(st)
+        except (NonFiniteDetected, AbortAfterBatch):
+            pass
+
     def _watches(self, batch: int) -> bool:
         cfg = self.config
         return batch % cfg.every_n_batches == 0 or batch in cfg.trace_batches
@@ -152,6 +248,7 @@ class Watcher:
     def _make_hook(self, info: ModuleInfo):
         record = self.behaviour.record
         recorder = self._recorder
+        tls = self._tls
         graph_task = torch._C._current_graph_task_id
         compiling = torch.compiler.is_compiling
 
@@ -161,10 +258,11 @@ class Watcher:
             if compiling():
                 self._compiled_away()
                 return
+            st = tls.st
             outside_backward = graph_task() == -1  # inside: checkpoint recomputation, not a batch
             try:
-                if self._active and info.recorded and outside_backward:
-                    rec = self._rec
+                if st.active and info.recorded and outside_backward:
+                    rec = st.rec
                     try:
                         with torch.no_grad():
                             if info.is_root and self._weight_infos:
@@ -181,35 +279,58 @@ class Watcher:
                     elif len(rec.stats) > _MAX_PENDING:
                         rec.readback()
             finally:  # a detection in the outermost frame must still end the batch
-                self._depth -= 1
-                if self._depth <= 0:
-                    self._depth = 0
-                    if outside_backward:
-                        self._end_call(info.is_root)
+                st.depth -= 1
+                if st.depth <= 0:
+                    st.depth = 0
+                    if outside_backward and st.rec is not None:
+                        self._end_call(st, info.is_root)
         return hook
 
     def _pre_hook(self, module, args):
         if self._replaying or torch.compiler.is_compiling():
             return
-        if self._depth == 0:  # an outermost call starts
+        st = self._tls.st
+        if st.depth == 0:
+            self._outermost_call(st)
+        st.depth += 1
+
+    def _outermost_call(self, st: _BatchState) -> None:
+        """An outermost watched call of this thread starts; it begins a batch unless one is open
+        (a `batch()` block) or it runs inside a backward (checkpoint recomputation)."""
+        begins = st.rec is None and torch._C._current_graph_task_id() == -1
+        if begins:
             try:  # multi-rank: the stop published by a rank may be raised here
                 self._fleet.at_batch_start()
             except NonFiniteDetected:
-                self._active = False  # the call never runs: the always-called hook records nothing
+                st.inputs = None  # the call never runs: no batch begins, the hook records nothing
                 raise
-            if torch.is_grad_enabled():
-                # Training batches always measure live weights (fused optimizers, `.data` writes
-                # and in-place casts move no _version); no-grad batches (eval, generate) reuse
-                # them until a step, a version/storage/dtype change, or every 32 batches.
-                self._recorder.invalidate_weights()
-            if self._pending is not None and (self._pending.was_reset() or (
-                    self._scale is not None and self._scale.dropped_since_read())):
-                self._skipped()  # the bad gradients were reset (or the scaler backed off) without a step
-        self._depth += 1
+        if torch.is_grad_enabled():
+            # Training batches always measure live weights (fused optimizers, `.data` writes
+            # and in-place casts move no _version); no-grad batches (eval, generate) reuse
+            # them until a step, a version/storage/dtype change, or every 32 batches.
+            self._recorder.invalidate_weights()
+        if self._pending is not None and (self._pending.was_reset() or (
+                self._scale is not None and self._scale.dropped_since_read())):
+            self._skipped()  # the bad gradients were reset (or the scaler backed off) without a step
+        if begins:
+            with self._lock:  # one counter for every thread
+                b = self._batches
+                self._batches = b + 1
+            st.rec = Record(b)
+            st.active = self._attached and self._watches(b)
+            st.checked = 0
+        if st.inputs is not None:
+            args, kwargs = st.inputs
+            st.inputs = None
+            if st.rec is not None:
+                self._capture.hold(st.rec.batch_number, args, kwargs)  # tensors by reference
 
     def _capture_hook(self, module, args, kwargs):
-        if self._depth == 0 and not self._replaying and not torch.compiler.is_compiling():
-            self._capture.hold(self.batch_number, args, kwargs)  # tensors by reference
+        # runs before the root's pre-hook, which numbers the batch and hands these on
+        if not self._replaying and not torch.compiler.is_compiling():
+            st = self._tls.st
+            if st.depth == 0:
+                st.inputs = (args, kwargs)
 
     def _probe(self, model: torch.nn.Module, sink: Sink) -> "Watcher":
         """A silent watcher that checks every module as it returns (for the re-run)."""
@@ -234,30 +355,44 @@ class Watcher:
                       type(exc).__name__, exc)
 
     # ---------------------------------------------------------------- batch end
-    def _end_call(self, root: bool) -> None:
-        """The outermost watched call ended."""
-        if root or self.behaviour.outermost_call_ends_batch or self.batch_number in self.config.trace_batches:
-            self._end_batch()
-        elif self._rec.frames:
+    def _end_call(self, st: _BatchState, root: bool) -> None:
+        """This thread's outermost watched call ended (its batch is `st.rec`)."""
+        rec = st.rec
+        if st.held:
+            self._check_call(st)  # inside batch(): the batch goes on
+        elif root or self.behaviour.outermost_call_ends_batch or rec.batch_number in self.config.trace_batches:
+            self._end_batch(st)
+        elif rec.frames:
             # the peer's batches end with the root only: check what this call added, keep the
             # frames in the ring, and carry on in the same batch (bounded memory)
-            rec = self._rec
-            self._rec = Record(rec.batch_number, header=False)
+            st.rec = Record(rec.batch_number, header=False)
             rec.readback()
             try:
                 if self.config.check == "batch":
                     self._check(rec, 0)
             finally:
-                self._history.keep(rec)
+                st.history.keep(rec)
 
-    def _end_batch(self) -> None:
-        rec = self._rec
-        b = self.batch_number
-        self.batch_number = b + 1
-        self._rec = Record(b + 1)
-        self._active = self._attached and self._watches(b + 1)
+    def _check_call(self, st: _BatchState) -> None:
+        """Inside batch(): check the frames the outermost call just added (one read-back), so a
+        detection raises before a backward or step that would follow it in the same batch."""
+        rec = st.rec
+        first, st.checked = st.checked, len(rec.frames)
+        cfg = self.config
+        if not st.active or first == st.checked or cfg.check != "batch" or not (
+                self.behaviour.detect_in_traced_batches or rec.batch_number not in cfg.trace_batches):
+            return
+        rec.readback()
+        self._check(rec, first)
+
+    def _end_batch(self, st: _BatchState) -> None:
+        rec = st.rec
+        st.rec = None
+        st.active = False
+        st.checked = 0
+        b = rec.batch_number
         self._recorder.end_batch()
-        if self.batch_number % _WEIGHT_REFRESH == 0:
+        if (b + 1) % _WEIGHT_REFRESH == 0:
             self._recorder.invalidate_weights()  # `.data` writes between no-grad batches
         scale_t = self._scale.tensor() if self._scale is not None else None
         scale = None
@@ -273,10 +408,10 @@ class Watcher:
                 try:
                     self._finish(rec, scale)
                 finally:  # a batch that raised NonFiniteDetected still precedes the next ring
-                    self._history.keep(rec)
+                    st.history.keep(rec)
         cfg = self.config
-        if cfg.abort_after_batch is not None and self.batch_number > cfg.abort_after_batch:
-            self._abort()
+        if cfg.abort_after_batch is not None and b >= cfg.abort_after_batch:
+            self._abort(b)
 
     def _finish(self, rec: Record, scale: Optional[float] = None) -> None:
         cfg = self.config
@@ -339,12 +474,12 @@ class Watcher:
             if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
                 raise exc
 
-    def _abort(self) -> None:
+    def _abort(self, batch: int) -> None:
         cfg = self.config
-        event = AbortAfterBatchEvent(self.batch_number - 1, current_rank(), time.time())
+        event = AbortAfterBatchEvent(batch, current_rank(), time.time())
         self._fanout.on_event(event)
         self._fanout.flush(cfg.flush_timeout_s)
-        raise AbortAfterBatch(self.behaviour.abort_message(self.batch_number, cfg.abort_after_batch))
+        raise AbortAfterBatch(self.behaviour.abort_message(batch + 1, cfg.abort_after_batch))
 
     # ---------------------------------------------------------------- gradients and steps
     def _backward_done(self, rec: Record, owners: List[Optional[torch.Tensor]], gids: List[int]) -> None:
@@ -408,7 +543,7 @@ class Watcher:
                 and not torch.compiler.is_compiling():  # (a compiled optimizer step: no read inside its graph)
             # after the stop point: a stop already under way (another rank's, or this rank's
             # forward detection) is raised there, not named again at the gradients it spoilt
-            batch = max(self.batch_number - 1, 0)  # the batch whose gradients the step consumes
+            batch = self._last_batch()  # the batch whose gradients the step consumes
             if self._watches(batch):
                 self._guard_step(optimizer, batch)
 
@@ -431,8 +566,8 @@ class Watcher:
             return
         self._recorder.invalidate_weights()  # any optimizer, fused ones included
         self._skips.step_taken()
-        if self._optim_state is not None and self._attached and self._watches(max(self.batch_number - 1, 0)):
-            rec = self._optim_state.record(optimizer, max(self.batch_number - 1, 0))
+        if self._optim_state is not None and self._attached and self._watches(self._last_batch()):
+            rec = self._optim_state.record(optimizer, self._last_batch())
             if rec.frames:
                 rec.readback()  # one transfer per step
                 self._phase_stats(rec)
@@ -444,7 +579,7 @@ class Watcher:
         pending, self._pending = self._pending, None
         scale = self._scale.last if self._scale is not None else None
         if batch is None:
-            batch = max(self.batch_number - 1, 0)
+            batch = self._last_batch()
         for event in self._skips.skipped(pending, batch, current_rank(), scale):
             self._fanout.on_event(event)
 
