@@ -167,3 +167,15 @@ def test_a_swapped_in_module_is_watched_under_its_path(gradients, caplog):
             opt.step()
     ev = ei.value.event
     assert (ev.module, ev.tensor, ev.phase) == ("b", "weight.grad", "backward")
+
+
+def test_the_kind_of_a_tensor_whose_storage_was_freed_is_not_read():
+    # FSDP2 frees an unsharded parameter's storage after its module ran; a detection that asks
+    # for its kind later must not read freed memory (it crashed the process)
+    from tensorwatch_otel.core.stats import nonfinite_kind_of
+
+    p = nn.Parameter(torch.full((64, 64), INF))
+    assert nonfinite_kind_of(p) == "inf"
+    p.untyped_storage().resize_(0)
+    assert nonfinite_kind_of(p) is None
+    assert nonfinite_kind_of(torch.full((4, 4), INF)[1:, 2:]) == "inf"  # a view is read as usual
