@@ -179,3 +179,17 @@ def test_the_kind_of_a_tensor_whose_storage_was_freed_is_not_read():
     p.untyped_storage().resize_(0)
     assert nonfinite_kind_of(p) is None
     assert nonfinite_kind_of(torch.full((4, 4), INF)[1:, 2:]) == "inf"  # a view is read as usual
+
+
+def test_functional_call_lends_tensors_without_a_rescan():
+    torch.manual_seed(0)
+    model = Net()
+    sink = Collect()
+    with watch(model, sinks=[sink]) as w:
+        scans = w._index.scans
+        for _ in range(3):
+            lent = {n: p * 2 for n, p in model.named_parameters()}  # plain tensors, not Parameters
+            torch.func.functional_call(model, lent, (torch.randn(4, 8),)).sum().backward()
+        assert w._index.scans == scans and w.batch_number == 3
+        model(torch.randn(4, 8)).sum().backward()
+        assert w._index.scans == scans

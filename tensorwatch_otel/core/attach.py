@@ -61,9 +61,17 @@ class ParamIndex:
 
     def current(self) -> bool:
         """True when every module still holds the parameters and submodules last seen (one
-        identity compare per parameter and submodule; no allocation)."""
+        identity compare per parameter and submodule; no allocation), or holds plain tensors
+        lent for one call in their place (`torch.func.functional_call`)."""
         for d, k, ref in self._slots:
             if d.get(k) is not ref():
+                return self._only_lent()
+        return True
+
+    def _only_lent(self) -> bool:
+        for d, k, ref in self._slots:
+            v = d.get(k)
+            if v is not ref() and (v is None or isinstance(v, (torch.nn.Parameter, torch.nn.Module))):
                 return False
         return True
 
