@@ -193,3 +193,21 @@ def test_functional_call_lends_tensors_without_a_rescan():
         assert w._index.scans == scans and w.batch_number == 3
         model(torch.randn(4, 8)).sum().backward()
         assert w._index.scans == scans
+
+
+def test_a_rescan_that_fails_logs_once_and_training_goes_on(monkeypatch, caplog):
+    import tensorwatch_otel.core.watcher as watcher_mod
+
+    def broken(w, first=False):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(watcher_mod, "rescan", broken)
+    model, opt, sink, w = _replaced("to_empty")
+    with w, caplog.at_level(logging.ERROR, logger="tensorwatch_otel.core.watcher"):
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert w.batch_number == 3
+    said = [r for r in caplog.records if "replaced parameters" in r.getMessage()]
+    assert len(said) == 1 and "boom" in said[0].getMessage()

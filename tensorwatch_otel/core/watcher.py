@@ -215,7 +215,7 @@ class Watcher:
     def _params_current(self) -> None:
         """Parameters or submodules replaced since the last look (to_empty(), load_state_dict(
         assign=True), fully_shard, a module swap) are found again: owners, hooks, step guard."""
-        if self._rescan_failed or not self._attached or self._index.current():
+        if self._rescan_failed or not self._attached or torch.compiler.is_compiling() or self._index.current():
             return
         try:
             rescan(self)
