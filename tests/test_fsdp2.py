@@ -34,6 +34,8 @@ def test_fsdp2_statistics_under_the_users_names(tmp_path, watch_first):
         fr = frames[r]
         assert list(fr) == ["layers.0", "layers.1", ""]  # ...but paths stay the user's
         assert [f.module_class for f in fr.values()] == ["Linear", "Linear", "Net"]  # and so do the classes
+        # fully_shard after watch() gave the layers new (DTensor) parameters: found again once, then stable
+        assert res["param_scans"] == (2 if watch_first else 1)
     local = {r: res["local_abs_max"]["1"] for r, res in results.items()}
     for r in results:
         for name, expected in local[r].items():
@@ -64,3 +66,16 @@ def test_fsdp2_inf_in_one_ranks_shard_is_that_ranks_weight(tmp_path):
     assert bad["first_rank"] == other["first_rank"] in (0, 1)
     assert bad["batches_done"] == other["batches_done"] == at
     assert abs(bad["time"] - other["time"]) < 10.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("watch_first", [False, True], ids=["watch-after-fully_shard", "watch-before"])
+def test_fsdp2_inf_gradient_is_named_by_the_step_guard_whenever_watch_ran(tmp_path, watch_first):
+    # watch() before fully_shard: the DTensor parameters fully_shard made are found again, so the
+    # step guard covers the optimizer built on them, as it does when watch() comes after
+    args = ["--mode", "fsdp2", "--inject", "grad", "--bad", "1", "--at", "3"] + (["--watch-first"] if watch_first else [])
+    proc, results, _ = launch(tmp_path, 2, *args)
+    for res in results.values():
+        assert (res["event"], res["module"], res["tensor"], res["kind"], res["batch_number"]) == \
+            ("nonfinite_detected", "layers.1", "bias.grad", "inf", 3), proc.stderr[-4000:]
+        assert res["param_scans"] == (2 if watch_first else 1)

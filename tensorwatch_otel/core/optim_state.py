@@ -2,21 +2,20 @@
 every state tensor (Adam's exp_avg and exp_avg_sq, any optimizer's tensors) is measured like a
 weight, named `<param>.<key>` under the module that owns the parameter. A finite but huge
 gradient can make exp_avg_sq inf while weights and activations stay finite: the parameter then
-silently stops learning; this is where that shows."""
+silently stops learning; this is where that shows. Owners come from the watcher's ParamIndex
+(core/attach.py), which follows parameters replaced after watch()."""
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
-
 import torch
 
-from .record import ModuleInfo, Record
+from .record import Record
 from .stats import measure
 
 
 class OptimizerStateReader:
-    def __init__(self, owners: Dict[int, Tuple[ModuleInfo, str]]):
-        self._owners = owners  # id(param) -> (module info, parameter name)
+    def __init__(self, index):
+        self._owner = index.owner  # param -> (module info, parameter name) or None
 
     def record(self, optimizer, batch_number: int) -> Record:
         """One frame per parameter with state, in the optimizer's parameter order."""
@@ -25,7 +24,7 @@ class OptimizerStateReader:
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    owner = self._owners.get(id(p))
+                    owner = self._owner(p)
                     st = state.get(p) if owner is not None else None
                     if not st:
                         continue

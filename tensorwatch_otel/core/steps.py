@@ -63,31 +63,40 @@ class PendingGradients:
 
 
 class StepTracker:
-    """Registers the global step hooks and tells the watcher which steps concern its model."""
+    """Registers the global step hooks and tells the watcher which steps concern its model: an
+    optimizer whose parameters include one the model holds (`index`, see core/attach.py).
+    `refresh()` runs first at every step, so parameters replaced since the last batch are found
+    before the step is judged (a replaced parameter's id is never trusted)."""
 
-    def __init__(self, model: torch.nn.Module, on_pre_step: Callable[..., object],
+    def __init__(self, index, refresh: Callable[[], None], on_pre_step: Callable[..., object],
                  on_post_step: Callable[[torch.optim.Optimizer], None]):
-        self._param_ids = {id(p) for p in model.parameters()}
-        self._mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[int, bool]]" = weakref.WeakKeyDictionary()
+        self._index = index
+        self._refresh = refresh
+        # optimizer -> (its group sizes, the index generation, concerns the model)
+        self._mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[tuple, int, bool]]" = \
+            weakref.WeakKeyDictionary()
         self._on_pre = on_pre_step
         self._on_post = on_post_step
         self.steps = 0
         self.handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
 
     def _concerns(self, optimizer) -> bool:
-        groups = len(optimizer.param_groups)
+        groups = optimizer.param_groups
+        key = tuple(len(g["params"]) for g in groups)
+        generation = self._index.generation
         seen = self._mine.get(optimizer)
-        if seen is not None and seen[0] == groups:
-            return seen[1]
-        ids = self._param_ids
-        mine = any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+        if seen is not None and seen[0] == key and seen[1] == generation:
+            return seen[2]
+        holds = self._index.holds
+        mine = any(holds(p) for g in groups for p in g["params"])
         try:
-            self._mine[optimizer] = (groups, mine)
+            self._mine[optimizer] = (key, generation, mine)
         except TypeError:
             pass
         return mine
 
     def _pre(self, optimizer, args, kwargs):
+        self._refresh()
         if self._concerns(optimizer):
             closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args[0] is the optimizer)
             if callable(closure):  # the step computes its gradients itself: check them after that
@@ -118,24 +127,26 @@ class StepGuard:
     """The gradients an optimizer step will consume, checked before it runs: one host read per
     step (CUDA: one fused inf-norm over each device's gradients; CPU: the statistics kernel per
     gradient, no read of its own), then, only when that read finds inf/nan, a record of every
-    gradient to name the first bad one. Only parameters of watched modules (`owners`) count."""
+    gradient to name the first bad one. Only parameters of watched modules (`index.owners`,
+    see core/attach.py) count; the list is made again when the model's parameters change."""
 
-    def __init__(self, owners: Dict[int, Tuple[ModuleInfo, str]]):
-        self._owners = owners
+    def __init__(self, index):
+        self._index = index
         self._params: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[tuple, Watched]]" = \
             weakref.WeakKeyDictionary()
 
     def _watched(self, optimizer) -> Watched:
         groups = optimizer.param_groups
-        key = tuple(len(g["params"]) for g in groups)
+        index = self._index
+        key = (index.generation,) + tuple(len(g["params"]) for g in groups)
         cached = self._params.get(optimizer)
         if cached is not None and cached[0] == key:
             return cached[1]
-        owners = self._owners
+        owners = index.owners
         found: Dict[int, torch.Tensor] = {}
         for g in groups:
             for p in g["params"]:
-                if id(p) in owners:
+                if index.owner(p) is not None:
                     found[id(p)] = p
         # backward order, roughly: the model's parameters last to first, whatever the groups
         # (weight decay splits them): the parameters nearest the loss get their gradients first,

@@ -33,7 +33,7 @@ from .recorder import FrameRecorder
 from .backward import BackwardRecorder, producer_frame
 from .capture import BatchCapture
 from .rerun import host, replay_would_block, rerun_batch
-from .attach import place_hooks, say_compiled
+from .attach import place_hooks, rescan, say_compiled
 from .steps import PendingGradients, ScaleReader, SkipCounter, StepGuard
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,12 @@ class Watcher:
         self._compiled = False
         self._compile_warned = False
         self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
-        self._owners: Dict[int, Tuple[ModuleInfo, str]] = {}  # id(param) -> (module, name)
+        # the model's parameters and their owners, found again when replaced (core/attach.py)
+        self._index = None
+        self._hooked = None  # module -> its hooks (weak keys)
+        self._param_hooks: Dict[int, tuple] = {}  # id(param) -> (weakref, info, gradient hook handle)
+        self._said_params_replaced = False
+        self._rescan_failed = False
         self._grad_acts = config.gradients
         self._capture = BatchCapture(config.capture_dir or "", current_rank()) \
             if config.capture_dir or config.rerun_on_detect else None
@@ -297,6 +302,7 @@ class Watcher:
     def _outermost_call(self, st: _BatchState) -> None:
         """An outermost watched call of this thread starts; it begins a batch unless one is open
         (a `batch()` block) or it runs inside a backward (checkpoint recomputation)."""
+        self._params_current()  # replaced parameters get their gradient hooks before the backward
         begins = st.rec is None and torch._C._current_graph_task_id() == -1
         if begins:
             try:  # multi-rank: the stop published by a rank may be raised here
@@ -324,6 +330,18 @@ class Watcher:
             st.inputs = None
             if st.rec is not None:
                 self._capture.hold(st.rec.batch_number, args, kwargs)  # tensors by reference
+
+    def _params_current(self) -> None:
+        """Parameters or submodules replaced since the last look (to_empty(), load_state_dict(
+        assign=True), fully_shard, a module swap) are found again: owners, hooks, step guard."""
+        if self._rescan_failed or not self._attached or torch.compiler.is_compiling() or self._index.current():
+            return
+        try:
+            rescan(self)
+        except Exception as exc:  # finding them again must not stop training: said once
+            self._rescan_failed = True
+            log.error("tensorwatch_otel: could not find the model's replaced parameters or modules again "
+                      "(%s: %s); training goes on, watching what was found at watch()", type(exc).__name__, exc)
 
     def _capture_hook(self, module, args, kwargs):
         # runs before the root's pre-hook, which numbers the batch and hands these on
