@@ -68,16 +68,25 @@ def _check_capture_dir(name: str, path: str) -> None:
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise bad("exists and is not a directory")
-    folder = os.path.abspath(path)
+    why = folder_problem(path)
+    if why is not None:
+        raise bad(why)
+
+
+def folder_problem(folder: str) -> Optional[str]:
+    """Why no new file can be created in `folder` (which may not exist yet), or None. The first
+    existing folder on its path decides: it must be a folder that takes a new file."""
+    folder = os.path.abspath(folder)
     while not os.path.exists(folder):  # folders still to create: the first existing one decides
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
-        raise bad(f"{folder!r} is a file, not a folder")
+        return f"{folder!r} is a file, not a folder"
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise bad(f"cannot create files in {folder!r} ({exc.strerror or exc})") from None
+        return f"cannot create files in {folder!r} ({exc.strerror or exc})"
+    return None
 
 
 @dataclass(frozen=True)

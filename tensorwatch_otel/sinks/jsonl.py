@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from typing import Optional
 
 from ..report.codec import to_line
 from ..core.events import (AbortAfterBatchEvent, NonFiniteEvent, OverflowCheckEvent, SkipStreakEvent,
                            StoppedByRankEvent)
+from ..core.config import folder_problem
 from ..core.rank import current_rank
 from ._base import Sink, utf8_safe
 
@@ -31,16 +31,9 @@ def _check_writable(path: str) -> None:
         if os.path.isfile(path) and not os.access(path, os.W_OK):
             raise bad("the file is not writable")
         return
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):  # folders still to create: the first existing one decides
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        raise bad(f"{folder!r} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise bad(f"cannot create files in {folder!r} ({exc.strerror or exc})") from None
+    why = folder_problem(os.path.dirname(os.path.abspath(path)))
+    if why is not None:
+        raise bad(why)
 
 
 class JsonlLog(Sink):
