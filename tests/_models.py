@@ -1,5 +1,6 @@
 """Tiny real transformers models built from configs (random weights, fixed seeds) and a helper
-that injects a real fp16 overflow, for the side-by-side tests against transformers.debug_utils.
+that injects a real fp16 overflow, for the side-by-side tests against transformers.debug_utils;
+and TwoLinear, the two-layer model of the gradient and optimizer-step tests.
 
 Nothing here downloads anything: every model comes from a config small enough for 2 CPU cores.
 """
@@ -129,3 +130,15 @@ class LogLogits(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, **kw) -> torch.Tensor:
         return torch.log(self.inner(input_ids=input_ids, **kw).logits)
+
+
+class TwoLinear(torch.nn.Module):
+    """Linear(8, 16), relu, Linear(16, 4): modules `a` and `b`."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))

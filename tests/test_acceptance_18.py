@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from _collect import Collect
+from _models import TwoLinear as Net
 from tensorwatch_otel import NonFiniteEvent, watch
 from tensorwatch_otel.core.events import SkippedStepEvent
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
 
 
 # -- item 4: a GradScaler skip inside a fused optimizer is a skip, not a detection -----------

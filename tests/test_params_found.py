@@ -12,20 +12,11 @@ import torch
 from torch import nn
 
 from _collect import Collect
+from _models import TwoLinear as Net
 from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
 from tensorwatch_otel.core.events import SkippedStepEvent
 
 INF = float("inf")
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
 
 
 def _replaced(how: str, **opts):

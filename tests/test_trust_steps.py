@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 import pytest
 from _collect import Collect
+from _models import TwoLinear as Net
 from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
 from tensorwatch_otel.cli._demo_model import DemoConfig, Trainer
 from tensorwatch_otel.core.events import SkippedStepEvent, SkipStreakEvent
@@ -23,16 +24,6 @@ def amm(t):
 
 def stats_of(frame):
     return {t.name: (t.abs_min, t.abs_max, t.dtype) for t in frame.tensors}
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
 
 
 def _scaler_run(steps, init_scale, gradients=True, max_skipped_steps=None, grad_scaler=True):
