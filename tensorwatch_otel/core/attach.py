@@ -123,11 +123,11 @@ def place_hooks(w: "Watcher") -> None:
     w._hooked = weakref.WeakKeyDictionary()
     w._param_hooks = {}
     rescan(w, first=True)
-    w._optim_state = OptimizerStateReader(w._index) if cfg.optimizer_state else None
     # gradients=True localizes bad gradients in the backward: the step guard would add nothing
-    w._guard = StepGuard(w._index) if cfg.guard_steps and not cfg.gradients else None
-    w._steps = StepTracker(w._index, w._params_current, w._before_step, w._after_step)
-    w._handles.extend(w._steps.handles)
+    w._steps.use(StepGuard(w._index) if cfg.guard_steps and not cfg.gradients else None,
+                 OptimizerStateReader(w._index) if cfg.optimizer_state else None)
+    w._step_hooks = StepTracker(w._index, w._params_current, w._steps.before_step, w._steps.after_step)
+    w._handles.extend(w._step_hooks.handles)
 
 
 def rescan(w: "Watcher", first: bool = False) -> None:

@@ -30,11 +30,11 @@ from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
-from .backward import BackwardRecorder, producer_frame
+from .backward import BackwardRecorder
 from .capture import BatchCapture
 from .rerun import host, replay_would_block, rerun_batch
 from .attach import place_hooks, rescan, say_compiled
-from .steps import PendingGradients, ScaleReader, SkipCounter, StepGuard
+from .step_monitor import StepHost, StepMonitor
 
 log = logging.getLogger(__name__)
 
@@ -109,17 +109,19 @@ class Watcher:
         self._attached = False
         self._tls = _PerThread(config.max_frames)  # each thread's batch in progress
         self._recorder = FrameRecorder(model)
+        self.grad_scaler = grad_scaler
+        self._fleet = FleetStop(self._record_durable, lambda: self._batches, config.on_detect == "raise",
+                                 model=model)
+        # optimizer steps, skips, the loss scale, the step guard (core/step_monitor.py)
+        self._steps = StepMonitor(StepHost(
+            detect=self._detected, emit=self._fanout.on_event, phase_stats=self._phase_stats, check=self._check,
+            last_batch=self._last_batch, watches=self._watches,
+            live=lambda: self._attached and not self._replaying, weights_changed=self._recorder.invalidate_weights),
+            self._fleet, grad_scaler, config.max_skipped_steps, config.gradients)
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._last_batch()),
-                                          self._backward_done, self._hook_failed)
-        self.grad_scaler = grad_scaler
-        self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
-        self._pending: Optional[PendingGradients] = None  # non-finite gradients no step consumed yet
-        self._skipping_step = False  # a fused optimizer's step that skips itself (GradScaler's found_inf)
-        self._skips = SkipCounter(config.max_skipped_steps)
-        self._steps = None  # the StepTracker (core/attach.py)
-        self._guard: Optional[StepGuard] = None  # the optimizer-step guard (core/attach.py)
-        self._optim_state = None
+                                          self._steps.backward_done, self._hook_failed)
+        self._step_hooks = None  # the StepTracker (core/attach.py)
         self._compiled = False
         self._compile_warned = False
         self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
@@ -135,8 +137,6 @@ class Watcher:
         self._replaying = False
         self._failed_hooks = 0
         self._hook_error_logged = False
-        self._fleet = FleetStop(self._record_durable, lambda: self._batches, config.on_detect == "raise",
-                                 model=model)
         self._attach()
 
     # ---------------------------------------------------------------- lifetime
@@ -159,10 +159,7 @@ class Watcher:
         for h in handles:
             h.remove()
         ACTIVE.discard(self)
-        if self._pending is not None:  # bad gradients no step consumed: the run skipped it
-            self._skipped()
-        elif self._scale is not None and not self.config.gradients:
-            self._last_scale_read()
+        self._steps.at_detach()
         self._fanout.flush(self.config.flush_timeout_s)
         for s in self._owned:
             try:
@@ -315,9 +312,7 @@ class Watcher:
             # and in-place casts move no _version); no-grad batches (eval, generate) reuse
             # them until a step, a version/storage/dtype change, or every 32 batches.
             self._recorder.invalidate_weights()
-        if self._pending is not None and (self._pending.was_reset() or (
-                self._scale is not None and self._scale.dropped_since_read())):
-            self._skipped()  # the bad gradients were reset (or the scaler backed off) without a step
+        self._steps.at_outermost_call()  # bad gradients reset without a step: a skip
         if begins:
             with self._lock:  # one counter for every thread
                 b = self._batches
@@ -412,16 +407,10 @@ class Watcher:
         self._recorder.end_batch()
         if (b + 1) % _WEIGHT_REFRESH == 0:
             self._recorder.invalidate_weights()  # `.data` writes between no-grad batches
-        scale_t = self._scale.tensor() if self._scale is not None else None
-        scale = None
+        scale_t = self._steps.scale_tensor()
         if rec.frames or scale_t is not None:
-            scale = rec.readback(scale_t)
-            if scale_t is not None and self._scale.update(scale) and not self.config.gradients:
-                # the scale dropped: the scaler skipped the step after batch b - 1 (the batch
-                # whose gradients it would have consumed, as gradients=True numbers it)
-                self._skipped(max(b - 1, 0))
-            if scale is None and self._scale is not None:
-                scale = self._scale.last  # no scale tensor yet: the scaler's init_scale
+            # the loss scale travels in the batch's read-back; a drop is a skipped step
+            scale = self._steps.batch_scale(b, rec.readback(scale_t))
             if rec.frames:
                 try:
                     self._finish(rec, scale)
@@ -500,123 +489,15 @@ class Watcher:
         raise AbortAfterBatch(self.behaviour.abort_message(batch + 1, cfg.abort_after_batch))
 
     # ---------------------------------------------------------------- gradients and steps
-    def _backward_done(self, rec: Record, owners: List[Optional[torch.Tensor]], gids: List[int]) -> None:
-        rec.readback()
-        self._phase_stats(rec)
-        fi = rec.first_nonfinite_frame(0)
-        if fi is not None:
-            j = producer_frame(rec, fi, gids)
-            if j != fi:  # one gradient, two names: keep the producer's frame only
-                del rec.frames[fi], owners[fi]
-                fi = j - 1
-        if self._pending is not None and (fi is None or self._pending.was_reset(by_version=False)):
-            self._skipped()  # the bad gradients were reset (set to None, or finite now): no step took them
-        if fi is None:
-            return
-        # Not a detection yet: only a step that consumes these gradients makes one; a step
-        # skipped instead (GradScaler) is counted as such.
-        self._pending = PendingGradients(rec, fi, [p for p in owners[fi:] if p is not None][:1])
-
     def _phase_stats(self, rec: Record) -> None:
         """Gradients and optimizer state to the metric sinks, as series of their own."""
         if self._fanout.wants_batches:
             self._fanout.on_batch(BatchStats(rec.batch_number, current_rank(), time.time(), rec, phase=rec.phase))
 
-    def _before_step(self, optimizer, closure=None, args=(), kwargs=None):
-        if closure is not None:
-            # optimizer.step(closure) (Lightning's automatic optimization): the closure runs the
-            # forward and backward inside the step; the gradients it leaves are checked when it
-            # returns, before the step changes any weight
-            def checked(*a, **k):
-                loss = closure(*a, **k)
-                if self._attached:
-                    self._before_step(optimizer)
-                return loss
-
-            if len(args) > 1:  # (the optimizer, closure, ...)
-                return (args[0], checked) + tuple(args[2:]), kwargs
-            return args, dict(kwargs or {}, closure=checked)
-        found_inf = getattr(optimizer, "found_inf", None)
-        if found_inf.__class__ is torch.Tensor and not torch.compiler.is_compiling() and (
-                self._guard is not None or self._pending is not None or self._scale is not None):
-            # A GradScaler hands its verdict to a fused optimizer (AdamW(fused=True)): step()
-            # runs on the still-scaled gradients and writes nothing when found_inf is set. The
-            # scaler checked every gradient of this optimizer: one read of its verdict, instead
-            # of the guard's; a skip stays a skip (counted here with gradients=True, else by the
-            # scale's drop at the next read).
-            self._skipping_step = bool(found_inf)
-            if self._skipping_step:
-                if self._pending is not None:
-                    self._skipped()
-                return
-            if self._pending is None:
-                self._fleet.at_optimizer_step()
-                return
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._skips.step_taken()
-            self._detected(pending.record, pending.frame)
-        self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
-        if pending is None and self._guard is not None and self._attached and not self._replaying \
-                and not torch.compiler.is_compiling():  # (a compiled optimizer step: no read inside its graph)
-            # after the stop point: a stop already under way (another rank's, or this rank's
-            # forward detection) is raised there, not named again at the gradients it spoilt
-            batch = self._last_batch()  # the batch whose gradients the step consumes
-            if self._watches(batch):
-                self._guard_step(optimizer, batch)
-
-    def _guard_step(self, optimizer, batch: int) -> None:
-        """The step guard: one read; a detection named at the first bad gradient."""
-        try:
-            rec = self._guard.check(optimizer, batch)
-            fi = rec.first_nonfinite_frame(0) if rec is not None else None
-        except Exception as exc:  # the guard must not stop training: it goes off, said once
-            self._guard = None
-            log.error("tensorwatch_otel: the optimizer-step gradient check failed (%s: %s); training goes on "
-                      "without it", type(exc).__name__, exc)
-            return
-        if fi is not None:
-            self._detected(rec, fi, replicated=self._fleet.gradients_replicated())
-
-    def _after_step(self, optimizer) -> None:
-        if self._skipping_step:  # the fused step skipped itself: no weight changed
-            self._skipping_step = False
-            return
-        self._recorder.invalidate_weights()  # any optimizer, fused ones included
-        self._skips.step_taken()
-        if self._optim_state is not None and self._attached and self._watches(self._last_batch()):
-            rec = self._optim_state.record(optimizer, self._last_batch())
-            if rec.frames:
-                rec.readback()  # one transfer per step
-                self._phase_stats(rec)
-                self._check(rec, 0)
-
-    def _skipped(self, batch: Optional[int] = None) -> None:
-        """Count a skipped step; `batch`: the batch whose gradients it would have consumed
-        (default: the last batch begun; bad gradients pending name their own batch)."""
-        pending, self._pending = self._pending, None
-        scale = self._scale.last if self._scale is not None else None
-        if batch is None:
-            batch = self._last_batch()
-        for event in self._skips.skipped(pending, batch, current_rank(), scale):
-            self._fanout.on_event(event)
-
-    def _last_scale_read(self) -> None:
-        """At detach: a drop of the scale since the last batch is the last step's skip (no batch
-        came after it to read the scale)."""
-        try:
-            t = self._scale.tensor()
-            dropped = t is not None and self._scale.update(float(t))
-        except Exception as exc:  # detach must not raise for a scaler we cannot read
-            log.warning("tensorwatch_otel: could not read the loss scale at detach: %s", exc)
-            return
-        if dropped:
-            self._skipped()
-
     @property
     def steps_skipped(self) -> int:
         """Optimizer steps skipped so far (non-finite gradients no step consumed)."""
-        return self._skips.total
+        return self._steps.steps_skipped
 
     def _record_durable(self, event) -> None:
         self._fanout.on_event(event)
