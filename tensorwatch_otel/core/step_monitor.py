@@ -12,7 +12,7 @@ records to the sinks, and drop the weight cache when a step changed the weights.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -45,8 +45,8 @@ class StepHost:
 
 
 class StepMonitor:
-    def __init__(self, host: StepHost, fleet: FleetStop, grad_scaler=None, max_skipped_steps: int = 20,
-                 gradients: bool = False):
+    def __init__(self, host: StepHost, fleet: FleetStop, grad_scaler: Any = None, max_skipped_steps: int = 20,
+                 gradients: bool = False) -> None:
         self._host = host
         self._fleet = fleet
         self._gradients = gradients
@@ -55,9 +55,9 @@ class StepMonitor:
         self._skipping_step = False  # a fused optimizer's step that skips itself (GradScaler's found_inf)
         self._skips = SkipCounter(max_skipped_steps)
         self._guard: Optional[StepGuard] = None
-        self._optim_state = None  # OptimizerStateReader with optimizer_state=True
+        self._optim_state: Any = None  # OptimizerStateReader with optimizer_state=True
 
-    def use(self, guard: Optional[StepGuard], optim_state) -> None:
+    def use(self, guard: Optional[StepGuard], optim_state: Any) -> None:
         """The step guard and the optimizer-state reader (made where the hooks are placed)."""
         self._guard = guard
         self._optim_state = optim_state
@@ -109,12 +109,14 @@ class StepMonitor:
         self._pending = PendingGradients(rec, fi, [p for p in owners[fi:] if p is not None][:1])
 
     # ---------------------------------------------------------------- optimizer steps
-    def before_step(self, optimizer, closure=None, args: tuple = (), kwargs=None) -> Optional[Tuple[tuple, dict]]:
+    def before_step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[..., Any]] = None,
+                    args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
+                    ) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
         """Before an optimizer step of the model. With a closure (Lightning's automatic
         optimization) the closure is wrapped so its gradients are checked when it returns; the
         step's (args, kwargs) come back."""
         if closure is not None:
-            def checked(*a, **k):
+            def checked(*a: Any, **k: Any) -> Any:
                 loss = closure(*a, **k)
                 if self._host.live():
                     self.before_step(optimizer)
@@ -153,7 +155,7 @@ class StepMonitor:
                 self._guard_step(optimizer, batch)
         return None
 
-    def _guard_step(self, optimizer, batch: int) -> None:
+    def _guard_step(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
         """The step guard: one read; a detection named at the first bad gradient."""
         guard = self._guard
         assert guard is not None
@@ -168,7 +170,7 @@ class StepMonitor:
         if fi is not None:
             self._host.detect(rec, fi, replicated=self._fleet.gradients_replicated())
 
-    def after_step(self, optimizer) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._skipping_step:  # the fused step skipped itself: no weight changed
             self._skipping_step = False
             return
