@@ -52,6 +52,7 @@ SCHEMA = {
         "capture": {"type": "string"},  # detections with capture_dir: the captured batch's file
         "reproduced": {"type": "boolean"},  # detections with rerun_on_detect
         "host": {"type": "string"},
+        "verdict": {"enum": ["model", "compiler", "transient"]},  # rerun_on_detect on a compiled model
         "streak": {"type": "integer"},  # skipped optimizer steps
         "scale": NUM,
         "batch_number": {"type": "integer"},

@@ -131,6 +131,10 @@ class NonFiniteEvent:
     #: when it did not (transient: suspect the device on `host`), None when not re-run
     reproduced: Optional[bool] = None
     host: Optional[str] = None
+    #: rerun_on_detect on a compiled model: "model" (the eager replay reproduces the inf/nan),
+    #: "compiler" (only the compiled replay does) or "transient" (neither); None for an eager
+    #: model or when not re-run
+    verdict: Optional[str] = None
     #: W3C trace id (32 hex digits) every sink shares: the detection span's trace, the metric
     #: exemplar, the JSON lines field. Made here when not given; "" when unknown (old logs).
     trace_id: Optional[str] = None

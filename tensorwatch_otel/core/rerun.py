@@ -2,36 +2,52 @@
 before backward or the optimizer consumed anything, the batch is run once more on the same
 weights from its batch-start RNG state, every module checked as it returns. The same inf/nan
 in the same place is a numeric problem (fix the model, the data, the scale); none is a
-transient fault: suspect the device (the event names the rank and host)."""
+transient fault: suspect the device (the event names the rank and host). On a compiled model
+the batch is replayed eagerly and then compiled, and the event's `verdict` says which of the
+two reproduces it: "model", "compiler" or "transient" (see rerun_verdict)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
-from typing import Optional
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from . import naming
 from .capture import BatchCapture
 from .events import NonFiniteEvent
 from .ports import Sink
 
 log = logging.getLogger(__name__)
 
+#: NonFiniteEvent.verdict on a compiled model: the eager replay reproduces the inf/nan...
+VERDICT_MODEL = "model"
+#: ...only the compiled replay does (suspect the compiler)...
+VERDICT_COMPILER = "compiler"
+#: ...neither does (suspect the device, as `reproduced=False` says)
+VERDICT_TRANSIENT = "transient"
+_OPTIMIZED = "OptimizedModule"  # torch.compile's module wrapper (torch._dynamo is imported only when used)
+
+MakeWatcher = Callable[[torch.nn.Module, Sink], Any]
+
 
 class FirstNonFinite(Sink):
     """Keeps the first detection a probe watcher makes."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.event: Optional[NonFiniteEvent] = None
 
-    def on_event(self, event) -> None:
+    def on_event(self, event: object) -> None:
         if self.event is None and isinstance(event, NonFiniteEvent):
             self.event = event
 
 
 def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, module: str, tensor: str,
-                make_watcher) -> Optional[bool]:
+                make_watcher: MakeWatcher) -> Optional[bool]:
     """True when the replay finds inf/nan at `module` and `tensor`, False when it finds
     none, None when the batch could not be replayed. `make_watcher(model, sink)` builds a silent
     module-checking watcher. Buffers (BatchNorm statistics) and RNG states are restored after.
@@ -41,13 +57,91 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, m
     replay would not see the batch as it was), or that holds other objects (a transformers
     cache: the replay would change it and could not give it back) is not replayed: None, with
     one log line naming those inputs."""
+    if not _replayable(held, batch_number):
+        return None
+    found = _replay(model, held, batch_number, lambda a, k: model(*a, **k), make_watcher, grad=False)
+    if found is None:
+        return None
+    event, _ = found
+    return event is not None and (event.module, event.tensor) == (module, tensor)
+
+
+def rerun_verdict(watched: torch.nn.Module, held: BatchCapture, batch_number: int, module: str, tensor: str,
+                  make_watcher: MakeWatcher) -> Tuple[Optional[bool], Optional[str]]:
+    """(reproduced, verdict) for a detection in the model given to watch() (`watched`: the
+    user's model or its wrappers). For an eager model the verdict is None and `reproduced` is
+    rerun_batch's. For a compiled one (`watch(torch.compile(m))`, `m.compile()`, a compiled
+    submodule, or `torch.compile(m)` called after `watch(m)`) the batch is replayed eagerly
+    first (every `torch.compile` ignored, every module checked): inf/nan anywhere is "model".
+    Else it is replayed through the compiled callable the user runs (same grad mode, outputs
+    checked): inf/nan there is "compiler", none is "transient". `reproduced` is True for
+    "model" and "compiler", False for "transient"; (None, None) when a replay failed."""
+    model = naming.unwrap_root(watched)
+    compiled = compiled_callable(watched)
+    if compiled is None:
+        return rerun_batch(model, held, batch_number, module, tensor, make_watcher), None
+    if not _replayable(held, batch_number):
+        return None, None
+    grad = torch.is_grad_enabled()  # the detecting forward's mode: the compiled graph depends on it
+
+    def eager(args: tuple, kwargs: dict) -> Any:
+        with torch.compiler.set_stance("force_eager"):
+            return model(*args, **kwargs)
+
+    found = _replay(model, held, batch_number, eager, make_watcher, grad=False)
+    if found is None:
+        return None, None
+    if found[0] is not None or found[1]:
+        return True, VERDICT_MODEL
+    found = _replay(model, held, batch_number, lambda a, k: compiled(*a, **k), None, grad=grad)
+    if found is None:
+        return None, None
+    return (True, VERDICT_COMPILER) if found[1] else (False, VERDICT_TRANSIENT)
+
+
+def compiled_callable(watched: torch.nn.Module) -> Optional[Callable[..., Any]]:
+    """The compiled callable the user runs for `watched`, or None when nothing of it is
+    compiled: the OptimizedModule at the root (inside DDP / DataParallel), the model itself when
+    it or a submodule was compiled in place or replaced by a compiled one, else an
+    OptimizedModule that wraps the model (`torch.compile(model)` called after `watch(model)`),
+    found by one pass over the interpreter's objects, at a detection only."""
+    root = watched
+    while type(root).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(root, "module"):
+        root = root.module
+    if type(root).__name__ == _OPTIMIZED:
+        return root
+    if any(type(m).__name__ == _OPTIMIZED or getattr(m, "_compiled_call_impl", None) is not None
+           for m in root.modules()):
+        return root
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(frames, _OPTIMIZED, None)
+    if optimized is None:  # torch.compile never ran in this process: nothing wraps the model
+        return None
+    model = naming.unwrap_root(root)
+    for obj in gc.get_objects():
+        if issubclass(type(obj), optimized) and getattr(obj, "_orig_mod", None) is model:  # (no __class__ lookups)
+            return obj  # type: ignore[no-any-return]
+    return None
+
+
+def _replayable(held: BatchCapture, batch_number: int) -> bool:
     _, _, rng = held.held(batch_number)
     if rng is None:
-        return None
+        return False
     problems = held.changed(batch_number)
     if problems:
         _say_skipped(held, batch_number, problems)
-        return None
+        return False
+    return True
+
+
+def _replay(model: torch.nn.Module, held: BatchCapture, batch_number: int, run: Callable[[tuple, dict], Any],
+            make_watcher: Optional[MakeWatcher], grad: bool) -> Optional[Tuple[Optional[NonFiniteEvent], bool]]:
+    """Runs `run(args, kwargs)` once on copies of the held inputs from the batch's start RNG
+    state, `model`'s buffers and the RNG states restored after: (the first inf/nan a probe
+    watcher on `model` found, whether the outputs hold inf/nan), or None when it failed."""
+    _, _, rng = held.held(batch_number)
+    assert rng is not None
     saved_rng = torch.get_rng_state()
     saved_cuda = torch.cuda.get_rng_state_all() if "cuda" in rng else None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -58,10 +152,12 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, m
             torch.cuda.set_rng_state_all(rng["cuda"])
         args, kwargs = held.replay_inputs(batch_number)
         sink = FirstNonFinite()
-        probe = make_watcher(model, sink)
-        with torch.no_grad():
-            model(*args, **kwargs)
-        found = sink.event
+        if make_watcher is not None:
+            probe = make_watcher(model, sink)
+        with torch.set_grad_enabled(grad):
+            out = run(args, kwargs)
+            bad = _holds_nonfinite(out)
+        return sink.event, bad
     except Exception as exc:  # the replay must never hide the detection itself
         log.warning("tensorwatch_otel: could not re-run batch %d: %s: %s", batch_number,
                     type(exc).__name__, exc)
@@ -75,7 +171,25 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, m
         torch.set_rng_state(saved_rng)
         if saved_cuda is not None:
             torch.cuda.set_rng_state_all(saved_cuda)
-    return found is not None and (found.module, found.tensor) == (module, tensor)
+
+
+def _holds_nonfinite(out: Any, depth: int = 0) -> bool:
+    """Whether a floating tensor in `out` (tensors, lists, tuples, mappings, dataclass-like
+    results' tensor attributes) holds inf/nan. Runs once per replay, not on the hot path."""
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point() or out.is_complex():
+            return bool(not torch.isfinite(out.detach()).all())
+        return False
+    if depth >= 16:
+        return False
+    if isinstance(out, (list, tuple)):
+        return any(_holds_nonfinite(v, depth + 1) for v in out)
+    if isinstance(out, Mapping):
+        return any(_holds_nonfinite(v, depth + 1) for v in out.values())
+    attrs = getattr(out, "__dict__", None)
+    if isinstance(attrs, dict) and not isinstance(out, torch.nn.Module):
+        return any(_holds_nonfinite(v, depth + 1) for v in attrs.values() if isinstance(v, torch.Tensor))
+    return False
 
 
 def _say_skipped(held: BatchCapture, batch_number: int, problems: list) -> None:

@@ -20,7 +20,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import naming
 from .behaviour import Behaviour
 from .config import WatchConfig
 from .errors import AbortAfterBatch, NonFiniteDetected
@@ -32,7 +31,7 @@ from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
 from .backward import BackwardRecorder
 from .capture import BatchCapture
-from .rerun import host, replay_would_block, rerun_batch
+from .rerun import host, replay_would_block, rerun_verdict
 from .attach import place_hooks, rescan, say_compiled
 from .step_monitor import StepHost, StepMonitor
 
@@ -454,20 +453,21 @@ class Watcher:
         first = last.first_nonfinite()
         capture = self._capture.write(rec.batch_number) if self._capture is not None and self.config.capture_dir \
             else None
-        reproduced = None
+        reproduced = verdict = None
         if self.config.rerun_on_detect and rec.phase == "forward" and self._capture is not None \
                 and not replay_would_block(self.model):
             self._replaying = True
             try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
-                reproduced = rerun_batch(naming.unwrap_root(self.model), self._capture, rec.batch_number,
-                                         last.module, first.name if first else "", self._probe)
+                reproduced, verdict = rerun_verdict(self.model, self._capture, rec.batch_number,
+                                                    last.module, first.name if first else "", self._probe)
             finally:
                 self._replaying = False
         event = NonFiniteEvent(
             batch_number=rec.batch_number, rank=current_rank(), module=last.module,
             module_class=last.module_class, tensor=first.name if first else "",
             kind=self._recorder.kind(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase,
-            capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None)
+            capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None,
+            verdict=verdict)
         raising = self.config.on_detect == "raise"
         if self._fleet.active():
             event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first

@@ -69,6 +69,8 @@ def to_dict(event: Event) -> Dict[str, Any]:
             d["capture"] = event.capture
         if event.reproduced is not None:
             d.update(reproduced=event.reproduced, host=event.host)
+        if event.verdict is not None:
+            d["verdict"] = event.verdict
     elif isinstance(event, StoppedByRankEvent):
         d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
                  first_rank=event.first_rank, stopped_at_batch=event.stopped_at_batch)
@@ -175,7 +177,8 @@ def from_dict(d: Dict[str, Any]) -> Event:
                               _str(d, "kind"), frames, ts, first_rank=_opt_int(d.get("first_rank")),
                               trace_id=_str(d, "trace_id"),  # "": none in the log
                               phase=_str(d, "phase", "forward"), capture=_str(d, "capture") or None,
-                              reproduced=_opt_bool(d.get("reproduced")), host=_str(d, "host") or None)
+                              reproduced=_opt_bool(d.get("reproduced")), host=_str(d, "host") or None,
+                              verdict=_str(d, "verdict") or None)
     if kind == "stopped_by_rank":
         try:
             first = int(d["first_rank"])

@@ -162,6 +162,8 @@ class SpanBuilder:
         if event.reproduced is not None:
             attrs["tensorwatch.reproduced"] = event.reproduced
             attrs["host.name"] = event.host or ""
+        if event.verdict is not None:
+            attrs["tensorwatch.verdict"] = event.verdict
         if omitted:  # the most recent frames matter most; the report attribute has them all
             attrs["tensorwatch.frames.omitted"] = omitted
         span = self._tracer.start_span("tensorwatch.nonfinite_detected", context=ctx, start_time=t0,
