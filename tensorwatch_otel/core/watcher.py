@@ -23,15 +23,14 @@ import torch
 from .behaviour import Behaviour
 from .config import WatchConfig
 from .errors import AbortAfterBatch, NonFiniteDetected
-from .events import AbortAfterBatchEvent, BatchStats, BatchTraceEvent, Frame, NonFiniteEvent
+from .events import BatchStats, BatchTraceEvent
 from .fleet import FleetStop
 from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
 from .backward import BackwardRecorder
-from .capture import BatchCapture
-from .rerun import host, replay_would_block, rerun_verdict
+from .detection import DetectionPipeline
 from .attach import place_hooks, rescan, say_compiled
 from .step_monitor import StepHost, StepMonitor
 
@@ -100,7 +99,6 @@ class Watcher:
         self.config = config
         self.behaviour = behaviour or Behaviour()
         self._batches = 0  # batches begun, by every thread: the next batch's number
-        self.detections = 0
         self._fanout = SinkFanout(sinks, strict=config.strict)
         self._owned = list(owned_sinks)
         self._handles: list = []
@@ -109,8 +107,14 @@ class Watcher:
         self._tls = _PerThread(config.max_frames)  # each thread's batch in progress
         self._recorder = FrameRecorder(model)
         self.grad_scaler = grad_scaler
-        self._fleet = FleetStop(self._record_durable, lambda: self._batches, config.on_detect == "raise",
-                                 model=model)
+        self._fleet = FleetStop(lambda e: self._detect.durable(e), lambda: self._batches,
+                                 config.on_detect == "raise", model=model)
+        # ring, capture, replay, fleet, flush, raise (core/detection.py)
+        self._detect = DetectionPipeline(model, config, self.behaviour, self._fanout, self._fleet,
+                                         self._recorder.kind, lambda: self._recorder.acts_seen.clear(),
+                                         lambda: self._tls.st.history, self._probe)
+        self._check = self._detect.check
+        self._detected = self._detect.detected
         # optimizer steps, skips, the loss scale, the step guard (core/step_monitor.py)
         self._steps = StepMonitor(StepHost(
             detect=self._detected, emit=self._fanout.on_event, phase_stats=self._phase_stats, check=self._check,
@@ -131,9 +135,6 @@ class Watcher:
         self._said_params_replaced = False
         self._rescan_failed = False
         self._grad_acts = config.gradients
-        self._capture = BatchCapture(config.capture_dir or "", current_rank()) \
-            if config.capture_dir or config.rerun_on_detect else None
-        self._replaying = False
         self._failed_hooks = 0
         self._hook_error_logged = False
         self._attach()
@@ -417,7 +418,7 @@ class Watcher:
                     st.history.keep(rec)
         cfg = self.config
         if cfg.abort_after_batch is not None and b >= cfg.abort_after_batch:
-            self._abort(b)
+            self._detect.abort(b)
 
     def _finish(self, rec: Record, scale: Optional[float] = None) -> None:
         cfg = self.config
@@ -431,63 +432,6 @@ class Watcher:
         if cfg.check == "batch" and (self.behaviour.detect_in_traced_batches or not traced):
             self._check(rec, 0)
 
-    def _check(self, rec: Record, first_frame: int) -> None:
-        """Detect inf/nan in frames[first_frame:] of `rec` (their stats are on the host)."""
-        if rec.detected:
-            return
-        fi = rec.first_nonfinite_frame(first_frame)
-        if fi is not None:
-            self._detected(rec, fi)
-
-    def _ring(self, rec: Record, fi: int) -> Tuple[Frame, ...]:
-        traced = self.config.trace_batches
-        stops_at = self.behaviour.ring_stops_at
-        return self._history.ring(rec, fi, lambda prev: stops_at(prev, traced))
-
-    def _detected(self, rec: Record, fi: int, replicated: bool = False) -> None:
-        """`replicated`: the values are the same on every rank (the step guard's all-reduced
-        gradients), so every rank finds them at this point and may raise here."""
-        rec.detected = True
-        frames = self._ring(rec, fi)
-        last = frames[-1]
-        first = last.first_nonfinite()
-        capture = self._capture.write(rec.batch_number) if self._capture is not None and self.config.capture_dir \
-            else None
-        reproduced = verdict = None
-        if self.config.rerun_on_detect and rec.phase == "forward" and self._capture is not None \
-                and not replay_would_block(self.model):
-            self._replaying = True
-            try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
-                reproduced, verdict = rerun_verdict(self.model, self._capture, rec.batch_number,
-                                                    last.module, first.name if first else "", self._probe)
-            finally:
-                self._replaying = False
-        event = NonFiniteEvent(
-            batch_number=rec.batch_number, rank=current_rank(), module=last.module,
-            module_class=last.module_class, tensor=first.name if first else "",
-            kind=self._recorder.kind(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase,
-            capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None,
-            verdict=verdict)
-        raising = self.config.on_detect == "raise"
-        if self._fleet.active():
-            event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
-        self.detections += 1
-        self._fanout.on_event(event)
-        if raising:
-            self._fanout.flush(self.config.flush_timeout_s)
-            # drop what the aborted batch left behind so a caught exception leaves a clean state
-            self._recorder.acts_seen.clear()
-            exc = NonFiniteDetected(self.behaviour.detection_message(event), event)
-            if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
-                raise exc
-
-    def _abort(self, batch: int) -> None:
-        cfg = self.config
-        event = AbortAfterBatchEvent(batch, current_rank(), time.time())
-        self._fanout.on_event(event)
-        self._fanout.flush(cfg.flush_timeout_s)
-        raise AbortAfterBatch(self.behaviour.abort_message(batch + 1, cfg.abort_after_batch))
-
     # ---------------------------------------------------------------- gradients and steps
     def _phase_stats(self, rec: Record) -> None:
         """Gradients and optimizer state to the metric sinks, as series of their own."""
@@ -499,12 +443,19 @@ class Watcher:
         """Optimizer steps skipped so far (non-finite gradients no step consumed)."""
         return self._steps.steps_skipped
 
-    def _record_durable(self, event) -> None:
-        self._fanout.on_event(event)
-        self._fanout.flush(self.config.flush_timeout_s)
+    @property
+    def detections(self) -> int:
+        """Detections made so far."""
+        return self._detect.detections
+
+    @property
+    def _replaying(self) -> bool:
+        return self._detect.replaying
+
+    @property
+    def _capture(self):
+        return self._detect.capture
 
     def overflow_check(self, event) -> None:
         """Hand a detect_overflow() finding to the sinks (durable before returning)."""
-        self._fanout.on_event(event)
-        if event.kind:
-            self._fanout.flush(self.config.flush_timeout_s)
+        self._detect.overflow_check(event)

@@ -1,0 +1,125 @@
+"""The detection pipeline: from the first inf/nan in a record read back to the event the sinks
+get and the exception training sees.
+
+One detection per record: the ring of frames that led to it (reaching back into the thread's
+earlier batches), the batch's inputs written to a capture file (`capture_dir`), the batch
+replayed (`rerun_on_detect`: reproduced, and on a compiled model which of eager and compiled
+reproduces it), the rank that found it first (multi-rank), the event to the sinks, flushed,
+and NonFiniteDetected raised here or at the ranks' common stop point. `abort_after_batch`
+ends here too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+from .behaviour import Behaviour
+from .capture import BatchCapture
+from .config import WatchConfig
+from .errors import AbortAfterBatch, NonFiniteDetected
+from .events import AbortAfterBatchEvent, Frame, NonFiniteEvent, TensorStat
+from .fleet import FleetStop
+from .ports import Sink, SinkFanout
+from .rank import current_rank
+from .record import History, Record
+from .rerun import host, replay_would_block, rerun_verdict
+
+log = logging.getLogger(__name__)
+
+#: (record, frame index, the frame's first non-finite tensor) -> the tensor's own kind
+KindOf = Callable[[Record, int, Optional[TensorStat]], str]
+#: a silent watcher on a model that checks every module as it returns (for the replay)
+MakeProbe = Callable[[torch.nn.Module, Sink], Any]
+
+
+class DetectionPipeline:
+    def __init__(self, model: torch.nn.Module, config: WatchConfig, behaviour: Behaviour, fanout: SinkFanout,
+                 fleet: FleetStop, kind_of: KindOf, forget_batch: Callable[[], None],
+                 history: Callable[[], History], make_probe: MakeProbe):
+        self._model = model
+        self._config = config
+        self._behaviour = behaviour
+        self._fanout = fanout
+        self._fleet = fleet
+        self._kind_of = kind_of
+        self._forget_batch = forget_batch  # drop what an aborted batch left behind
+        self._history = history  # the calling thread's finished records
+        self._make_probe = make_probe
+        # the batch's inputs, held by reference until its end (capture_dir / rerun_on_detect)
+        self.capture = BatchCapture(config.capture_dir or "", current_rank()) \
+            if config.capture_dir or config.rerun_on_detect else None
+        self.replaying = False  # a captured batch is being replayed: the hooks stay out of it
+        self.detections = 0
+
+    def check(self, rec: Record, first_frame: int) -> None:
+        """Detect inf/nan in frames[first_frame:] of `rec` (their stats are on the host)."""
+        if rec.detected:
+            return
+        fi = rec.first_nonfinite_frame(first_frame)
+        if fi is not None:
+            self.detected(rec, fi)
+
+    def _ring(self, rec: Record, fi: int) -> Tuple[Frame, ...]:
+        traced = self._config.trace_batches
+        stops_at = self._behaviour.ring_stops_at
+        return self._history().ring(rec, fi, lambda prev: stops_at(prev, traced))
+
+    def detected(self, rec: Record, fi: int, replicated: bool = False) -> None:
+        """Frame `fi` of `rec` holds the first inf/nan. `replicated`: the values are the same on
+        every rank (the step guard's all-reduced gradients), so every rank finds them at this
+        point and may raise here."""
+        cfg = self._config
+        rec.detected = True
+        frames = self._ring(rec, fi)
+        last = frames[-1]
+        first = last.first_nonfinite()
+        capture = self.capture.write(rec.batch_number) if self.capture is not None and cfg.capture_dir else None
+        reproduced = verdict = None
+        if cfg.rerun_on_detect and rec.phase == "forward" and self.capture is not None \
+                and not replay_would_block(self._model):
+            self.replaying = True
+            try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
+                reproduced, verdict = rerun_verdict(self._model, self.capture, rec.batch_number,
+                                                    last.module, first.name if first else "", self._make_probe)
+            finally:
+                self.replaying = False
+        event = NonFiniteEvent(
+            batch_number=rec.batch_number, rank=current_rank(), module=last.module,
+            module_class=last.module_class, tensor=first.name if first else "",
+            kind=self._kind_of(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase,
+            capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None,
+            verdict=verdict)
+        raising = cfg.on_detect == "raise"
+        if self._fleet.active():
+            event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
+        self.detections += 1
+        self._fanout.on_event(event)
+        if raising:
+            self._fanout.flush(cfg.flush_timeout_s)
+            self._forget_batch()  # a caught exception leaves a clean state
+            exc = NonFiniteDetected(self._behaviour.detection_message(event), event)
+            if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
+                raise exc
+
+    def abort(self, batch: int) -> None:
+        """`abort_after_batch` reached: the event, flushed, then AbortAfterBatch."""
+        cfg = self._config
+        self._fanout.on_event(AbortAfterBatchEvent(batch, current_rank(), time.time()))
+        self._fanout.flush(cfg.flush_timeout_s)
+        raise AbortAfterBatch(self._behaviour.abort_message(batch + 1, cfg.abort_after_batch))
+
+    def durable(self, event: Any) -> None:
+        """An event the sinks must hold before this returns (a fleet stop)."""
+        self._fanout.on_event(event)
+        self._fanout.flush(self._config.flush_timeout_s)
+
+    def overflow_check(self, event: Any) -> None:
+        """A detect_overflow() finding to the sinks (durable before returning when it found one)."""
+        self._fanout.on_event(event)
+        if event.kind:
+            self._fanout.flush(self._config.flush_timeout_s)
+
