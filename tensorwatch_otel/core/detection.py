@@ -108,6 +108,7 @@ class DetectionPipeline:
     def abort(self, batch: int) -> None:
         """`abort_after_batch` reached: the event, flushed, then AbortAfterBatch."""
         cfg = self._config
+        assert cfg.abort_after_batch is not None
         self._fanout.on_event(AbortAfterBatchEvent(batch, current_rank(), time.time()))
         self._fanout.flush(cfg.flush_timeout_s)
         raise AbortAfterBatch(self._behaviour.abort_message(batch + 1, cfg.abort_after_batch))
