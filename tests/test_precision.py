@@ -272,3 +272,73 @@ def test_cached_weights_keep_their_histogram():
     w0, w1 = (next(t for t in b.frames[0].tensors if t.name == "weight") for b in sink.batches)
     assert w0.magnitude == w1.magnitude and sum(w0.magnitude.counts) == 16
     assert w0.underflow == w1.underflow
+
+
+# ---------------------------------------------------------------------------- where they show
+def traced_run(sinks):
+    model = Scale(known_tensor())
+    with watch(model, sinks=sinks, target_dtypes=["float16", "float8_e4m3fn"], trace_batches=[0],
+               on_detect="report"):
+        model(torch.ones(()))
+
+
+def test_jsonl_frames_carry_the_shares_and_read_back(tmp_path):
+    from tensorwatch_otel.report.codec import read_events
+    from tensorwatch_otel.sinks import JsonlLog
+
+    path = tmp_path / "e.jsonl"
+    traced_run([JsonlLog(str(path))])
+    import json
+    line = json.loads(path.read_text().splitlines()[0])
+    out = line["frames"][0]["tensors"][-1]
+    assert out["name"] == "output"
+    assert out["underflow"] == {"float16": pytest.approx(3 / 12), "float8_e4m3fn": pytest.approx(4 / 12)}
+    assert out["overflow"] == {"float16": pytest.approx(2 / 12), "float8_e4m3fn": 0.0}
+    [event] = read_events(str(path))
+    back = event.frames[0].tensors[-1]
+    assert back.underflow == pytest.approx({"float16": 3 / 12, "float8_e4m3fn": 4 / 12})
+    assert back.overflow == pytest.approx({"float16": 2 / 12, "float8_e4m3fn": 0.0})
+
+
+def test_report_text_and_plot_show_the_shares(tmp_path, capsys):
+    from tensorwatch_otel.cli import main
+    from tensorwatch_otel.sinks import JsonlLog
+
+    path = tmp_path / "e.jsonl"
+    traced_run([JsonlLog(str(path))])
+    capsys.readouterr()
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if s.endswith("output") or " output " in s)
+    assert "underflow float16 25% float8_e4m3fn 33.3%  overflow float16 16.7%" in line, line
+    pytest.importorskip("matplotlib")
+    svg = tmp_path / "p.svg"
+    assert main(["report", str(path), "--plot", str(svg)]) == 0
+    text = svg.read_text()
+    assert 'id="underflow:float16"' in text and 'id="overflow:float16"' in text
+    assert 'id="underflow:float8_e4m3fn"' in text and 'id="overflow:float8_e4m3fn"' not in text
+
+
+def test_span_frame_events_carry_the_shares():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from tensorwatch_otel.sinks.otel import OtelTelemetry
+
+    spans = InMemorySpanExporter()
+    tp = TracerProvider(shutdown_on_exit=False)
+    tp.add_span_processor(SimpleSpanProcessor(spans))
+    mp = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
+    sink = OtelTelemetry(tp, mp)
+    traced_run([sink])
+    sink.flush()
+    events = [e for s in spans.get_finished_spans() for e in s.events if e.name == "tensorwatch.frame"]
+    attrs = events[0].attributes
+    names = list(attrs["tensorwatch.tensors"])
+    k = names.index("output")
+    assert attrs["tensorwatch.underflow.float16"][k] == pytest.approx(3 / 12)
+    assert attrs["tensorwatch.overflow.float16"][k] == pytest.approx(2 / 12)
+    assert attrs["tensorwatch.underflow.float8_e4m3fn"][k] == pytest.approx(4 / 12)
+    assert len(attrs["tensorwatch.underflow.float16"]) == len(names)
