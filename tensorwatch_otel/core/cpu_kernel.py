@@ -66,8 +66,12 @@ KERNEL(tw_abs_minmax_bf16, uint16_t, 0x7FFFu, 0x7F80u)
    zeros; hist[s], 1 <= s <= NB: finite |x| in (2**(s-1+OFF), 2**(s+OFF)] (upper-inclusive, the
    scale-0 exponential histogram bucket s-1+OFF, OFF = -(bias + mantissa bits)); hist[NB+1]:
    inf/nan. With u = bits - 1, a normal value's bucket is u's exponent field (a power of two
-   drops to the bucket below), a subnormal's is the bit length of u: one formula, no float math.
-   Four interleaved counters per thread keep repeated buckets off one dependency chain. */
+   drops to the bucket below), a subnormal's is the bit length of u: no float math.
+   Per block of TW_BLOCK elements: a first loop the compiler vectorises (extremes, and each
+   element's counter, subnormals marked), then the counting, over four interleaved copies of the
+   counters so that repeated buckets do not wait on one another. */
+#define TW_BLOCK 512
+#define TW_SUB 0xFFFF
 static inline int tw_bitlen(uint64_t u) { return u ? 64 - __builtin_clzll(u) : 0; }
 #define MAGNITUDE(NAME, T, MASK, INF, M, NB)                                              \
 void NAME(const T* x, int64_t n, T* out, int64_t* hist, int nt) {                         \
@@ -76,17 +80,31 @@ void NAME(const T* x, int64_t n, T* out, int64_t* hist, int nt) {               
     _Pragma("omp parallel reduction(min:lo) reduction(max:hi) num_threads(nt) if(nt > 1)") \
     {                                                                                     \
         int64_t h[4][NB + 2];                                                             \
+        uint16_t slot[TW_BLOCK];                                                          \
         for (int c = 0; c < 4; c++) for (int b = 0; b < NB + 2; b++) h[c][b] = 0;         \
         _Pragma("omp for schedule(static) nowait")                                        \
-        for (int64_t i = 0; i < n; i++) {                                                 \
-            T m = x[i] & MASK;                                                            \
-            lo = m < lo ? m : lo;                                                         \
-            hi = m > hi ? m : hi;                                                         \
-            T u = (T)(m - 1);                                                             \
-            int e = (int)(u >> M);                                                        \
-            int s = e ? e + M + 1 : tw_bitlen((uint64_t)u) + 1;                           \
-            s = m == 0 ? 0 : (m >= INF ? NB + 1 : s);                                     \
-            h[i & 3][s]++;                                                                \
+        for (int64_t b0 = 0; b0 < n; b0 += TW_BLOCK) {                                    \
+            const T* xb = x + b0;                                                         \
+            int len = n - b0 < TW_BLOCK ? (int)(n - b0) : TW_BLOCK;                       \
+            T l = lo, g = hi;                                                             \
+            for (int i = 0; i < len; i++) {                                               \
+                T m = xb[i] & MASK;                                                       \
+                l = m < l ? m : l;                                                        \
+                g = m > g ? m : g;                                                        \
+                T e = (T)((T)(m - 1) >> M);                                               \
+                uint16_t s = e ? (uint16_t)(e + M + 1) : (uint16_t)TW_SUB;                \
+                s = m == 0 ? 0 : s;                                                       \
+                s = m >= INF ? (uint16_t)(NB + 1) : s;                                    \
+                slot[i] = s;                                                              \
+            }                                                                             \
+            lo = l;                                                                       \
+            hi = g;                                                                       \
+            for (int i = 0; i < len; i++) {                                               \
+                int s = slot[i];                                                          \
+                if (__builtin_expect(s == TW_SUB, 0))                                     \
+                    s = tw_bitlen((uint64_t)(T)((xb[i] & MASK) - 1)) + 1;                 \
+                h[i & 3][s]++;                                                            \
+            }                                                                             \
         }                                                                                 \
         _Pragma("omp critical")                                                           \
         for (int b = 0; b < NB + 2; b++) hist[b] += h[0][b] + h[1][b] + h[2][b] + h[3][b]; \
