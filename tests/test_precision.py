@@ -342,3 +342,24 @@ def test_span_frame_events_carry_the_shares():
     assert attrs["tensorwatch.overflow.float16"][k] == pytest.approx(2 / 12)
     assert attrs["tensorwatch.underflow.float8_e4m3fn"][k] == pytest.approx(4 / 12)
     assert len(attrs["tensorwatch.underflow.float16"]) == len(names)
+
+
+def test_torch_histogram_makes_no_host_sync():
+    """The torch-ops histogram (the CUDA path) reads nothing back: no .item(), no bincount."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        syncs = 0
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            if func is torch.ops.aten._local_scalar_dense.default or "nonzero" in func.__name__:
+                Count.syncs += 1
+            return func(*args, **(kwargs or {}))
+
+    x = near_thresholds(torch.bfloat16)
+    with Count():
+        row = M.histogram_torch(x)
+    assert Count.syncs == 0 and row.numel() == M.row_width(torch.bfloat16)
+    assert not any("bincount" in op or "histc" in op for op in Count.ops)
