@@ -235,12 +235,13 @@ def shares(rows: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor,
     return torch.where(bad, nan, u.clamp(0, 1)), torch.where(bad, nan, o.clamp(0, 1))
 
 
-def magnitude_of(row: Sequence[float], dtype: torch.dtype) -> Magnitude:
-    """The Magnitude of one host row: zeros, and the non-empty span of buckets."""
+def magnitude_of(row: torch.Tensor, dtype: torch.dtype) -> Magnitude:
+    """The Magnitude of one host row (a CPU tensor): zeros, and the non-empty span of buckets."""
     nb, off = _GEOMETRY[dtype][1], _GEOMETRY[dtype][2]
     body = row[1:nb + 1]
-    first = next((i for i, c in enumerate(body) if c), None)
-    if first is None:
-        return Magnitude(int(row[0]), 0, ())
-    last = max(i for i, c in enumerate(body) if c)
-    return Magnitude(int(row[0]), first + off, tuple(int(c) for c in body[first:last + 1]))
+    nz = torch.nonzero(body).view(-1).tolist()
+    zeros = int(row[0])
+    if not nz:
+        return Magnitude(zeros, 0, ())
+    first, last = nz[0], nz[-1]
+    return Magnitude(zeros, first + off, tuple(int(c) for c in body[first:last + 1].tolist()))

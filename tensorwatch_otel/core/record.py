@@ -111,29 +111,37 @@ class Record:
         from .magnitude import ROW_DTYPE, shares, target_params
 
         nt = len(self.targets)
-        under = [math.nan] * (len(mags) * nt)
+        widths = [None if m is None else m.shape[0] for m in mags]
+        present = [w for w in widths if w is not None]
+        # rows of one width (the usual case: one float dtype) are one matrix, no per-row slicing
+        groups: Dict[int, list] = {}
+        for i, w in enumerate(widths):
+            if w is not None:
+                groups.setdefault(w, []).append(i)
+        if len(groups) == 1:
+            (w, idx), = groups.items()
+            mats = {w: counts[:w * len(idx)].view(len(idx), w)}
+        else:
+            starts, pos = [], 0
+            for w in widths:
+                starts.append(pos)
+                pos += w or 0
+            mats = {w: torch.stack([counts[starts[i]:starts[i] + w] for i in idx]) for w, idx in groups.items()}
+        rows: List[Optional[tuple]] = [None] * len(mags)
+        under = [math.nan] * (len(mags) * nt) if len(present) < len(mags) else [0.0] * (len(mags) * nt)
         over = list(under)
-        groups: Dict[torch.dtype, list] = {}
-        pos = 0
-        for i, m in enumerate(mags):
-            if m is None:
-                self._rows.append(None)
-                continue
-            w = m.numel()
-            row = counts[pos:pos + w]
-            pos += w
-            dt = ROW_DTYPE[w]  # the measured values' dtype (an fp8 tensor is read as float32)
-            self._rows.append((row, dt))
-            groups.setdefault(dt, []).append(i)
         params = target_params(self.targets)
-        for dt, idx in groups.items():
-            rows = torch.stack([self._rows[k0 + i][0] for i in idx])
+        for w, idx in groups.items():
+            dt = ROW_DTYPE[w]  # the measured values' dtype (an fp8 tensor is read as float32)
+            mat = mats[w]
             amax = torch.tensor([values[2 * i + 1] for i in idx], dtype=torch.float64)
-            u, o = shares(rows, dt, amax, params)
-            u, o = u.tolist(), o.tolist()
+            u, o = shares(mat, dt, amax, params)
+            u, o = u.view(-1).tolist(), o.view(-1).tolist()
             for r, i in enumerate(idx):
-                under[i * nt:(i + 1) * nt] = u[r]
-                over[i * nt:(i + 1) * nt] = o[r]
+                rows[i] = (mat, r, dt)
+                under[i * nt:(i + 1) * nt] = u[r * nt:(r + 1) * nt]
+                over[i * nt:(i + 1) * nt] = o[r * nt:(r + 1) * nt]
+        self._rows += rows
         self.underflow += under
         self.overflow += over
 
@@ -143,8 +151,8 @@ class Record:
             return None
         from .magnitude import magnitude_of
 
-        row, dt = self._rows[k]
-        return magnitude_of(row.tolist(), dt)
+        mat, r, dt = self._rows[k]
+        return magnitude_of(mat[r], dt)
 
     def _precision(self, k: int) -> tuple:
         """(underflow, overflow, magnitude) of measured tensor k for its TensorStat."""
