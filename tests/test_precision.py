@@ -363,3 +363,34 @@ def test_torch_histogram_makes_no_host_sync():
         row = M.histogram_torch(x)
     assert Count.syncs == 0 and row.numel() == M.row_width(torch.bfloat16)
     assert not any("bincount" in op or "histc" in op for op in Count.ops)
+
+
+def test_check_module_reads_back_per_call_with_the_same_shares():
+    """check="module" reads back after every module call: the shares of each read are kept in
+    order (k * len(targets) + j)."""
+    model = nn.Sequential(Scale(known_tensor()), Scale(torch.full((13,), 2.0 ** 20)))
+    sinks = {}
+    for check in ("batch", "module"):
+        sink = Collect()
+        with watch(model, sinks=[sink], target_dtypes=["float16", "float8_e4m3fn"], check=check):
+            model(torch.ones(()))
+        sinks[check] = [(t.name, t.underflow, t.overflow) for f in sink.batches[0].frames for t in f.tensors]
+    assert sinks["batch"] == sinks["module"]
+    last = sinks["module"][-1]
+    assert last[0] == "output" and last[2]["float16"] == pytest.approx(8 / 12)  # 0.75 * 2**20 > 65504
+
+
+def test_detection_frames_carry_the_shares():
+    from tensorwatch_otel import NonFiniteDetected
+
+    bad = known_tensor()
+    bad[0] = float("inf")
+    model = nn.Sequential(Scale(known_tensor()), Scale(bad))
+    with pytest.raises(NonFiniteDetected) as info:
+        with watch(model, sinks=[], target_dtypes=["float16", "float8_e4m3fn"]):
+            model(torch.ones(()))
+    frames = info.value.event.frames
+    out = frames[-1].tensors[-1]
+    assert out.name == "output" and out.underflow["float16"] == pytest.approx(2 / 11)
+    assert math.isnan(out.underflow["float8_e4m3fn"])  # an inf abs max: no scale
+    assert frames[0].tensors[-1].underflow["float16"] == pytest.approx(3 / 12)

@@ -93,7 +93,7 @@ class Record:
         rows = [m for m in mags if m is not None]
         try:
             head = torch.stack(parts).to(torch.float64)
-            flat = torch.cat([head] + [r.to(torch.float64) for r in rows]) if rows else head
+            flat = torch.cat([head, torch.cat(rows).to(torch.float64)]) if rows else head
         except RuntimeError:  # several devices (a model split over GPUs)
             flat = torch.cat([torch.stack([p.to("cpu").to(torch.float64) for p in parts])]
                              + [r.to("cpu", torch.float64) for r in rows])
