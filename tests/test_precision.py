@@ -394,3 +394,20 @@ def test_detection_frames_carry_the_shares():
     assert out.name == "output" and out.underflow["float16"] == pytest.approx(2 / 11)
     assert math.isnan(out.underflow["float8_e4m3fn"])  # an inf abs max: no scale
     assert frames[0].tensors[-1].underflow["float16"] == pytest.approx(3 / 12)
+
+
+def test_a_failure_in_the_shares_is_logged_once_and_training_goes_on(monkeypatch, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(M, "shares", broken)
+    monkeypatch.setattr("tensorwatch_otel.core.record._shares_failed", False)
+    sink = Collect()
+    model = Scale(known_tensor())
+    with watch(model, sinks=[sink], target_dtypes=["float16"]):
+        model(torch.ones(()))
+        model(torch.ones(()))
+    assert len(sink.batches) == 2
+    assert sum("could not derive the underflow/overflow shares" in r.message for r in caplog.records) == 1
+    out = sink.batches[1].frames[0].tensors[-1]
+    assert out.abs_max == 2.0 ** 17 and out.underflow is None

@@ -4,6 +4,7 @@ back in one transfer), and the history of finished records the detection ring re
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -12,6 +13,10 @@ import torch
 from .events import Frame, Magnitude, TensorStat
 from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
+
+
+log = logging.getLogger(__name__)
+_shares_failed = False  # logged once per process
 
 
 class ModuleInfo:
@@ -55,7 +60,7 @@ class Record:
         self.mags: List[Optional[torch.Tensor]] = []
         self.underflow: List[float] = []
         self.overflow: List[float] = []
-        self._rows: List[Optional[tuple]] = []  # per k: (host row tensor, dtype) or None
+        self._rows: List[Optional[tuple]] = []  # per k: (host matrix, its row, dtype) or None
 
     def readback(self, extra: Optional[torch.Tensor] = None) -> Optional[float]:
         """Bring the not yet read stats to the host: one transfer. `extra`, a 0-d tensor (the
@@ -104,7 +109,19 @@ class Record:
         if extra is not None:
             result = values.pop()
         self.host += values
-        self._shares(k0, mags, flat[n:], values)
+        try:
+            self._shares(k0, mags, flat[n:], values)
+        except Exception as exc:  # the shares must not stop training: NaN, said once
+            global _shares_failed
+            if not _shares_failed:
+                _shares_failed = True
+                log.error("tensorwatch_otel: could not derive the underflow/overflow shares (%s: %s); "
+                          "they are NaN, training goes on", type(exc).__name__, exc)
+            missing = len(mags) - (len(self._rows) - k0)
+            self._rows += [None] * missing
+            nan = [math.nan] * (len(mags) * len(self.targets))
+            self.underflow[k0 * len(self.targets):] = nan
+            self.overflow[k0 * len(self.targets):] = list(nan)
         return result
 
     def _shares(self, k0: int, mags: list, counts: torch.Tensor, values: List[float]) -> None:
