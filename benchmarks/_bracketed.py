@@ -30,7 +30,7 @@ import torch
 from bench_step import WATCH_OPTIONS, Trainer, _prometheus_sink, summarise
 
 
-TOGGLED = ("watch", "gradients", "optimizer_state", "prometheus", "module")
+TOGGLED = ("watch", "gradients", "optimizer_state", "prometheus", "module", "fp8", "fp8_fp16_bf16")
 
 
 class Copies:

@@ -115,8 +115,11 @@ WATCH_OPTIONS = {
     "gradients": {"gradients": True},
     "optimizer_state": {"optimizer_state": True},
     "prometheus": {},  # plus a PrometheusMetrics sink on port 0, scraped (see make_variants)
+    "fp8": {"target_dtypes": ["float8_e4m3fn"]},  # precision headroom, one target dtype
+    "fp8_fp16_bf16": {"target_dtypes": ["float8_e4m3fn", "float16", "bfloat16"]},
 }
-VARIANTS = ("watch", "sampled", "module", "gradients", "optimizer_state", "prometheus", "peer", "null")
+VARIANTS = ("watch", "sampled", "module", "gradients", "optimizer_state", "prometheus", "peer", "null",
+            "fp8", "fp8_fp16_bf16")
 
 
 def make_variants(base, ids, labels, names: List[str], autocast: Optional[torch.dtype] = None,

@@ -23,7 +23,8 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
           on_detect: Optional[str] = None, check: Optional[str] = None, strict: bool = False,
           flush_timeout_s: Optional[float] = None, optimizer_state: Optional[bool] = None, capture_dir=None,
           grad_scaler=None, max_skipped_steps: Optional[int] = None,
-          rerun_on_detect: Optional[bool] = None, guard_steps: Optional[bool] = None, **unknown) -> Watcher:
+          rerun_on_detect: Optional[bool] = None, guard_steps: Optional[bool] = None,
+          target_dtypes: Optional[Sequence[str]] = None, **unknown) -> Watcher:
     """Watch every module of `model` for inf/nan and export per-module abs min/max.
 
     An option left at None comes from its environment variable when that is set, else from its
@@ -35,7 +36,8 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     flush_timeout_s (TENSORWATCH_FLUSH_TIMEOUT_SECONDS, 5.0), optimizer_state
     (TENSORWATCH_OPTIMIZER_STATE, False), capture_dir (TENSORWATCH_CAPTURE_DIR, off),
     max_skipped_steps (TENSORWATCH_MAX_SKIPPED_STEPS, 20), rerun_on_detect
-    (TENSORWATCH_RERUN_ON_DETECT, False), guard_steps (TENSORWATCH_GUARD_STEPS, True). An invalid value raises ConfigError (a ValueError)
+    (TENSORWATCH_RERUN_ON_DETECT, False), guard_steps (TENSORWATCH_GUARD_STEPS, True), target_dtypes
+    (TENSORWATCH_TARGET_DTYPES, none). An invalid value raises ConfigError (a ValueError)
     naming the option or variable and the valid range.
 
     Statistics stay on the device and come back in one transfer per batch (`check="batch"`);
@@ -53,6 +55,11 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     step of a watched batch, the gradients the step will consume are checked in one host read;
     a non-finite one is a detection (phase "backward", tensor `weight.grad`...) raised before the
     step changes the weights. A step GradScaler skips is not checked (it stays a skipped step).
+
+    `target_dtypes=["float8_e4m3fn", "float16"]`: every measured tensor's frame statistic gains
+    `underflow` / `overflow`, the share of its non-zero finite elements a cast to each dtype
+    flushes to zero / puts beyond its largest value (8-bit floats with per-tensor current
+    scaling), and `magnitude`, the power-of-two histogram they come from (core/magnitude.py).
     """
     if unknown:
         check_keywords("watch()", unknown, _OPTIONS)
@@ -65,7 +72,7 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
                                on_detect=on_detect, check=check, flush_timeout_s=flush_timeout_s,
                                strict=strict, optimizer_state=optimizer_state, capture_dir=capture_dir,
                                max_skipped_steps=max_skipped_steps, rerun_on_detect=rerun_on_detect,
-                               guard_steps=guard_steps)
+                               guard_steps=guard_steps, target_dtypes=target_dtypes)
     _check_patterns(model, config, include is None, exclude is None)
     owned: List[Sink] = []
     if sinks is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple
 
 from . import env as _env
+from .magnitude import parse_targets
 from .rank import env_rank
 from .env import ENV_EVERY_N_BATCHES, ENV_MAX_FRAMES, ENV_ON_DETECT, ConfigError  # noqa: F401  (re-exported)
 
@@ -107,12 +108,14 @@ class WatchConfig:
     max_skipped_steps: int = 20
     rerun_on_detect: bool = False
     guard_steps: bool = True
+    #: torch dtype names (normalized) whose underflow/overflow shares every measured tensor gets
+    target_dtypes: Tuple[str, ...] = ()
 
     @classmethod
     def build(cls, *, max_frames=None, trace_batches=None, abort_after_batch=None, every_n_batches=None,
               gradients=None, include=None, exclude=None, on_detect=None, check=None,
               flush_timeout_s=None, strict=False, optimizer_state=None, capture_dir=None,
-              max_skipped_steps=None, rerun_on_detect=None, guard_steps=None,
+              max_skipped_steps=None, rerun_on_detect=None, guard_steps=None, target_dtypes=None,
               environ: Optional[Mapping[str, str]] = None) -> "WatchConfig":
         """Validated options. An option left at None comes from its TENSORWATCH_* variable (see
         core/env.py) when that is set, else from the field's default. ``environ``: the variables
@@ -170,6 +173,7 @@ class WatchConfig:
         include = _patterns(name, include)
         name, exclude = pick("exclude", exclude)
         exclude = _patterns(name, exclude)
+        target_dtypes = parse_targets(*pick("target_dtypes", target_dtypes))
         _env.warn_unknown(env)
         env_rank(env)  # a bad RANK fails when the watcher is built, not in a sink or at a detection
         _env.cpu_kernel_mode(env)  # process-wide, read by core/cpu_kernel.py; a bad value fails here, early
@@ -179,7 +183,7 @@ class WatchConfig:
                    flush_timeout_s=float(flush_timeout_s), strict=bool(strict),
                    optimizer_state=flags["optimizer_state"], capture_dir=capture_dir,
                    max_skipped_steps=max_skipped, rerun_on_detect=flags["rerun_on_detect"],
-                   guard_steps=flags["guard_steps"])
+                   guard_steps=flags["guard_steps"], target_dtypes=target_dtypes)
 
 
 #: Valid ranges of the integer options, (minimum, maximum or None): for arguments and variables alike.
@@ -215,6 +219,7 @@ _ENV_OPTIONS = {
     "max_skipped_steps": (_env.ENV_MAX_SKIPPED_STEPS, _ints("max_skipped_steps")),
     "rerun_on_detect": (_env.ENV_RERUN_ON_DETECT, _env.parse_bool),
     "guard_steps": (_env.ENV_GUARD_STEPS, _env.parse_bool),
+    "target_dtypes": (_env.ENV_TARGET_DTYPES, lambda var, raw: raw),
     "flush_timeout_s": (_env.ENV_FLUSH_TIMEOUT_SECONDS, lambda var, raw: _env.parse_float(var, raw, 0.0)),
 }
 

@@ -61,6 +61,62 @@ KERNEL(tw_abs_minmax_f64, uint64_t, 0x7FFFFFFFFFFFFFFFull, 0x7FF0000000000000ull
 KERNEL(tw_abs_minmax_f32, uint32_t, 0x7FFFFFFFu, 0x7F800000u)
 KERNEL(tw_abs_minmax_f16, uint16_t, 0x7FFFu, 0x7C00u)
 KERNEL(tw_abs_minmax_bf16, uint16_t, 0x7FFFu, 0x7F80u)
+
+/* abs min/max and the magnitude histogram in the same read (target_dtypes). hist[0]: exact
+   zeros; hist[s], 1 <= s <= NB: finite |x| in (2**(s-1+OFF), 2**(s+OFF)] (upper-inclusive, the
+   scale-0 exponential histogram bucket s-1+OFF, OFF = -(bias + mantissa bits)); hist[NB+1]:
+   inf/nan. With u = bits - 1, a normal value's bucket is u's exponent field (a power of two
+   drops to the bucket below), a subnormal's is the bit length of u: no float math.
+   Per block of TW_BLOCK elements: a first loop the compiler vectorises (extremes, and each
+   element's counter, subnormals marked), then the counting, over four interleaved copies of the
+   counters so that repeated buckets do not wait on one another. */
+#define TW_BLOCK 512
+#define TW_SUB 0xFFFF
+static inline int tw_bitlen(uint64_t u) { return u ? 64 - __builtin_clzll(u) : 0; }
+#define MAGNITUDE(NAME, T, MASK, INF, M, NB)                                              \
+void NAME(const T* x, int64_t n, T* out, int64_t* hist, int nt) {                         \
+    T lo = (T)~(T)0, hi = 0;                                                              \
+    for (int b = 0; b < NB + 2; b++) hist[b] = 0;                                         \
+    _Pragma("omp parallel reduction(min:lo) reduction(max:hi) num_threads(nt) if(nt > 1)") \
+    {                                                                                     \
+        int64_t h[4][NB + 2];                                                             \
+        uint16_t slot[TW_BLOCK];                                                          \
+        for (int c = 0; c < 4; c++) for (int b = 0; b < NB + 2; b++) h[c][b] = 0;         \
+        _Pragma("omp for schedule(static) nowait")                                        \
+        for (int64_t b0 = 0; b0 < n; b0 += TW_BLOCK) {                                    \
+            const T* xb = x + b0;                                                         \
+            int len = n - b0 < TW_BLOCK ? (int)(n - b0) : TW_BLOCK;                       \
+            T l = lo, g = hi;                                                             \
+            for (int i = 0; i < len; i++) {                                               \
+                T m = xb[i] & MASK;                                                       \
+                l = m < l ? m : l;                                                        \
+                g = m > g ? m : g;                                                        \
+                T e = (T)((T)(m - 1) >> M);                                               \
+                uint16_t s = e ? (uint16_t)(e + M + 1) : (uint16_t)TW_SUB;                \
+                s = m == 0 ? 0 : s;                                                       \
+                s = m >= INF ? (uint16_t)(NB + 1) : s;                                    \
+                slot[i] = s;                                                              \
+            }                                                                             \
+            lo = l;                                                                       \
+            hi = g;                                                                       \
+            for (int i = 0; i < len; i++) {                                               \
+                int s = slot[i];                                                          \
+                if (__builtin_expect(s == TW_SUB, 0))                                     \
+                    s = tw_bitlen((uint64_t)(T)((xb[i] & MASK) - 1)) + 1;                 \
+                h[i & 3][s]++;                                                            \
+            }                                                                             \
+        }                                                                                 \
+        _Pragma("omp critical")                                                           \
+        for (int b = 0; b < NB + 2; b++) hist[b] += h[0][b] + h[1][b] + h[2][b] + h[3][b]; \
+    }                                                                                     \
+    if (hi > INF) lo = hi;                                                                \
+    out[0] = lo;                                                                          \
+    out[1] = hi;                                                                          \
+}
+MAGNITUDE(tw_abs_minmax_mag_f64, uint64_t, 0x7FFFFFFFFFFFFFFFull, 0x7FF0000000000000ull, 52, 2099)
+MAGNITUDE(tw_abs_minmax_mag_f32, uint32_t, 0x7FFFFFFFu, 0x7F800000u, 23, 278)
+MAGNITUDE(tw_abs_minmax_mag_f16, uint16_t, 0x7FFFu, 0x7C00u, 10, 41)
+MAGNITUDE(tw_abs_minmax_mag_bf16, uint16_t, 0x7FFFu, 0x7F80u, 7, 262)
 """
 
 _SYMBOLS = {torch.float64: "tw_abs_minmax_f64", torch.float32: "tw_abs_minmax_f32",
@@ -181,7 +237,9 @@ def build(cc: Optional[str] = None) -> Optional[Kernel]:
         log.info("tensorwatch_otel: could not build the CPU statistics kernel with %s (%s): CPU statistics "
                  "use torch ops, about 2x the time", cc, exc)
         return None
-    return _bind(lib, parallel=openmp is not None)
+    kernel = _bind(lib, parallel=openmp is not None)
+    kernel.magnitude = _bind_magnitude(lib, parallel=openmp is not None)  # type: ignore[attr-defined]
+    return kernel
 
 
 def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
@@ -209,6 +267,51 @@ def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
         return lo, hi
     abs_min_max.parallel = parallel  # type: ignore[attr-defined]
     return abs_min_max
+
+
+_MAG_SYMBOLS = {torch.float64: "tw_abs_minmax_mag_f64", torch.float32: "tw_abs_minmax_mag_f32",
+                torch.float16: "tw_abs_minmax_mag_f16", torch.bfloat16: "tw_abs_minmax_mag_bf16"}
+
+MagnitudeKernel = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _bind_magnitude(lib: ctypes.CDLL, parallel: bool) -> MagnitudeKernel:
+    """tensor -> (abs_min, abs_max, histogram) in one read (core/magnitude.py: the histogram's
+    layout, the same as its torch-ops twin)."""
+    from .magnitude import row_width
+
+    fns: Dict[torch.dtype, object] = {}
+    for dt, symbol in _MAG_SYMBOLS.items():
+        fn = getattr(lib, symbol)
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+        fn.restype = None
+        fns[dt] = fn
+    threads = torch.get_num_threads
+    local = threading.local()
+
+    def abs_min_max_magnitude(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`v`: a contiguous CPU tensor of a float dtype, numel > 0."""
+        dt = v.dtype
+        pools = getattr(local, "pools", None)
+        if pools is None:
+            pools = local.pools = {}
+        pool = pools.get(dt)
+        if not pool:
+            pool = pools[dt] = _result_triples(dt, row_width(dt))
+        lo, hi, ptr, hist, hptr = pool.pop()
+        n = v.numel()
+        fns[dt](v.data_ptr(), n, ptr, hptr, threads() if parallel and n >= _PARALLEL_MIN else 1)
+        return lo, hi, hist
+    return abs_min_max_magnitude
+
+
+def _result_triples(dtype: torch.dtype, width: int) -> List[tuple]:
+    """Like _result_pairs, with a histogram row (int64, `width` counters) each."""
+    pairs = _result_pairs(dtype)
+    rows = torch.empty((_SLAB, width), dtype=torch.int64)
+    views = rows.unbind()
+    base, step = rows.data_ptr(), width * rows.element_size()
+    return [(lo, hi, ptr, views[i], base + i * step) for i, (lo, hi, ptr) in enumerate(pairs)]
 
 
 def _result_pairs(dtype: torch.dtype) -> List[tuple]:

@@ -44,6 +44,9 @@ ENV_FLUSH_TIMEOUT_SECONDS = "TENSORWATCH_FLUSH_TIMEOUT_SECONDS"
 #: ``guard_steps``: check the gradients an optimizer step consumes, in one read, before it runs
 #: (boolean; on). ``gradients=True`` localizes in the backward instead.
 ENV_GUARD_STEPS = "TENSORWATCH_GUARD_STEPS"
+#: ``target_dtypes``: comma-separated torch dtype names (``float16,bfloat16,float8_e4m3fn``) each
+#: measured tensor's underflow/overflow shares are computed for (none).
+ENV_TARGET_DTYPES = "TENSORWATCH_TARGET_DTYPES"
 #: How CPU tensors are measured: ``native`` (a one-read kernel compiled on first use with the C
 #: compiler, torch ops when there is none; default) or ``torch`` (torch ops only). Process-wide.
 ENV_CPU_KERNEL = "TENSORWATCH_CPU_KERNEL"
@@ -77,7 +80,7 @@ ALL: Tuple[str, ...] = (
     ENV_MAX_FRAMES, ENV_EVERY_N_BATCHES, ENV_ON_DETECT, ENV_GRADIENTS, ENV_INCLUDE, ENV_EXCLUDE,
     ENV_TRACE_BATCHES, ENV_ABORT_AFTER_BATCH, ENV_CHECK, ENV_OPTIMIZER_STATE, ENV_CAPTURE_DIR,
     ENV_MAX_SKIPPED_STEPS, ENV_RERUN_ON_DETECT, ENV_FLUSH_TIMEOUT_SECONDS, ENV_GUARD_STEPS,
-    ENV_CPU_KERNEL,
+    ENV_TARGET_DTYPES, ENV_CPU_KERNEL,
     ENV_PROMETHEUS_PORT, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_MAX_SERIES, ENV_PROMETHEUS_LINGER_SECONDS,
     ENV_PROMETHEUS_DETAIL, ENV_PROMETHEUS_DETAIL_RANKS,
     ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 
 # Notes for values that have no statistics. The report prints them right-aligned in 17 columns.
 NOTE_NONE = "None"
@@ -70,6 +70,18 @@ def new_trace_id() -> str:
 
 
 @dataclass(frozen=True)
+class Magnitude:
+    """Power-of-two histogram of a tensor's |x| (target_dtypes): `counts[i]` finite non-zero
+    elements with |x| in (2**(offset+i), 2**(offset+i+1)] (upper-inclusive: the OpenTelemetry
+    exponential histogram's scale-0 bucket offset+i), `zeros` exact zeros; inf/nan left out.
+    `counts` spans the first to the last non-empty bucket (empty, offset 0, when there is none)."""
+
+    zeros: int
+    offset: int
+    counts: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class TensorStat:
     """abs min / abs max of one tensor of a frame (None when it has no values)."""
 
@@ -79,6 +91,12 @@ class TensorStat:
     dtype: str = ""  # "float16", "int64"... ("" for non-tensors)
     note: str = ""  # one of the NOTE_* values when there are no statistics
     range_used: Optional[float] = None  # abs_max / largest finite value of dtype (floats only)
+    #: target_dtypes: dtype name -> share in [0, 1] of the non-zero finite elements a cast to it
+    #: flushes to zero / puts beyond its largest finite value (core/magnitude.py: the rule); None
+    #: without target dtypes or for a tensor without float values (integer, bool)
+    underflow: Optional[Dict[str, float]] = None
+    overflow: Optional[Dict[str, float]] = None
+    magnitude: Optional[Magnitude] = None  # the histogram behind the shares (target_dtypes)
 
     @property
     def kind(self) -> str:

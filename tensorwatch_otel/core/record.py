@@ -4,14 +4,19 @@ back in one transfer), and the history of finished records the detection ring re
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .events import Frame, TensorStat
+from .events import Frame, Magnitude, TensorStat
 from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
+
+
+log = logging.getLogger(__name__)
+_shares_failed = False  # logged once per process
 
 
 class ModuleInfo:
@@ -35,9 +40,11 @@ class Record:
     (info, items, first tensor index). `items` holds a tensor name (str) per measured tensor,
     or a (name, note) pair for a value without statistics."""
 
-    __slots__ = ("batch_number", "stats", "dtypes", "frames", "host", "phase", "detected", "header")
+    __slots__ = ("batch_number", "stats", "dtypes", "frames", "host", "phase", "detected", "header",
+                 "targets", "mags", "underflow", "overflow", "_rows")
 
-    def __init__(self, batch_number: int, phase: str = "forward", header: bool = True):
+    def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
+                 targets: Tuple[str, ...] = ()):
         self.batch_number = batch_number
         self.stats: List[torch.Tensor] = []  # abs_min, abs_max, abs_min, ... (0-d, on device)
         self.dtypes: List[torch.dtype] = []  # one per measured tensor
@@ -46,10 +53,20 @@ class Record:
         self.phase = phase
         self.detected = False  # one detection per record (check="module" checks every frame)
         self.header = header and phase == "forward"  # its first frame starts a batch in the report
+        # target_dtypes (core/magnitude.py): per measured tensor k its histogram row on the device
+        # (None: no float values), and after readback() the shares [k * len(targets) + j] (NaN
+        # where none applies) and the host rows (for magnitude(k))
+        self.targets = targets
+        self.mags: List[Optional[torch.Tensor]] = []
+        self.underflow: List[float] = []
+        self.overflow: List[float] = []
+        self._rows: List[Optional[tuple]] = []  # per k: (host matrix, its row, dtype) or None
 
     def readback(self, extra: Optional[torch.Tensor] = None) -> Optional[float]:
         """Bring the not yet read stats to the host: one transfer. `extra`, a 0-d tensor (the
         loss scale), travels in the same transfer; its value is returned."""
+        if self.targets:
+            return self._readback_magnitudes(extra)
         stats = self.stats
         have = len(self.host)
         pending = stats[have:] if have else stats
@@ -68,6 +85,100 @@ class Record:
         self.host += values
         return None
 
+    def _readback_magnitudes(self, extra: Optional[torch.Tensor]) -> Optional[float]:
+        """readback() with target_dtypes: the histogram rows travel in the same transfer as
+        the stats (all as float64: stats and counts below 2**53 exactly), then the shares."""
+        have = len(self.host)
+        pending = self.stats[have:]
+        k0, k1 = have // 2, len(self.stats) // 2
+        mags = self.mags[k0:k1]
+        parts = list(pending) + ([extra] if extra is not None else [])
+        if not parts:
+            return None
+        rows = [m for m in mags if m is not None]
+        try:
+            head = torch.stack(parts).to(torch.float64)
+            flat = torch.cat([head, torch.cat(rows).to(torch.float64)]) if rows else head
+        except RuntimeError:  # several devices (a model split over GPUs)
+            flat = torch.cat([torch.stack([p.to("cpu").to(torch.float64) for p in parts])]
+                             + [r.to("cpu", torch.float64) for r in rows])
+        flat = flat.to("cpu", copy=True)
+        n = len(parts)
+        values = flat[:n].tolist()
+        result = None
+        if extra is not None:
+            result = values.pop()
+        self.host += values
+        try:
+            self._shares(k0, mags, flat[n:], values)
+        except Exception as exc:  # the shares must not stop training: NaN, said once
+            global _shares_failed
+            if not _shares_failed:
+                _shares_failed = True
+                log.error("tensorwatch_otel: could not derive the underflow/overflow shares (%s: %s); "
+                          "they are NaN, training goes on", type(exc).__name__, exc)
+            missing = len(mags) - (len(self._rows) - k0)
+            self._rows += [None] * missing
+            nan = [math.nan] * (len(mags) * len(self.targets))
+            self.underflow[k0 * len(self.targets):] = nan
+            self.overflow[k0 * len(self.targets):] = list(nan)
+        return result
+
+    def _shares(self, k0: int, mags: list, counts: torch.Tensor, values: List[float]) -> None:
+        from .magnitude import ROW_DTYPE, shares, target_params
+
+        nt = len(self.targets)
+        widths = [None if m is None else m.shape[0] for m in mags]
+        present = [w for w in widths if w is not None]
+        # rows of one width (the usual case: one float dtype) are one matrix, no per-row slicing
+        groups: Dict[int, list] = {}
+        for i, w in enumerate(widths):
+            if w is not None:
+                groups.setdefault(w, []).append(i)
+        if len(groups) == 1:
+            (w, idx), = groups.items()
+            mats = {w: counts[:w * len(idx)].view(len(idx), w)}
+        else:
+            starts, pos = [], 0
+            for w in widths:
+                starts.append(pos)
+                pos += w or 0
+            mats = {w: torch.stack([counts[starts[i]:starts[i] + w] for i in idx]) for w, idx in groups.items()}
+        rows: List[Optional[tuple]] = [None] * len(mags)
+        under = [math.nan] * (len(mags) * nt) if len(present) < len(mags) else [0.0] * (len(mags) * nt)
+        over = list(under)
+        params = target_params(self.targets)
+        for w, idx in groups.items():
+            dt = ROW_DTYPE[w]  # the measured values' dtype (an fp8 tensor is read as float32)
+            mat = mats[w]
+            amax = torch.tensor([values[2 * i + 1] for i in idx], dtype=torch.float64)
+            u, o = shares(mat, dt, amax, params)
+            u, o = u.view(-1).tolist(), o.view(-1).tolist()
+            for r, i in enumerate(idx):
+                rows[i] = (mat, r, dt)
+                under[i * nt:(i + 1) * nt] = u[r * nt:(r + 1) * nt]
+                over[i * nt:(i + 1) * nt] = o[r * nt:(r + 1) * nt]
+        self._rows += rows
+        self.underflow += under
+        self.overflow += over
+
+    def magnitude(self, k: int) -> Optional[Magnitude]:
+        """The histogram of measured tensor k (after readback()), or None."""
+        if k >= len(self._rows) or self._rows[k] is None:
+            return None
+        from .magnitude import magnitude_of
+
+        mat, r, dt = self._rows[k]
+        return magnitude_of(mat[r], dt)
+
+    def _precision(self, k: int) -> tuple:
+        """(underflow, overflow, magnitude) of measured tensor k for its TensorStat."""
+        if not self.targets or k >= len(self._rows) or self._rows[k] is None:
+            return None, None, None
+        nt = len(self.targets)
+        u, o = self.underflow[k * nt:(k + 1) * nt], self.overflow[k * nt:(k + 1) * nt]
+        return dict(zip(self.targets, u)), dict(zip(self.targets, o)), self.magnitude(k)
+
     def materialize(self, lo: int = 0, hi: Optional[int] = None) -> Tuple[Frame, ...]:
         host, dtypes = self.host, self.dtypes
         out = []
@@ -82,7 +193,10 @@ class Record:
                     k += 1
                     top = DTYPE_MAX.get(dt)
                     used = mx / top if top and mx == mx else None
-                    stats.append(TensorStat(it, mn, mx, dtype_name(dt), "", used))
+                    if self.targets:
+                        stats.append(TensorStat(it, mn, mx, dtype_name(dt), "", used, *self._precision(k - 1)))
+                    else:
+                        stats.append(TensorStat(it, mn, mx, dtype_name(dt), "", used))
                 else:
                     stats.append(TensorStat(it[0], None, None, "", it[1]))
             out.append(Frame(info.path, info.cls, tuple(stats), self.batch_number,

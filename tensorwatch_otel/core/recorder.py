@@ -11,6 +11,7 @@ import torch
 from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from .record import ModuleInfo, Record
+from .magnitude import measure_magnitude
 from .stats import measure, nonfinite_kind_of
 
 MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded
@@ -42,12 +43,17 @@ class FrameRecorder:
         self.params_cap = 2 * sum(1 for _ in model.parameters()) + 64
         self.acts_seen: Dict[int, tuple] = {}  # id -> (weakref, version, (mn, mx), dtype)
         self.acts_last: Dict[int, tuple] = {}  # the last finished batch's, for a detection's kind
+        # target_dtypes: id(abs-min tensor) -> (that tensor, its histogram row): the row of a
+        # measurement the caches above reuse (core/magnitude.py)
+        self.mags_seen: Dict[int, tuple] = {}
 
     def invalidate_weights(self) -> None:
         self.params_seen.clear()
+        self.mags_seen.clear()
 
     def end_batch(self) -> None:
         self.acts_last, self.acts_seen = self.acts_seen, {}
+        self.mags_seen.clear()
         if len(self.params_seen) > self.params_cap:
             self.params_seen.clear()
 
@@ -55,6 +61,7 @@ class FrameRecorder:
         self.params_seen.clear()
         self.acts_seen.clear()
         self.acts_last.clear()
+        self.mags_seen.clear()
 
     # ------------------------------------------------------------------ a detection
     def kind(self, rec: Record, fi: int, stat: Optional[TensorStat]) -> str:
@@ -165,6 +172,8 @@ class FrameRecorder:
     def param(self, rec: Record, p: torch.Tensor, name: str, items: list) -> None:
         # A weight is reused while nothing wrote it: the cache is dropped at every optimizer
         # step, and the key holds version, storage and dtype (`.half()`, `.to()`, `.data =`).
+        if rec.targets:
+            return self._param_magnitude(rec, p, name, items)
         seen = self.params_seen.get(p)
         version = p._version
         ptr = p.data_ptr() if p.__class__ in _PLAIN else id(p)
@@ -184,6 +193,8 @@ class FrameRecorder:
 
     def tensor(self, rec: Record, t: torch.Tensor, name: str, items: list) -> None:
         # The weak reference guards against id() reuse after a tensor is freed.
+        if rec.targets:
+            return self._tensor_magnitude(rec, t, name, items)
         key = id(t)
         seen = self.acts_seen.get(key)
         if seen is not None and seen[0]() is t and seen[1] == t._version:
@@ -202,3 +213,55 @@ class FrameRecorder:
         rec.stats += r
         rec.dtypes.append(t.dtype)
         items.append(name)
+
+    # ------------------------------------------------------------------ target_dtypes
+    # param() and tensor() with a histogram row per measured tensor (rec.mags), read with the
+    # abs min/max (core/magnitude.py); the same caches, a cached measurement reused only with
+    # its row.
+    def _reuse(self, rec: Record, r: tuple, dtype: torch.dtype, name: str, items: list) -> bool:
+        m = self.mags_seen.get(id(r[0]))
+        if m is None or m[0] is not r[0]:
+            return False
+        rec.stats += r
+        rec.dtypes.append(dtype)
+        rec.mags.append(m[1])
+        items.append(name)
+        return True
+
+    def _measure(self, rec: Record, t: torch.Tensor, name: str, items: list):
+        r = measure_magnitude(t)
+        if r.__class__ is str:
+            items.append((name, r))
+            return None
+        pair = (r[0], r[1])
+        self.mags_seen[id(r[0])] = (r[0], r[2])
+        rec.stats += pair
+        rec.dtypes.append(t.dtype)
+        rec.mags.append(r[2])
+        items.append(name)
+        return pair
+
+    def _param_magnitude(self, rec: Record, p: torch.Tensor, name: str, items: list) -> None:
+        seen = self.params_seen.get(p)
+        version = p._version
+        ptr = p.data_ptr() if p.__class__ in _PLAIN else id(p)
+        if seen is not None and seen[0] == version and seen[1] == ptr and seen[2] is p.dtype \
+                and self._reuse(rec, seen[3], seen[2], name, items):
+            return
+        pair = self._measure(rec, p, name, items)
+        if pair is not None:
+            self.params_seen[p] = (version, ptr, p.dtype, pair)
+
+    def _tensor_magnitude(self, rec: Record, t: torch.Tensor, name: str, items: list) -> None:
+        key = id(t)
+        seen = self.acts_seen.get(key)
+        if seen is not None and seen[0]() is t and seen[1] == t._version \
+                and self._reuse(rec, seen[2], seen[3], name, items):
+            return
+        pair = self._measure(rec, t, name, items)
+        if pair is None:
+            return
+        try:
+            self.acts_seen[key] = (weakref.ref(t), t._version, pair, t.dtype)
+        except (TypeError, RuntimeError):  # no weakref / no version (inference tensors): no reuse
+            pass

@@ -317,7 +317,7 @@ class Watcher:
             with self._lock:  # one counter for every thread
                 b = self._batches
                 self._batches = b + 1
-            st.rec = Record(b)
+            st.rec = Record(b, targets=self.config.target_dtypes)
             st.active = self._attached and self._watches(b)
             st.checked = 0
         if st.inputs is not None:
@@ -378,7 +378,7 @@ class Watcher:
         elif rec.frames:
             # the peer's batches end with the root only: check what this call added, keep the
             # frames in the ring, and carry on in the same batch (bounded memory)
-            st.rec = Record(rec.batch_number, header=False)
+            st.rec = Record(rec.batch_number, header=False, targets=rec.targets)
             rec.readback()
             try:
                 if self.config.check == "batch":

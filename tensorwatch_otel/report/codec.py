@@ -41,6 +41,10 @@ def _tensor(t: TensorStat) -> Dict[str, Any]:
     d: Dict[str, Any] = {"name": t.name, "abs_min": _num(t.abs_min), "abs_max": _num(t.abs_max), "dtype": t.dtype}
     if t.note:
         d["note"] = t.note
+    if t.underflow is not None:  # target_dtypes: dtype name -> share
+        d["underflow"] = {k: _num(v) for k, v in t.underflow.items()}
+    if t.overflow is not None:
+        d["overflow"] = {k: _num(v) for k, v in t.overflow.items()}
     return d
 
 
@@ -122,6 +126,16 @@ def _value(t: Dict[str, Any], key: str) -> Optional[float]:
     return float(v)
 
 
+def _shares(t: Dict[str, Any], key: str) -> Optional[Dict[str, float]]:
+    """A tensor's underflow/overflow object (dtype name -> share), or None when absent."""
+    v = t.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise LineError(f"{key}: expected an object of dtype names to shares, got {v!r:.40}")
+    return {k: _value(v, k) for k in v}
+
+
 def _frame_from(d: Dict[str, Any], batch_number: int) -> Frame:
     if not isinstance(d, dict):
         raise LineError(f"malformed frames: a frame is not an object: {d!r:.40}")
@@ -133,7 +147,7 @@ def _frame_from(d: Dict[str, Any], batch_number: int) -> Frame:
         if not isinstance(t, dict) or "name" not in t:
             raise LineError(f"malformed frames: a tensor without a name: {t!r:.40}")
         stats.append(TensorStat(_str(t, "name"), _value(t, "abs_min"), _value(t, "abs_max"), _str(t, "dtype"),
-                                _str(t, "note"), None))
+                                _str(t, "note"), None, _shares(t, "underflow"), _shares(t, "overflow")))
     return Frame(_str(d, "module"), _str(d, "module_class"), tuple(stats), _int(d, "batch_number", batch_number),
                  batch_start=bool(d.get("batch_start", False)), phase=_str(d, "phase", "forward"))
 

@@ -40,6 +40,8 @@ class Point:
     abs_min: float
     abs_max: float
     kind: str  # "" finite, "inf", "nan"
+    underflow: Optional[dict] = None  # target_dtypes: dtype name -> share (TensorStat.underflow)
+    overflow: Optional[dict] = None
 
     @property
     def parameter(self) -> bool:
@@ -61,7 +63,7 @@ def frame_points(frames: Sequence[Frame]) -> List[Point]:
         for t in f.tensors:
             if plotted(t):
                 points.append(Point(len(points), i, f.module, t.name, t.dtype, f.phase, t.abs_min, t.abs_max,
-                                    t.kind))
+                                    t.kind, t.underflow, t.overflow))
     return points
 
 
@@ -86,7 +88,11 @@ def plot_frames(frames: Sequence[Frame], title: str):
     """abs max and abs min of every float tensor of `frames`, in call order, on a log axis."""
     frames = tuple(frames)
     pts = frame_points(frames)
-    fig, (ax,) = d.figure(len(pts))
+    targets = list(dict.fromkeys(k for p in pts for k in (p.underflow or ())))
+    if targets:  # target_dtypes: a panel of the shares below
+        fig, (ax, ax_prec) = d.figure(len(pts), rows=2)
+    else:
+        fig, (ax,) = d.figure(len(pts))
     xs = [p.x for p in pts]
     limits = d.limit_lines(ax, [p.dtype for p in pts])
     d.log_axis(ax, [p.abs_max for p in pts] + [p.abs_min for p in pts], limits)
@@ -112,7 +118,9 @@ def plot_frames(frames: Sequence[Frame], title: str):
             f = frames[p.frame]
             starts.append((p.x, f.phase, f.batch_number, f.batch_start))
     d.frame_guides(ax, starts, len(pts))
-    d.xticks(ax, [d.short_label(p.module, p.tensor) for p in pts], fig.get_figwidth(),
+    if targets:
+        _precision_panel(ax_prec, pts, targets)
+    d.xticks(ax_prec if targets else ax, [d.short_label(p.module, p.tensor) for p in pts], fig.get_figwidth(),
              keep=[bad.x] if bad else ())
     ax.set_ylabel("|value| (log scale)")
     ax.set_title(title, loc="left")
@@ -120,6 +128,28 @@ def plot_frames(frames: Sequence[Frame], title: str):
         ax.text(0.5, 0.5, "no float tensor with statistics in these frames", ha="center", transform=ax.transAxes)
     fig.legend(loc="outside right upper")
     return fig
+
+
+_TARGET_COLORS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+
+
+def _precision_panel(ax, pts: Sequence[Point], targets: Sequence[str]) -> None:
+    """Per target dtype, the share of each tensor's non-zero finite elements a cast flushes to
+    zero (a line, gid "underflow:<dtype>") and, where not 0, the share beyond its largest value
+    (triangles, gid "overflow:<dtype>"), in percent."""
+    xs = [p.x for p in pts]
+    for i, k in enumerate(targets):
+        color = _TARGET_COLORS[i % len(_TARGET_COLORS)]
+        ys = [100 * (p.underflow or {}).get(k, math.nan) for p in pts]
+        ax.plot(xs, ys, color=color, lw=1.0, marker=".", ms=3, gid=f"underflow:{k}", label=f"underflow {k}")
+        over = [(p.x, 100 * (p.overflow or {}).get(k, 0.0)) for p in pts]
+        over = [(x, v) for x, v in over if v > 0]
+        if over:
+            ax.plot([x for x, _ in over], [v for _, v in over], ls="none", marker="^", ms=6, color=color,
+                    gid=f"overflow:{k}", label=f"overflow {k}")
+    ax.set_ylim(-3, 103)
+    ax.set_ylabel("% of non-zero finite\nelements (cast)")
+    ax.grid(True, axis="y", color="0.9", lw=0.6)
 
 
 def event_title(event) -> str:

@@ -21,7 +21,24 @@ def batch_header(batch_number: int) -> str:
 def tensor_line(t: TensorStat) -> str:
     if t.note:
         return f"{t.note:>17} {t.name}"
-    return f"{t.abs_min:8.2e} {t.abs_max:8.2e} {t.name}"
+    line = f"{t.abs_min:8.2e} {t.abs_max:8.2e} {t.name}"
+    if t.underflow:  # target_dtypes
+        line += precision_text(t)
+    return line
+
+
+def _share(v: Optional[float]) -> str:
+    if v is None or v != v:
+        return "n/a"
+    return "0%" if v == 0 else f"{v * 100:.3g}%"
+
+
+def precision_text(t: TensorStat) -> str:
+    """`  underflow float16 25% float8_e4m3fn 33.3%  overflow float16 16.7%`: every target's
+    underflow share, the overflow shares that are not 0."""
+    under = " ".join(f"{k} {_share(v)}" for k, v in (t.underflow or {}).items())
+    over = " ".join(f"{k} {_share(v)}" for k, v in (t.overflow or {}).items() if v != 0)
+    return f"  underflow {under}" + (f"  overflow {over}" if over else "")
 
 
 def frame_text(frame: Frame) -> str:

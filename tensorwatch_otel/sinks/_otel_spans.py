@@ -26,6 +26,21 @@ def _event_limit(provider: Any) -> int:
     return max(1, int(n))
 
 
+def _precision_attributes(tensors) -> Dict[str, Any]:
+    """target_dtypes: `tensorwatch.underflow.<dtype>` / `tensorwatch.overflow.<dtype>`, arrays
+    parallel to `tensorwatch.tensors` (NaN for a tensor without a share: integer, bool)."""
+    targets: Dict[str, None] = {}
+    for t in tensors:
+        for k in (t.underflow or ()):
+            targets[k] = None
+    out: Dict[str, Any] = {}
+    nan = float("nan")
+    for k in targets:
+        out[f"tensorwatch.underflow.{k}"] = [float((t.underflow or {}).get(k, nan)) for t in tensors]
+        out[f"tensorwatch.overflow.{k}"] = [float((t.overflow or {}).get(k, nan)) for t in tensors]
+    return out
+
+
 def frame_attributes(fr: Frame, index: int) -> Dict[str, Any]:
     """Attributes of one ``tensorwatch.frame`` span event: parallel arrays of the tensors that
     have statistics; tensors without (None, not a tensor, empty) are listed in notes."""
@@ -52,6 +67,7 @@ def frame_attributes(fr: Frame, index: int) -> Dict[str, Any]:
         "tensorwatch.abs_min": lo,
         "tensorwatch.abs_max": hi,
         "tensorwatch.dtypes": dtypes,
+        **_precision_attributes([t for t in fr.tensors if t.abs_min is not None and t.abs_max is not None]),
     }
     if notes:
         attrs["tensorwatch.notes"] = notes
