@@ -134,6 +134,35 @@ def test_every_label_has_an_attribute_and_the_collector_path_relabels_it():
             assert set(s.labels) <= relabelled, (s.key, set(s.labels) - relabelled)
 
 
+def test_collector_names_are_relabelled_to_the_direct_names():
+    """Through the collector, each instrument arrives under the name its exporter derives (dots
+    to underscores, unit suffixes); prometheus.yml's __name__ rules must map it to the direct
+    path's name, so the same rules and dashboards work for both paths."""
+    import re
+
+    import yaml
+    from pathlib import Path
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "deploy/prometheus/prometheus.yml").read_text())
+    job = next(j for j in cfg["scrape_configs"] if j["job_name"] == "otel-collector")
+    renames = [r for r in job["metric_relabel_configs"] if r.get("source_labels") == ["__name__"]]
+
+    def relabel(name: str) -> str:
+        for r in renames:
+            m = re.fullmatch(r["regex"], name)
+            if m:
+                name = m.expand(r["replacement"].replace("$1", r"\1"))
+        return name
+
+    checked = 0
+    for s in catalogue.SERIES:
+        if s.otel and s.prom:
+            assert relabel(catalogue.collector_name(s)) == s.prom_series, s.key
+            checked += 1
+    assert checked >= 12
+    assert catalogue.collector_name(catalogue.BY_KEY["underflow"]) == "tensorwatch_tensor_underflow_ratio"
+
+
 # -- Prometheus gauges ----------------------------------------------------------------------------
 
 def test_prometheus_shares_per_target_and_not_applicable_left_out():
