@@ -343,3 +343,50 @@ def test_histogram_leaves_other_readers_metrics_untouched_after_close(otel):
     assert otel.metric("tensorwatch.tensor.magnitude") is not None
     sink.close()
     assert otel.metric("tensorwatch.tensor.magnitude") is None
+
+
+def test_many_batches_between_collections_are_all_counted(otel):
+    from tensorwatch_otel.sinks._magnitude import MAX_PENDING
+
+    sink = otel.sink()
+    for n in range(3 * MAX_PENDING + 5):
+        sink.on_batch(stats(record(n, UNDER, OVER, MAGS)))
+    pts = _points(otel.metric("tensorwatch.tensor.magnitude"))
+    sink.close()
+    n = 3 * MAX_PENDING + 5
+    w = pts[("fc1", "weight", None)]
+    assert (w.zero_count, list(w.positive.bucket_counts)) == (2 * n, [n, 0, 4 * n])
+
+
+def test_frames_with_precision_fields_export_like_records(otel):
+    """BatchStats built from Frames (not the watcher's record): TensorStat's underflow/overflow
+    dicts and magnitude travel the same way."""
+    from dataclasses import dataclass as dc
+
+    from tensorwatch_otel.core.events import Frame, TensorStat
+
+    @dc(frozen=True)
+    class Stat(TensorStat):  # the agreed fields, until core/events.py has them
+        underflow: Optional[Dict[str, float]] = None
+        overflow: Optional[Dict[str, float]] = None
+        magnitude: Optional[Mag] = None
+
+    frames = (Frame("fc1", "Linear", (
+        Stat("weight", 0.5, 2.0, "float32", "", None, {"float16": 0.25}, {"float16": 0.0}, Mag(1, 0, (2,))),
+        Stat("output", 0.5, 2.0, "float32", "", None, None, None, None)), 0, batch_start=True),)
+    reg = CollectorRegistry()
+    prom = PrometheusMetrics(registry=reg)
+    sink = otel.sink()
+    for s in (prom, sink):
+        s.on_batch(BatchStats(0, 0, time.time(), frames))
+    p = scrape(reg)
+    under = _points(otel.metric("tensorwatch.tensor.underflow_ratio"))
+    mag = _points(otel.metric("tensorwatch.tensor.magnitude"))
+    prom.close()
+    sink.close()
+    assert sample(p, "tensorwatch_tensor_underflow_ratio", module="fc1", module_class="Linear", tensor="weight",
+                  target_dtype="float16", rank="0") == 0.25
+    assert sum(1 for k in p if k[0] == "tensorwatch_tensor_underflow_ratio") == 1
+    assert under[("fc1", "weight", "float16")].value == 0.25 and len(under) == 1
+    assert mag[("fc1", "weight", None)].zero_count == 1 and list(mag[("fc1", "weight", None)].positive.bucket_counts) == [2]
+    assert ("fc1", "output", None) not in mag

@@ -173,7 +173,7 @@ class Window:
                 mins, maxs, index, inv_top = mins[:n], maxs[:n], index[:n], inv_top[:n]
             ratio = maxs * inv_top
             shares = self._record_shares(source, len(layout.index), len(index))
-            if self.magnitudes is not None and callable(getattr(source, "magnitude", None)):
+            if self.magnitudes is not None and shares[0] and callable(getattr(source, "magnitude", None)):
                 self.magnitudes.add_record(source, layout.index, len(index), self._clock_ns())
         else:
             mins, maxs, ratio, index, layout, shares, mags = self._rows(stats)
@@ -187,7 +187,8 @@ class Window:
                 self._prev = self._cur if 0 < self.window_s and age < self.window_s else None
                 self._cur = self._new_bucket(self._cur.shape[1])
                 self._cur_start = now
-            for target, _, _ in shares:
+            targets, share_rows = shares
+            for target in targets:
                 if target not in self._targets:
                     self._targets[target] = len(self._targets)
             self._grow()
@@ -196,10 +197,8 @@ class Window:
                 cur[0].scatter_reduce_(0, index, mins, "amin")
                 cur[1].scatter_reduce_(0, index, maxs, "amax")
                 cur[2].scatter_reduce_(0, index, ratio, "amax")
-                for target, under, over in shares:  # NaN: not applicable, takes no part
-                    row = 3 + 2 * self._targets[target]
-                    cur[row].scatter_reduce_(0, index, torch.where(under >= 0, under, _UNSEEN), "amax")
-                    cur[row + 1].scatter_reduce_(0, index, torch.where(over >= 0, over, _UNSEEN), "amax")
+                if targets:
+                    self._fold_shares(cur, index, targets, share_rows)
             if stats.phase == "forward":  # gradients and optimizer state are no batch of their own
                 self._last = stats
                 self._batches += 1
@@ -211,23 +210,40 @@ class Window:
     def _clock_ns(self) -> int:
         return time.time_ns()
 
+    def _fold_shares(self, cur: torch.Tensor, index: torch.Tensor, targets: Tuple[str, ...],
+                     rows: torch.Tensor) -> None:
+        """rows: (2T, n), underflow and overflow of each target in turn, not applicable < 0."""
+        first = 3 + 2 * self._targets[targets[0]]
+        if all(self._targets[t] == self._targets[targets[0]] + j for j, t in enumerate(targets)):
+            # the usual case (targets registered in this order): one operation for all of them
+            cur[first:first + len(rows)].scatter_reduce_(1, index.expand(len(rows), -1), rows, "amax")
+            return
+        for j, t in enumerate(targets):
+            row = 3 + 2 * self._targets[t]
+            cur[row:row + 2].scatter_reduce_(1, index.expand(2, -1), rows[2 * j:2 * j + 2], "amax")
+
     @staticmethod
-    def _record_shares(rec, measured: int, n: int) -> list:
-        """[(target, underflow[:n], overflow[:n])] of a record's flat share lists (k * T + j)."""
-        targets = getattr(rec, "targets", None)
+    def _record_shares(rec, measured: int, n: int) -> Tuple[Tuple[str, ...], Optional[torch.Tensor]]:
+        """(targets, (2T, n) rows) of a record's flat share lists (k * T + j): underflow and
+        overflow of each target in turn, NaN (not applicable) as _UNSEEN."""
+        targets = tuple(getattr(rec, "targets", None) or ())
         if not targets:
-            return []
+            return (), None
         t = len(targets)
-        out = []
-        for name, flat in (("underflow", rec.underflow), ("overflow", rec.overflow)):
-            vals = torch.frombuffer(array.array("d", flat), dtype=torch.float64) if len(flat) else \
-                torch.empty(0, dtype=torch.float64)
-            full = torch.full((measured * t,), math.nan, dtype=torch.float64)
-            m = min(len(vals), len(full))
-            full[:m] = vals[:m]
-            out.append(full.view(measured, t)[:n])
-        under, over = out
-        return [(name, under[:, j], over[:, j]) for j, name in enumerate(targets)]
+        under, over = rec.underflow, rec.overflow
+        size = measured * t
+        if len(under) == size and len(over) == size:
+            # array.array(list) converts at C speed (extend() does not)
+            both = torch.stack([torch.frombuffer(array.array("d", vals), dtype=torch.float64)
+                                for vals in (under, over)]).view(2, measured, t)
+        else:  # a record not read back whole: what is missing does not apply
+            both = torch.full((2, measured, t), math.nan, dtype=torch.float64)
+            for i, vals in enumerate((under, over)):
+                m = min(len(vals), size)
+                if m:
+                    both[i].view(-1)[:m] = torch.tensor(list(vals[:m]), dtype=torch.float64)
+        rows = both[:, :n].permute(2, 0, 1).reshape(2 * t, n)  # [under_0, over_0, under_1, ...]
+        return targets, torch.where(rows >= 0, rows, _UNSEEN)
 
     def _grow(self) -> None:
         n = len(self._keys)
@@ -326,10 +342,13 @@ class Window:
         f64 = torch.float64
         lay = _Layout(None, None, [], [], len(dropped))
         n = len(index)
-        rows = [(target, torch.tensor(u + [math.nan] * (n - len(u)), dtype=f64),
-                 torch.tensor(o + [math.nan] * (n - len(o)), dtype=f64)) for target, (u, o) in shares.items()]
+        targets = tuple(shares)
+        rows = None
+        if targets:
+            rows = torch.tensor([col + [math.nan] * (n - len(col)) for t in targets for col in shares[t]], dtype=f64)
+            rows = torch.where(rows >= 0, rows, _UNSEEN)
         return (torch.tensor(mins, dtype=f64), torch.tensor(maxs, dtype=f64), torch.tensor(ratio, dtype=f64),
-                torch.tensor(index, dtype=torch.int64), lay, rows, mags if any(mags) else [])
+                torch.tensor(index, dtype=torch.int64), lay, (targets, rows), mags if any(mags) else [])
 
     def _note_cap(self, dropped: int, batch_number: int) -> None:
         if dropped and not self._cap_logged:

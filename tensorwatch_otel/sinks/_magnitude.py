@@ -11,9 +11,10 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
-#: Batches queued before the training thread adds them itself (no collection for that long:
-#: a pull reader nobody pulls, or a very long export interval).
-MAX_PENDING = 512
+#: Batches queued before the training thread adds them itself (a queued record stays alive
+#: until then, so the queue is short: with the default 60 s export interval most batches are
+#: added here, amortised over 64 batches).
+MAX_PENDING = 64
 
 
 class _Totals:
