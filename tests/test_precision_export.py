@@ -337,6 +337,26 @@ def test_otel_magnitude_histogram_reaches_a_real_otlp_receiver():
     assert "gauge" in found  # the SDK's own metrics still travel in the same export
 
 
+def test_the_final_export_of_providers_the_sink_shuts_down_carries_the_histogram():
+    """sinks=None builds providers the sink shuts down on close(): their last export (at
+    shutdown) holds the batches since the previous export, the histogram's counts too."""
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    from otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as rx:
+        reader = PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=rx.grpc_endpoint, insecure=True),
+                                               export_interval_millis=600_000)
+        mp = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+        sink = OtelTelemetry(None, mp, shutdown_on_close=True)
+        sink.on_batch(stats(record(0, UNDER, OVER, MAGS)))
+        sink.close()
+        names = {m.name for req in rx.metric_requests for rm in req.resource_metrics for sm in rm.scope_metrics
+                 for m in sm.metrics}
+    assert "tensorwatch.tensor.magnitude" in names and "tensorwatch.tensor.underflow_ratio" in names
+
+
 def test_histogram_leaves_other_readers_metrics_untouched_after_close(otel):
     sink = otel.sink()
     sink.on_batch(stats(record(0, UNDER, OVER, MAGS)))
@@ -390,3 +410,28 @@ def test_frames_with_precision_fields_export_like_records(otel):
     assert under[("fc1", "weight", "float16")].value == 0.25 and len(under) == 1
     assert mag[("fc1", "weight", None)].zero_count == 1 and list(mag[("fc1", "weight", None)].positive.bucket_counts) == [2]
     assert ("fc1", "output", None) not in mag
+
+
+def test_sink_options_fail_like_watch_options(monkeypatch):
+    """The metric sinks' numeric options are read by the same parsers as watch()'s: the same
+    ConfigError, the same wording, naming the argument or the variable."""
+    from tensorwatch_otel.core.config import WatchConfig
+    from tensorwatch_otel.core.env import ConfigError
+
+    with pytest.raises(ConfigError) as watch_err:
+        WatchConfig.build(every_n_batches=0, environ={})
+    with pytest.raises(ConfigError) as sink_err:
+        PrometheusMetrics(registry=CollectorRegistry(), max_series=0)
+    assert str(sink_err.value) == str(watch_err.value).replace("every_n_batches", "max_series")
+    with pytest.raises(ConfigError, match=r"max_series=True: expected an integer >= 1"):
+        OtelTelemetry(meter_provider=MeterProvider(shutdown_on_exit=False), max_series=True)
+    with pytest.raises(ConfigError) as watch_err:
+        WatchConfig.build(environ={"TENSORWATCH_EVERY_N_BATCHES": "0"})
+    monkeypatch.setenv("TENSORWATCH_PROMETHEUS_MAX_SERIES", "0")
+    with pytest.raises(ConfigError) as sink_err:
+        PrometheusMetrics(registry=CollectorRegistry())
+    assert str(sink_err.value) == str(watch_err.value).replace("EVERY_N_BATCHES", "PROMETHEUS_MAX_SERIES")
+    monkeypatch.setenv("TENSORWATCH_METRICS_WINDOW_SECONDS", "-1")
+    monkeypatch.delenv("TENSORWATCH_PROMETHEUS_MAX_SERIES")
+    with pytest.raises(ConfigError, match="TENSORWATCH_METRICS_WINDOW_SECONDS='-1': expected a finite number >= 0"):
+        PrometheusMetrics(registry=CollectorRegistry())

@@ -28,6 +28,7 @@ from ..core import env as _env
 from ..core.events import BatchStats, label_for_module
 from ..core.stats import DTYPE_MAX, dtype_name
 from ._magnitude import MagnitudeTotals
+from ._options import number_option
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +52,8 @@ def patterns(p: Patterns) -> Tuple[str, ...]:
 
 
 def window_seconds(value: Optional[float], arg: str = "window_s") -> float:
-    """Argument, then TENSORWATCH_METRICS_WINDOW_SECONDS, then the default; >= 0."""
-    source = arg
-    if value is None:
-        raw = os.environ.get(ENV_WINDOW, "").strip()
-        if not raw:
-            return DEFAULT_WINDOW_S
-        value, source = raw, ENV_WINDOW
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    if not (number >= 0 and math.isfinite(number)):
-        raise ValueError(f"{source}={value!r}: expected a number of seconds >= 0 (0: last batch only)")
-    return number
+    """Argument, then TENSORWATCH_METRICS_WINDOW_SECONDS, then the default; >= 0 (0: last batch only)."""
+    return number_option(arg, value, ENV_WINDOW, DEFAULT_WINDOW_S, minimum=0.0)
 
 
 class ModuleFilter:

@@ -353,8 +353,6 @@ class OtelTelemetry(Sink):
         if self._closed:
             return
         self._closed = True
-        for hook in self._magnitude_hooks:
-            hook.sources.discard(self)
         budget = self._exit_budget()
         start = time.monotonic()
         if self._worker is not None:
@@ -370,7 +368,10 @@ class OtelTelemetry(Sink):
             left = max(0.0, budget - (time.monotonic() - start))
             if left <= 0:  # the collector hangs: end the stuck calls rather than wait for them
                 close_exporters_now(providers)
-            shutdown_bounded(providers, left)
+            shutdown_bounded(providers, left)  # its final export still carries the histogram
+        else:  # the application's providers go on: this sink's histogram leaves them now
+            for hook in self._magnitude_hooks:
+                hook.sources.discard(self)
 
     # -- span worker ---------------------------------------------------------------------
     def _enqueue(self, item) -> None:
@@ -446,8 +447,6 @@ class OtelTelemetry(Sink):
 
     def magnitude_points(self) -> list:
         """The magnitude histogram's data points (the SDK's collection thread, through the hook)."""
-        if self._closed:
-            return []
         snap = self._window.snapshot()
         rank = self._rank if snap is None else snap.rank
         from ._otel_magnitude import data_points
