@@ -78,7 +78,9 @@ def attach(provider: Any, source: Any, scope: InstrumentationScope) -> List[_Col
     """Hooks `source` (``source.magnitude_points()`` returns data points; held weakly) into every
     reader of an SDK meter provider."""
     config = getattr(provider, "_sdk_config", None)
-    readers = getattr(provider, "_metric_readers", None)
+    readers = getattr(provider, "_metric_readers", None)  # SDK 1.4x
+    if readers is None:
+        readers = getattr(config, "metric_readers", None)  # SDK 1.35 (the declared minimum)
     hooks = []
     for reader in readers or ():
         inner = getattr(reader, "_collect", None)
