@@ -435,3 +435,19 @@ def test_sink_options_fail_like_watch_options(monkeypatch):
     monkeypatch.delenv("TENSORWATCH_PROMETHEUS_MAX_SERIES")
     with pytest.raises(ConfigError, match="TENSORWATCH_METRICS_WINDOW_SECONDS='-1': expected a finite number >= 0"):
         PrometheusMetrics(registry=CollectorRegistry())
+
+
+def test_otel_share_points_stay_under_max_series(otel, caplog):
+    """Each pair has one point per target dtype: the gauges stop at max_series points (the
+    SDK's cardinality limit would otherwise fold the rest into an anonymous overflow series)."""
+    import logging
+
+    sink = otel.sink(max_series=4)
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        sink.on_batch(stats(record(0, UNDER, OVER)))  # 3 pairs with shares x 2 targets = 6
+        under = otel.metric("tensorwatch.tensor.underflow_ratio").data.data_points
+        otel.metric("tensorwatch.tensor.underflow_ratio")
+    sink.close()
+    assert len(under) == 4
+    assert not any(dp.attributes.get("otel.metric.overflow") for dp in under)
+    assert len([r for r in caplog.records if "exceed max_series" in r.getMessage()]) == 1

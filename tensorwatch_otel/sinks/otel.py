@@ -186,6 +186,7 @@ class OtelTelemetry(Sink):
         self._cache_lock = threading.Lock()
         self._rank = current_rank()  # a bad RANK fails here, naming it
         self._steps = StepTally(self._rank)  # skipped optimizer steps, streaks, loss scale
+        self._shares_capped = False
 
         def counter(key: str):
             s = BY_KEY[key]
@@ -436,8 +437,18 @@ class OtelTelemetry(Sink):
                 for e in self._entries() if self._finite(e[4])]
 
     def _observe_shares(self, which: int) -> Iterable[Observation]:
-        return [Observation(share[which], dict(attrs, **{"tensorwatch.target_dtype": utf8_text(share[0])}))
-                for attrs, _, _, _, _, shares in self._entries() for share in shares if share[which] is not None]
+        out = [Observation(share[which], dict(attrs, **{"tensorwatch.target_dtype": utf8_text(share[0])}))
+               for attrs, _, _, _, _, shares in self._entries() for share in shares if share[which] is not None]
+        if len(out) > self.max_series:
+            # One point per pair and target dtype: kept under the SDK's cardinality limit like
+            # the other gauges (the pairs seen first stay), said once.
+            if not self._shares_capped:
+                self._shares_capped = True
+                log.warning("tensorwatch_otel: %d underflow/overflow points (pairs x target dtypes) exceed "
+                            "max_series=%d; the pairs seen first are exported. Narrow with include=/exclude= "
+                            "or raise max_series with a View's cardinality limit.", len(out), self.max_series)
+            del out[self.max_series:]
+        return out
 
     def _observe_underflow(self, options: CallbackOptions) -> Iterable[Observation]:
         return self._observe_shares(1)
