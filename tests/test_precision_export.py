@@ -279,6 +279,7 @@ MAGS = [Mag(2, -3, (1, 0, 4)), Mag(0, 0, (5,)), None, Mag(7, 0, ())]
 def test_otel_magnitude_histogram_accumulates_exact_buckets(otel):
     sink = otel.sink()
     sink.on_batch(stats(record(0, UNDER, OVER, MAGS)))
+    otel.metric("tensorwatch.tensor.magnitude")  # a collection samples batch 0
     sink.on_batch(stats(record(1, UNDER, OVER, [Mag(1, -1, (2, 3))] + MAGS[1:])))
     m = otel.metric("tensorwatch.tensor.magnitude")
     sink.close()
@@ -365,17 +366,22 @@ def test_histogram_leaves_other_readers_metrics_untouched_after_close(otel):
     assert otel.metric("tensorwatch.tensor.magnitude") is None
 
 
-def test_many_batches_between_collections_are_all_counted(otel):
-    from tensorwatch_otel.sinks._magnitude import MAX_PENDING
-
+def test_each_collection_samples_the_latest_batch_once(otel):
+    """Reading a batch's counts costs Python work per tensor, so each collection adds the latest
+    watched batch (exactly) and no other: many batches between two collections count as one."""
     sink = otel.sink()
-    for n in range(3 * MAX_PENDING + 5):
-        sink.on_batch(stats(record(n, UNDER, OVER, MAGS)))
-    pts = _points(otel.metric("tensorwatch.tensor.magnitude"))
+    for n in range(200):
+        sink.on_batch(stats(record(n, UNDER, OVER, [Mag(n, 0, (1,))] + MAGS[1:])))
+
+    def weight():
+        w = _points(otel.metric("tensorwatch.tensor.magnitude"))[("fc1", "weight", None)]
+        return w.zero_count, list(w.positive.bucket_counts)
+
+    assert weight() == (199, [1])  # the latest batch's counts
+    assert weight() == (199, [1])  # a collection without a new batch adds nothing
+    sink.on_batch(stats(record(200, UNDER, OVER, [Mag(1, 0, (5,))] + MAGS[1:])))
+    assert weight() == (200, [6])
     sink.close()
-    n = 3 * MAX_PENDING + 5
-    w = pts[("fc1", "weight", None)]
-    assert (w.zero_count, list(w.positive.bucket_counts)) == (2 * n, [n, 0, 4 * n])
 
 
 def test_frames_with_precision_fields_export_like_records(otel):

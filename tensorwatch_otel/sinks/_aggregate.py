@@ -7,8 +7,8 @@ rotating buckets (min of abs_min, max of abs_max, of range_used and of the under
 shares of each target dtype); an exporter reads both buckets, so each value covers between half
 the window and the whole of it. Reading never resets anything: every scraper sees the same
 values. The fold runs on the training thread with three vector operations per batch, plus two
-per target dtype (the batch's values are read as one array). The magnitude histograms are
-summed over the whole run on the exporter's thread (see _magnitude.MagnitudeTotals).
+for all target dtypes (the batch's values are read as one array). The magnitude histograms are
+summed on the exporter's thread over one batch per collection (see _magnitude.MagnitudeTotals).
 """
 
 from __future__ import annotations

@@ -1,20 +1,18 @@
-"""Run-long power-of-two histograms of |x| per (module, tensor), for the OpenTelemetry
-exponential histogram ``tensorwatch.tensor.magnitude`` (scale 0: bucket i holds |x| in
-(2**i, 2**(i+1)]; exact zeros in the zero bucket).
+"""Power-of-two histograms of |x| per (module, tensor), for the OpenTelemetry exponential
+histogram ``tensorwatch.tensor.magnitude`` (scale 0: bucket i holds |x| in (2**i, 2**(i+1)];
+exact zeros in the zero bucket), summed over the batches sampled at each collection.
 
-The training thread only queues each batch's record; the exporter's collection thread adds
-the records' pre-bucketed counts (exact integers) when it collects.
+Reading a batch's counts costs Python work per tensor (``Record.magnitude(k)``), too much for
+every batch of a big model. So the training thread only keeps a reference to the latest batch,
+and each collection (every export interval) adds that batch's exact counts once: the histogram
+is the run's distribution sampled one batch per collection, which is what a heatmap of its
+increase needs, at one batch's cost per export interval.
 """
 
 from __future__ import annotations
 
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
-
-#: Batches queued before the training thread adds them itself (a queued record stays alive
-#: until then, so the queue is short: with the default 60 s export interval most batches are
-#: added here, amortised over 64 batches).
-MAX_PENDING = 64
 
 
 class _Totals:
@@ -47,46 +45,44 @@ class _Totals:
 
 
 class MagnitudeTotals:
-    """Sums of every queued batch's magnitude counts, by Window column (0: never exported)."""
+    """Sums of the sampled batches' magnitude counts, by Window column (0: never exported)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: List[tuple] = []
+        self._latest: Optional[tuple] = None  # the latest batch not yet added
         self._totals: Dict[int, _Totals] = {}
+        self.sampled = 0  # batches added so far
 
     # -- training thread ----------------------------------------------------------------------
     def add_record(self, rec, index, n: int, t_ns: int) -> None:
         """A batch record: ``rec.magnitude(k)`` for its first n measured tensors, ``index`` (a
-        tensor) their columns."""
-        self._queue(("rec", rec, index, n, t_ns))
+        tensor) their columns. Replaces a latest batch not yet added."""
+        self._latest = ("rec", rec, index, n, t_ns)
 
     def add_values(self, mags: Sequence, index, t_ns: int) -> None:
         """Magnitudes already built (frames), in the order of ``index``."""
-        self._queue(("list", mags, index, len(mags), t_ns))
-
-    def _queue(self, item: tuple) -> None:
-        with self._lock:
-            self._pending.append(item)
-            if len(self._pending) > MAX_PENDING:
-                self._fold()
+        self._latest = ("list", mags, index, len(mags), t_ns)
 
     # -- collection thread ----------------------------------------------------------------------
     def _fold(self) -> None:
-        pending, self._pending = self._pending, []
+        item, self._latest = self._latest, None
+        if item is None:
+            return
+        kind, src, index, n, t_ns = item
         totals = self._totals
-        for kind, src, index, n, t_ns in pending:
-            cols = index.tolist()
-            for k in range(min(n, len(cols))):
-                col = cols[k]
-                if not col:
-                    continue
-                m = src.magnitude(k) if kind == "rec" else src[k]
-                if m is None:
-                    continue
-                entry = totals.get(col)
-                if entry is None:
-                    entry = totals[col] = _Totals(t_ns)
-                entry.add(m.zeros, m.offset, m.counts)
+        cols = index.tolist()
+        for k in range(min(n, len(cols))):
+            col = cols[k]
+            if not col:
+                continue
+            m = src.magnitude(k) if kind == "rec" else src[k]
+            if m is None:
+                continue
+            entry = totals.get(col)
+            if entry is None:
+                entry = totals[col] = _Totals(t_ns)
+            entry.add(m.zeros, m.offset, m.counts)
+        self.sampled += 1
 
     def collect(self) -> List[Tuple[int, int, int, Tuple[int, ...], int]]:
         """(column, zeros, offset, counts, start time ns) of every column seen so far."""

@@ -73,7 +73,7 @@ SERIES: Tuple[Series, ...] = (
            _PAIR + ("target_dtype", "rank"), "tensorwatch_tensor_overflow_ratio",
            "tensorwatch.tensor.overflow_ratio", "1"),
     Series("magnitude", "histogram", "Non-zero finite values of the tensor by power-of-two magnitude "
-           "(|x| in (2^i, 2^(i+1)]; exact zeros in the zero bucket), counted over every watched batch",
+           "(|x| in (2^i, 2^(i+1)]; exact zeros in the zero bucket), summed over one sampled batch per collection",
            _PAIR + ("rank",), None, "tensorwatch.tensor.magnitude"),
     Series("nonfinite", "counter", "inf/nan detections, labelled with the first module and tensor where one "
            "appeared and the rank that detected first (exemplar: the detection span's trace_id)",

@@ -152,8 +152,9 @@ class OtelTelemetry(Sink):
       gauge ``tensorwatch.grad_scale``.
     - With ``watch(target_dtypes=...)``: gauges ``tensorwatch.tensor.underflow_ratio`` /
       ``overflow_ratio`` (attribute ``tensorwatch.target_dtype``, the largest share in the window)
-      and the exponential histogram ``tensorwatch.tensor.magnitude`` (scale 0, cumulative over the
-      run), added to what the SDK meter provider's readers collect (see _otel_magnitude.py).
+      and the exponential histogram ``tensorwatch.tensor.magnitude`` (scale 0, cumulative, one
+      sampled batch per collection), added to what the SDK meter provider's readers collect
+      (see _otel_magnitude.py and _magnitude.py).
     Names, units and descriptions come from the metric catalogue (catalogue.py).
     """
 
