@@ -168,6 +168,8 @@ def demo_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)  # no collector here: keep the run on one path
     env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
+    # The precision panels (underflow/overflow shares) need target dtypes; watch() reads them here.
+    env["TENSORWATCH_TARGET_DTYPES"] = "float8_e4m3fn,float16"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=tmp_path, env=env)

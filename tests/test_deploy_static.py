@@ -12,6 +12,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
+from tensorwatch_otel.sinks import catalogue
+
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -21,17 +23,9 @@ RULE_FILES = sorted((PROM_DIR / "rules").glob("*.yml"))
 RULE_TESTS = sorted((PROM_DIR / "tests").glob("*.yml"))
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 
-# The public series (docs/telemetry.md); anything else named tensorwatch_* in deploy/ is a typo.
-CONTRACT_SERIES = {
-    "tensorwatch_tensor_abs_max", "tensorwatch_tensor_abs_min",
-    "tensorwatch_tensor_range_used_ratio", "tensorwatch_nonfinite_events_total",
-    "tensorwatch_batches_total", "tensorwatch_batch_number",
-    # second wave: skipped optimizer steps
-    "tensorwatch_optimizer_steps_skipped_total", "tensorwatch_grad_scale",
-    "tensorwatch_optimizer_skip_streaks_total", "tensorwatch_optimizer_skip_streak",
-    # fleet mode (PrometheusMetrics(detail=), docs/at-scale.md)
-    "tensorwatch_detail_cutoff_ratio", "tensorwatch_detail_hidden_pairs", "tensorwatch_rank_range_used_max_ratio",
-}
+# The public series, from the metric catalogue both sinks build from; anything else named
+# tensorwatch_* in deploy/ is a typo.
+CONTRACT_SERIES = set(catalogue.prometheus_names())
 ALERT_LABELS = {"module", "module_class", "tensor", "rank", "severity"}
 COMPOSE_SERVICES = {"otel-collector", "prometheus", "alertmanager", "jaeger", "grafana"}
 
@@ -130,6 +124,11 @@ def test_contract_alerts_are_defined_with_labels_and_annotations():
             assert f"$labels.{label}" in text, (name, label)
     assert "tensorwatch.nonfinite_detected" in rules["TensorwatchNonFinite"]["annotations"]["jaeger_search"]
     assert "$labels.first_rank" in rules["TensorwatchNonFinite"]["annotations"]["description"]
+    under = rules["TensorwatchUnderflowHigh"]
+    assert under["labels"]["severity"] == "warning" and "tensorwatch_tensor_underflow_ratio" in under["expr"]
+    text = under["annotations"]["summary"] + under["annotations"]["description"]
+    for label in ALERT_LABELS - {"severity"} | {"target_dtype"}:
+        assert f"$labels.{label}" in text, ("TensorwatchUnderflowHigh", label)
     streak = rules["TensorwatchSkippedStepsStreak"]
     assert streak["labels"]["severity"] == "warning"
     assert "tensorwatch_optimizer_skip_streaks_total" in streak["expr"]
@@ -147,6 +146,7 @@ def test_rule_tests_cover_the_contract_labels():
     for name in ("TensorwatchNonFinite", "TensorwatchRangeHigh"):
         assert ALERT_LABELS <= seen.get(name, set()), (name, seen.get(name))
     assert "first_rank" in seen["TensorwatchNonFinite"]
+    assert ALERT_LABELS | {"target_dtype"} <= seen.get("TensorwatchUnderflowHigh", set())
     assert {"rank", "severity"} <= seen.get("TensorwatchSkippedStepsStreak", set())
 
 
@@ -524,6 +524,8 @@ def test_dashboard_shape(path):
     assert "heatmap" in kinds
     assert "tensorwatch_tensor_range_used_ratio" in text and "float16" in text
     assert "tensorwatch_batches_total" in text and "tensorwatch_batch_number" in text
+    assert any("tensorwatch_tensor_underflow_ratio" in t.get("expr", "") and "target_dtype" in t["expr"]
+               for p, t in _dashboard_targets(dash)), "no panel for the underflow share (target_dtypes)"
     nonfinite = [p for p, t in _dashboard_targets(dash) if "tensorwatch_nonfinite_events_total" in t.get("expr", "")]
     assert nonfinite and any("by (rank)" in t["expr"] for p, t in _dashboard_targets(dash)
                              if "nonfinite" in t.get("expr", ""))
@@ -578,6 +580,8 @@ tensorwatch_nonfinite_events_total{job="tensorwatch-otel",instance="3",otel_scop
 tensorwatch_tensor_abs_max_ratio{job="tensorwatch-otel",instance="3",otel_scope_name="tensorwatch_otel",tensorwatch_module_path="blocks.1.mlp.fc1",tensorwatch_module_class="Linear",tensorwatch_tensor="output",tensorwatch_rank="3"} 65000
 # TYPE tensorwatch_tensor_range_used_ratio gauge
 tensorwatch_tensor_range_used_ratio{job="tensorwatch-otel",instance="3",otel_scope_name="tensorwatch_otel",tensorwatch_module_path="blocks.1.mlp.fc1",tensorwatch_module_class="Linear",tensorwatch_tensor="output",tensorwatch_rank="3",tensorwatch_dtype="float16"} 0.99
+# TYPE tensorwatch_tensor_underflow_ratio gauge
+tensorwatch_tensor_underflow_ratio{job="tensorwatch-otel",instance="3",otel_scope_name="tensorwatch_otel",tensorwatch_module_path="blocks.1.mlp.fc1",tensorwatch_module_class="Linear",tensorwatch_tensor="output",tensorwatch_rank="3",tensorwatch_target_dtype="float8_e4m3fn"} 0.25
 """
 
 
@@ -622,6 +626,8 @@ def test_collector_path_is_relabelled_to_the_direct_names(tmp_path):
             assert prom.query('tensorwatch_tensor_abs_max{module="blocks.1.mlp.fc1", rank="3"}')
             assert not prom.query('{__name__=~"tensorwatch_tensor_abs_max_ratio"}')
             assert prom.query('tensorwatch_tensor_range_used_ratio{dtype="float16", rank="3"}')
+            assert prom.query('tensorwatch_tensor_underflow_ratio{target_dtype="float8_e4m3fn", rank="3", '
+                              'module="blocks.1.mlp.fc1"}')
             # And the page fires on this path too, with the contract labels.
             alerts = prom.wait_for('ALERTS{alertname="TensorwatchNonFinite", alertstate="firing"}', timeout=20)
             assert {"module", "module_class", "tensor", "rank", "severity"} <= set(alerts[0]["metric"])

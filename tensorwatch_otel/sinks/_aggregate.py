@@ -3,10 +3,12 @@ filters, a module called several times, the series cap, and no aliasing between 
 
 A gauge that showed only the last batch would miss a one-batch spike between two scrapes
 (15 s apart, hundreds of batches). `Window` folds every watched batch into the current of two
-rotating buckets (min of abs_min, max of abs_max and of range_used); an exporter reads both
-buckets, so each value covers between half the window and the whole of it. Reading never
-resets anything: every scraper sees the same values. The fold runs on the training thread
-with three vector operations per batch (the batch's values are read as one array).
+rotating buckets (min of abs_min, max of abs_max, of range_used and of the underflow/overflow
+shares of each target dtype); an exporter reads both buckets, so each value covers between half
+the window and the whole of it. Reading never resets anything: every scraper sees the same
+values. The fold runs on the training thread with three vector operations per batch, plus two
+for all target dtypes (the batch's values are read as one array). The magnitude histograms are
+summed on the exporter's thread over one batch per collection (see _magnitude.MagnitudeTotals).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 from ..core import env as _env
 from ..core.events import BatchStats, label_for_module
 from ..core.stats import DTYPE_MAX, dtype_name
+from ._magnitude import MagnitudeTotals
+from ._options import number_option
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +52,8 @@ def patterns(p: Patterns) -> Tuple[str, ...]:
 
 
 def window_seconds(value: Optional[float], arg: str = "window_s") -> float:
-    """Argument, then TENSORWATCH_METRICS_WINDOW_SECONDS, then the default; >= 0."""
-    source = arg
-    if value is None:
-        raw = os.environ.get(ENV_WINDOW, "").strip()
-        if not raw:
-            return DEFAULT_WINDOW_S
-        value, source = raw, ENV_WINDOW
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    if not (number >= 0 and math.isfinite(number)):
-        raise ValueError(f"{source}={value!r}: expected a number of seconds >= 0 (0: last batch only)")
-    return number
+    """Argument, then TENSORWATCH_METRICS_WINDOW_SECONDS, then the default; >= 0 (0: last batch only)."""
+    return number_option(arg, value, ENV_WINDOW, DEFAULT_WINDOW_S, minimum=0.0)
 
 
 class ModuleFilter:
@@ -97,7 +89,9 @@ class _Layout:
 
 class Snapshot:
     """What an exporter reads: rows (module label, module_class, tensor, dtype, abs_min, abs_max,
-    range_used or None) of the window, and the last batch's number, rank and counts."""
+    range_used or None, shares) of the window, and the last batch's number, rank and counts.
+    ``shares``: ((target dtype, underflow or None, overflow or None), ...) for the target dtypes
+    the pair has a share for in the window (empty without target_dtypes)."""
 
     __slots__ = ("rows", "batch_number", "rank", "batches", "dropped", "version")
 
@@ -120,7 +114,7 @@ class Window:
     """
 
     def __init__(self, wanted: ModuleFilter, cap: int, window_s: float, name: str,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, magnitudes: bool = False):
         self.wanted = wanted
         self.cap = cap
         self.window_s = window_s
@@ -129,6 +123,11 @@ class Window:
         # columns: [(module label, tensor, module_class, dtype)], column 0 is the trash
         self._keys: List[Optional[List[str]]] = [None]
         self._index: Dict[Key, int] = {}
+        # target dtype -> j: bucket rows 3 + 2j (underflow share) and 4 + 2j (overflow share)
+        self._targets: Dict[str, int] = {}
+        self._nrows = 3
+        #: run-long magnitude histograms per column (None: not kept, the Prometheus sink)
+        self.magnitudes: Optional[MagnitudeTotals] = MagnitudeTotals() if magnitudes else None
         self._layouts: List[_Layout] = []
         self._tuples: list = []  # (frames tuple, its values): BatchStats built from Frames
         self._cur = self._new_bucket(64)
@@ -142,11 +141,10 @@ class Window:
         self._snapshot: Optional[Snapshot] = None
         self._cap_logged = False
 
-    @staticmethod
-    def _new_bucket(columns: int) -> torch.Tensor:
-        b = torch.empty((3, columns), dtype=torch.float64)
+    def _new_bucket(self, columns: int) -> torch.Tensor:
+        b = torch.empty((self._nrows, columns), dtype=torch.float64)
         b[0].fill_(math.inf)  # abs_min
-        b[1:].fill_(_UNSEEN)  # abs_max, range_used
+        b[1:].fill_(_UNSEEN)  # abs_max, range_used, shares
         return b
 
     # -- training thread ------------------------------------------------------------------
@@ -163,8 +161,13 @@ class Window:
                 n = min(len(index), len(mins))
                 mins, maxs, index, inv_top = mins[:n], maxs[:n], index[:n], inv_top[:n]
             ratio = maxs * inv_top
+            shares = self._record_shares(source, len(layout.index), len(index))
+            if self.magnitudes is not None and shares[0] and callable(getattr(source, "magnitude", None)):
+                self.magnitudes.add_record(source, layout.index, len(index), self._clock_ns())
         else:
-            mins, maxs, ratio, index, layout = self._rows(stats)
+            mins, maxs, ratio, index, layout, shares, mags = self._rows(stats)
+            if self.magnitudes is not None and mags:
+                self.magnitudes.add_values(mags, index, self._clock_ns())
         ratio = torch.where(ratio >= 0, ratio, _UNSEEN)  # NaN (and no dtype max) take no part
         with self._lock:
             now = self._clock()
@@ -173,12 +176,18 @@ class Window:
                 self._prev = self._cur if 0 < self.window_s and age < self.window_s else None
                 self._cur = self._new_bucket(self._cur.shape[1])
                 self._cur_start = now
+            targets, share_rows = shares
+            for target in targets:
+                if target not in self._targets:
+                    self._targets[target] = len(self._targets)
             self._grow()
             cur = self._cur
             if len(index):
                 cur[0].scatter_reduce_(0, index, mins, "amin")
                 cur[1].scatter_reduce_(0, index, maxs, "amax")
                 cur[2].scatter_reduce_(0, index, ratio, "amax")
+                if targets:
+                    self._fold_shares(cur, index, targets, share_rows)
             if stats.phase == "forward":  # gradients and optimizer state are no batch of their own
                 self._last = stats
                 self._batches += 1
@@ -187,16 +196,56 @@ class Window:
             self._dropped = layout.dropped
             self._version += 1
 
+    def _clock_ns(self) -> int:
+        return time.time_ns()
+
+    def _fold_shares(self, cur: torch.Tensor, index: torch.Tensor, targets: Tuple[str, ...],
+                     rows: torch.Tensor) -> None:
+        """rows: (2T, n), underflow and overflow of each target in turn, not applicable < 0."""
+        first = 3 + 2 * self._targets[targets[0]]
+        if all(self._targets[t] == self._targets[targets[0]] + j for j, t in enumerate(targets)):
+            # the usual case (targets registered in this order): one operation for all of them
+            cur[first:first + len(rows)].scatter_reduce_(1, index.expand(len(rows), -1), rows, "amax")
+            return
+        for j, t in enumerate(targets):
+            row = 3 + 2 * self._targets[t]
+            cur[row:row + 2].scatter_reduce_(1, index.expand(2, -1), rows[2 * j:2 * j + 2], "amax")
+
+    @staticmethod
+    def _record_shares(rec, measured: int, n: int) -> Tuple[Tuple[str, ...], Optional[torch.Tensor]]:
+        """(targets, (2T, n) rows) of a record's flat share lists (k * T + j): underflow and
+        overflow of each target in turn, NaN (not applicable) as _UNSEEN."""
+        targets = tuple(getattr(rec, "targets", None) or ())
+        if not targets:
+            return (), None
+        t = len(targets)
+        under, over = rec.underflow, rec.overflow
+        size = measured * t
+        if len(under) == size and len(over) == size:
+            # array.array(list) converts at C speed (extend() does not)
+            both = torch.stack([torch.frombuffer(array.array("d", vals), dtype=torch.float64)
+                                for vals in (under, over)]).view(2, measured, t)
+        else:  # a record not read back whole: what is missing does not apply
+            both = torch.full((2, measured, t), math.nan, dtype=torch.float64)
+            for i, vals in enumerate((under, over)):
+                m = min(len(vals), size)
+                if m:
+                    both[i].view(-1)[:m] = torch.tensor(list(vals[:m]), dtype=torch.float64)
+        rows = both[:, :n].permute(2, 0, 1).reshape(2 * t, n)  # [under_0, over_0, under_1, ...]
+        return targets, torch.where(rows >= 0, rows, _UNSEEN)
+
     def _grow(self) -> None:
         n = len(self._keys)
-        if n <= self._cur.shape[1]:
+        rows = 3 + 2 * len(self._targets)
+        if n <= self._cur.shape[1] and rows <= self._cur.shape[0]:
             return
-        size = max(n, 2 * self._cur.shape[1])
+        self._nrows = rows
+        size = max(n, 2 * self._cur.shape[1]) if n > self._cur.shape[1] else self._cur.shape[1]
         for name in ("_cur", "_prev"):
             old = getattr(self, name)
             if old is not None:
                 new = self._new_bucket(size)
-                new[:, :old.shape[1]] = old
+                new[:old.shape[0], :old.shape[1]] = old
                 setattr(self, name, new)
 
     def _column(self, label: str, tensor: str, cls: str, dtype: str, dropped: set) -> int:
@@ -256,21 +305,39 @@ class Window:
 
     def _convert(self, stats: BatchStats):
         index, mins, maxs, ratio = [], [], [], []
+        shares: Dict[str, Tuple[list, list]] = {}
+        mags: list = []
         dropped: set = set()
         with self._lock:
-            for r in stats.rows():
-                if not self.wanted(r.module):
+            for fr in stats.frames:  # as BatchStats.rows(), with the precision fields
+                if not self.wanted(fr.module):
                     continue
-                index.append(self._column(label_for_module(r.module), r.tensor, r.module_class, r.dtype,
-                                          dropped))
-                mins.append(r.abs_min)
-                maxs.append(r.abs_max)
-                ratio.append(_UNSEEN if r.range_used is None else r.range_used)
+                for t in fr.tensors:
+                    if t.abs_max is None or t.abs_min is None:
+                        continue
+                    n = len(index)
+                    index.append(self._column(label_for_module(fr.module), t.name, fr.module_class, t.dtype,
+                                              dropped))
+                    mins.append(t.abs_min)
+                    maxs.append(t.abs_max)
+                    ratio.append(_UNSEEN if t.range_used is None else t.range_used)
+                    for j, field in enumerate(("underflow", "overflow")):
+                        for target, share in (getattr(t, field, None) or {}).items():
+                            cols = shares.setdefault(target, ([], []))[j]
+                            cols.extend([math.nan] * (n - len(cols)))
+                            cols.append(share)
+                    mags.append(getattr(t, "magnitude", None))
         self._note_cap(len(dropped), stats.batch_number)
         f64 = torch.float64
         lay = _Layout(None, None, [], [], len(dropped))
+        n = len(index)
+        targets = tuple(shares)
+        rows = None
+        if targets:
+            rows = torch.tensor([col + [math.nan] * (n - len(col)) for t in targets for col in shares[t]], dtype=f64)
+            rows = torch.where(rows >= 0, rows, _UNSEEN)
         return (torch.tensor(mins, dtype=f64), torch.tensor(maxs, dtype=f64), torch.tensor(ratio, dtype=f64),
-                torch.tensor(index, dtype=torch.int64), lay)
+                torch.tensor(index, dtype=torch.int64), lay, (targets, rows), mags if any(mags) else [])
 
     def _note_cap(self, dropped: int, batch_number: int) -> None:
         if dropped and not self._cap_logged:
@@ -298,12 +365,26 @@ class Window:
             else:
                 both = cur.clone()
             keys = [tuple(k) for k in self._keys[1:]]
+            targets = sorted(self._targets.items(), key=lambda kv: kv[1])
             meta = (last.batch_number, last.rank, self._batches, self._dropped, self._version)
-        lo, hi, ru = both[:, 1:len(keys) + 1].tolist()
+        values = both[:, 1:len(keys) + 1].tolist()
+        lo, hi, ru = values[:3]
+        per_target = [(t, values[3 + 2 * j], values[4 + 2 * j]) for t, j in targets]
         rows = []
-        for (label, tensor, cls, dtype), a, b, r in zip(keys, lo, hi, ru):
+        for c, ((label, tensor, cls, dtype), a, b, r) in enumerate(zip(keys, lo, hi, ru)):
             if b >= 0 or b != b:  # seen in the window (NaN counts)
-                rows.append((label, cls, tensor, dtype, a, b, r if r >= 0 else None))
+                shares = tuple((t, u[c] if u[c] >= 0 else None, o[c] if o[c] >= 0 else None)
+                               for t, u, o in per_target if u[c] >= 0 or o[c] >= 0)
+                rows.append((label, cls, tensor, dtype, a, b, r if r >= 0 else None, shares))
         snap = Snapshot(rows, *meta)
         self._snapshot = snap
         return snap
+
+    def magnitude_rows(self) -> list:
+        """(module label, module_class, tensor, zeros, offset, counts, start ns) of every pair with
+        magnitudes so far (run-long sums; empty when the window keeps none)."""
+        if self.magnitudes is None:
+            return []
+        with self._lock:
+            keys = list(self._keys)
+        return self.magnitudes.rows(keys)

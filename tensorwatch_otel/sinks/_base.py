@@ -1,14 +1,16 @@
 """The sink port, as the sinks see it: defined in the core (core/ports.py), which never
-imports a sink; and what every exporter needs of the names it writes: that they encode."""
+imports a sink; what every exporter needs of the names it writes (that they encode), and the
+skipped-step bookkeeping both metric sinks keep."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Optional, Tuple
 
 from ..core.ports import Sink, SinkFanout
 
-__all__ = ["Sink", "SinkFanout", "utf8_text", "utf8_safe"]
+__all__ = ["Sink", "SinkFanout", "utf8_text", "utf8_safe", "StepTally"]
 
 
 def utf8_text(text: str) -> str:
@@ -70,3 +72,54 @@ def _rebuild(obj: Any) -> Any:
                     changed[f.name] = nv
         return dataclasses.replace(obj, **changed) if changed else obj
     return obj
+
+
+class StepTally:
+    """Skipped optimizer steps as both metric sinks count them: SkippedStepEvents seen and the
+    core's count in BatchStats, whichever is larger (either may arrive first); streaks
+    (SkipStreakEvents), the latest streak length, and the newest loss scale with its rank."""
+
+    __slots__ = ("events", "core", "exported", "streaks", "streak", "scale_time", "scale", "rank")
+
+    def __init__(self, rank: int):
+        self.events = 0
+        self.core = 0
+        self.exported = 0  # skips a delta counter has already added
+        self.streaks = 0
+        self.streak: Optional[Tuple[int, int]] = None  # (length, rank) of the latest skip reported
+        self.scale_time = -math.inf
+        self.scale: Optional[float] = None
+        self.rank = rank
+
+    @property
+    def skipped(self) -> int:
+        return max(self.events, self.core)
+
+    def take_new(self) -> int:
+        """Skips not yet added to a delta counter (and marks them added)."""
+        n = self.skipped - self.exported
+        if n > 0:
+            self.exported += n
+        return max(n, 0)
+
+    def on_batch(self, stats) -> bool:
+        """True when the core's count grew."""
+        if stats.grad_scale is not None:
+            self.set_scale(stats.time, stats.grad_scale, stats.rank)
+        if stats.steps_skipped > self.core:
+            self.core = stats.steps_skipped
+            return True
+        return False
+
+    def on_skip(self, event, streak_event: bool) -> None:
+        """A SkippedStepEvent (streak_event False) or a SkipStreakEvent."""
+        if streak_event:
+            self.streaks += 1
+        else:
+            self.events += 1
+        self.streak = (event.streak, event.rank)
+        self.set_scale(event.time, event.scale, event.rank)
+
+    def set_scale(self, t: float, scale: Optional[float], rank: int) -> None:
+        if scale is not None and t >= self.scale_time:
+            self.scale_time, self.scale, self.rank = t, float(scale), rank

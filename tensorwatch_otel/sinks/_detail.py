@@ -26,7 +26,7 @@ DETAIL_SUMMARY = "summary"
 _TOP = "top:"
 _EXPECTED = "expected 'all', 'summary', 'top:K' or an integer K >= 1 (the K pairs with the largest range used)"
 
-Row = tuple  # Snapshot row: (module label, module_class, tensor, dtype, abs_min, abs_max, range_used)
+Row = tuple  # Snapshot row: (module label, module_class, tensor, dtype, abs_min, abs_max, range_used, shares)
 
 
 def detail_setting(value, arg: str = "detail") -> str:
@@ -128,18 +128,10 @@ def summary_families(snap_rows: Optional[Sequence[Row]], r: str, cutoff: float, 
     """The per-rank fleet-mode series: the worst pair (with its labels), the cutoff, the hidden count."""
     from prometheus_client.core import GaugeMetricFamily
 
-    worst_f = GaugeMetricFamily(
-        "tensorwatch_rank_range_used_max_ratio",
-        "Largest range used of any (module, tensor) pair of this rank over the window, labelled with "
-        "that pair (+Inf for an inf/nan value)", labels=("module", "module_class", "tensor", "dtype", "rank"))
-    cutoff_f = GaugeMetricFamily(
-        "tensorwatch_detail_cutoff_ratio",
-        "Largest range used among the pairs this rank does not serve as per-module series "
-        "(TENSORWATCH_PROMETHEUS_DETAIL); 0 when it serves them all", labels=("rank",))
-    hidden_f = GaugeMetricFamily(
-        "tensorwatch_detail_hidden_pairs",
-        "(module, tensor) pairs of the window this rank does not serve as per-module series",
-        labels=("rank",))
+    from .catalogue import BY_KEY
+
+    worst_f, cutoff_f, hidden_f = (GaugeMetricFamily(BY_KEY[k].prom, BY_KEY[k].help, labels=BY_KEY[k].labels)
+                                   for k in ("rank_worst", "detail_cutoff", "detail_hidden"))
     if snap_rows is not None:
         worst = DetailPolicy.worst(snap_rows)
         if worst is not None:

@@ -27,7 +27,9 @@ from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__
 from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # noqa: F401 (re-export)
 from ._aggregate import DEFAULT_WINDOW_S, ENV_WINDOW, ModuleFilter, Patterns, Window, window_seconds
-from ._base import Sink, utf8_safe, utf8_text
+from ._base import Sink, StepTally, utf8_safe, utf8_text
+from ._options import number_option
+from .catalogue import BY_KEY
 
 __all__ = ["OtelTelemetry", "SCOPE", "DEFAULT_MAX_SERIES"]
 
@@ -117,6 +119,17 @@ def _shutdown_application_providers() -> None:
         shutdown_bounded(providers, budget)
 
 
+def _attach_magnitudes(provider: Any, sink: "OtelTelemetry") -> list:
+    """The magnitude histogram's collect hooks on an SDK provider's readers ([] without the SDK)."""
+    try:
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        from ._otel_magnitude import attach
+    except ImportError:  # the API alone: no reader to reach
+        return []
+    return attach(provider, sink, InstrumentationScope(SCOPE, __version__))
+
+
 class OtelTelemetry(Sink):
     """Exports to OpenTelemetry through the given providers, or the global ones when None.
 
@@ -137,6 +150,12 @@ class OtelTelemetry(Sink):
       recorded in that context so exemplars carry the same trace id.
     - Skipped optimizer steps: counter ``tensorwatch.optimizer.steps_skipped`` ({step}) and
       gauge ``tensorwatch.grad_scale``.
+    - With ``watch(target_dtypes=...)``: gauges ``tensorwatch.tensor.underflow_ratio`` /
+      ``overflow_ratio`` (attribute ``tensorwatch.target_dtype``, the largest share in the window)
+      and the exponential histogram ``tensorwatch.tensor.magnitude`` (scale 0, cumulative, one
+      sampled batch per collection), added to what the SDK meter provider's readers collect
+      (see _otel_magnitude.py and _magnitude.py).
+    Names, units and descriptions come from the metric catalogue (catalogue.py).
     """
 
     wants_batches = True
@@ -145,8 +164,7 @@ class OtelTelemetry(Sink):
                  include: Patterns = None, exclude: Patterns = None,
                  max_series: int = DEFAULT_MAX_SERIES, shutdown_on_close: bool = False,
                  window_s: Optional[float] = None):
-        if not isinstance(max_series, int) or max_series < 1:
-            raise ValueError(f"max_series={max_series!r}: expected an integer >= 1")
+        max_series = number_option("max_series", max_series, None, DEFAULT_MAX_SERIES, minimum=1, integer=True)
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
         _warn_if_exporting_nowhere(tracer_provider, meter_provider)
@@ -163,46 +181,39 @@ class OtelTelemetry(Sink):
         if window_s is None and not os.environ.get(ENV_WINDOW, "").strip():
             window_s = max(DEFAULT_WINDOW_S,
                            2 * _export_interval_s(meter_provider or metrics.get_meter_provider()))
-        self._window = Window(self._wanted, max_series, window_seconds(window_s), "OpenTelemetry")
+        self._window = Window(self._wanted, max_series, window_seconds(window_s), "OpenTelemetry",
+                              magnitudes=True)
         self._rows_cache: Tuple[int, list] = (-1, [])
         self._cache_lock = threading.Lock()
         self._rank = current_rank()  # a bad RANK fails here, naming it
-        # skipped steps: (events seen, the core's count in BatchStats, added to the counter);
-        # the counter follows the larger count, whichever of the two arrives first
-        self._skips = [0, 0, 0]
-        self._grad_scale: Tuple[float, Optional[float], int] = (-1e300, None, self._rank)
+        self._steps = StepTally(self._rank)  # skipped optimizer steps, streaks, loss scale
+        self._shares_capped = False
 
-        self._nonfinite = meter.create_counter(
-            "tensorwatch.nonfinite.events", unit="{event}",
-            description="inf/nan detections, attributed to the first module and tensor where one appeared")
-        window = "over the batches of the last window (TENSORWATCH_METRICS_WINDOW_SECONDS)"
-        meter.create_observable_gauge("tensorwatch.tensor.abs_max", [self._observe_abs_max], unit="",
-                                      description=f"Largest absolute value of the tensor {window}")
-        meter.create_observable_gauge("tensorwatch.tensor.abs_min", [self._observe_abs_min], unit="",
-                                      description=f"Smallest absolute value of the tensor {window}")
-        meter.create_observable_gauge("tensorwatch.tensor.range_used", [self._observe_range_used], unit="1",
-                                      description="abs max divided by the largest finite value of the tensor's "
-                                                  f"dtype, largest {window}")
-        self._stopped = meter.create_counter(
-            "tensorwatch.stopped_by_rank.events", unit="{event}",
-            description="Stops of this rank because another rank (tensorwatch.first_rank) detected inf/nan first")
-        self._skipped = meter.create_counter(
-            "tensorwatch.optimizer.steps_skipped", unit="{step}",
-            description="Optimizer steps skipped because the gradients held inf/nan")
+        def counter(key: str):
+            s = BY_KEY[key]
+            return meter.create_counter(s.otel, unit=s.unit, description=s.help)
+
+        def observed(key: str, callback) -> None:
+            s = BY_KEY[key]
+            create = meter.create_observable_counter if s.kind == "counter" else meter.create_observable_gauge
+            create(s.otel, [callback], unit=s.unit, description=s.help)
+
+        self._nonfinite = counter("nonfinite")
+        observed("abs_max", self._observe_abs_max)
+        observed("abs_min", self._observe_abs_min)
+        observed("range_used", self._observe_range_used)
+        observed("underflow", self._observe_underflow)
+        observed("overflow", self._observe_overflow)
+        self._stopped = counter("stopped_by_rank")
+        self._skipped = counter("steps_skipped")
         self._skipped.add(0, {"tensorwatch.rank": self._rank})  # the series exists from zero
-        meter.create_observable_gauge("tensorwatch.grad_scale", [self._observe_grad_scale], unit="",
-                                      description="The gradient scaler's loss scale")
-        self._streaks = meter.create_counter(
-            "tensorwatch.optimizer.skip_streaks", unit="{streak}",
-            description="Times max_skipped_steps optimizer steps in a row were skipped")
+        observed("grad_scale", self._observe_grad_scale)
+        self._streaks = counter("skip_streaks")
         self._streaks.add(0, {"tensorwatch.rank": self._rank})
-        self._streak: Optional[Tuple[int, int]] = None  # (streak, rank) of the latest skip reported
-        meter.create_observable_gauge("tensorwatch.optimizer.skip_streak", [self._observe_streak], unit="",
-                                      description="Consecutive skipped optimizer steps, as of the latest skip")
-        meter.create_observable_counter("tensorwatch.batches", [self._observe_batches], unit="{batch}",
-                                        description="Watched batches")
-        meter.create_observable_gauge("tensorwatch.batch_number", [self._observe_batch_number], unit="",
-                                      description="Number of the last watched batch (0-based)")
+        observed("skip_streak", self._observe_streak)
+        observed("batches", self._observe_batches)
+        observed("batch_number", self._observe_batch_number)
+        self._magnitude_hooks = _attach_magnitudes(meter_provider or metrics.get_meter_provider(), self)
 
         self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=_QUEUE_SIZE)
         self._worker: Optional[threading.Thread] = None
@@ -223,34 +234,24 @@ class OtelTelemetry(Sink):
 
     def on_batch(self, stats: BatchStats) -> None:
         self._window.add(stats)
-        if stats.steps_skipped > self._skips[1]:
-            self._skips[1] = stats.steps_skipped
+        if self._steps.on_batch(stats):
             self._count_skips(stats.rank)
-        if stats.grad_scale is not None:
-            self._set_scale(stats.time, stats.grad_scale, stats.rank)
 
     def _count_skips(self, rank: int) -> None:
-        skips = self._skips
-        n = max(skips[0], skips[1]) - skips[2]
-        if n > 0:
-            skips[2] += n
+        n = self._steps.take_new()
+        if n:
             self._skipped.add(n, {"tensorwatch.rank": rank})
-
-    def _set_scale(self, t: float, scale: Optional[float], rank: int) -> None:
-        if scale is not None and t >= self._grad_scale[0]:
-            self._grad_scale = (t, float(scale), rank)
 
     def on_event(self, event: Event) -> None:
         if self._closed:
             return
         if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
-            if isinstance(event, SkippedStepEvent):
-                self._skips[0] += 1
-                self._count_skips(event.rank)
-            else:
+            streak = isinstance(event, SkipStreakEvent)
+            self._steps.on_skip(event, streak)
+            if streak:
                 self._streaks.add(1, {"tensorwatch.rank": event.rank})
-            self._streak = (event.streak, event.rank)
-            self._set_scale(event.time, event.scale, event.rank)
+            else:
+                self._count_skips(event.rank)
             if isinstance(event, SkippedStepEvent):
                 return  # one per skip: the counter says it; a streak gets a span
         ctx = otel_context.get_current()
@@ -369,7 +370,10 @@ class OtelTelemetry(Sink):
             left = max(0.0, budget - (time.monotonic() - start))
             if left <= 0:  # the collector hangs: end the stuck calls rather than wait for them
                 close_exporters_now(providers)
-            shutdown_bounded(providers, left)
+            shutdown_bounded(providers, left)  # its final export still carries the histogram
+        else:  # the application's providers go on: this sink's histogram leaves them now
+            for hook in self._magnitude_hooks:
+                hook.sources.discard(self)
 
     # -- span worker ---------------------------------------------------------------------
     def _enqueue(self, item) -> None:
@@ -412,10 +416,10 @@ class OtelTelemetry(Sink):
                 return out
             rank = snap.rank
             out = []
-            for module, cls, tensor, dtype, lo, hi, ru in snap.rows:
+            for module, cls, tensor, dtype, lo, hi, ru, shares in snap.rows:
                 attrs = {"tensorwatch.module.path": utf8_text(module), "tensorwatch.module.class": utf8_text(cls),
                          "tensorwatch.tensor": utf8_text(tensor), "tensorwatch.rank": rank}
-                out.append((attrs, dtype, lo, hi, ru))
+                out.append((attrs, dtype, lo, hi, ru, shares))
             self._rows_cache = (snap.version, out)
             return out
 
@@ -424,14 +428,42 @@ class OtelTelemetry(Sink):
         return v is not None and v - v == 0  # False for inf and nan
 
     def _observe_abs_max(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(hi, attrs) for attrs, _, _, hi, _ in self._entries() if self._finite(hi)]
+        return [Observation(e[3], e[0]) for e in self._entries() if self._finite(e[3])]
 
     def _observe_abs_min(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(lo, attrs) for attrs, _, lo, _, _ in self._entries() if self._finite(lo)]
+        return [Observation(e[2], e[0]) for e in self._entries() if self._finite(e[2])]
 
     def _observe_range_used(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(ru, dict(attrs, **{"tensorwatch.dtype": dtype}))
-                for attrs, dtype, _, _, ru in self._entries() if self._finite(ru)]
+        return [Observation(e[4], dict(e[0], **{"tensorwatch.dtype": e[1]}))
+                for e in self._entries() if self._finite(e[4])]
+
+    def _observe_shares(self, which: int) -> Iterable[Observation]:
+        out = [Observation(share[which], dict(attrs, **{"tensorwatch.target_dtype": utf8_text(share[0])}))
+               for attrs, _, _, _, _, shares in self._entries() for share in shares if share[which] is not None]
+        if len(out) > self.max_series:
+            # One point per pair and target dtype: kept under the SDK's cardinality limit like
+            # the other gauges (the pairs seen first stay), said once.
+            if not self._shares_capped:
+                self._shares_capped = True
+                log.warning("tensorwatch_otel: %d underflow/overflow points (pairs x target dtypes) exceed "
+                            "max_series=%d; the pairs seen first are exported. Narrow with include=/exclude= "
+                            "or raise max_series with a View's cardinality limit.", len(out), self.max_series)
+            del out[self.max_series:]
+        return out
+
+    def _observe_underflow(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe_shares(1)
+
+    def _observe_overflow(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe_shares(2)
+
+    def magnitude_points(self) -> list:
+        """The magnitude histogram's data points (the SDK's collection thread, through the hook)."""
+        snap = self._window.snapshot()
+        rank = self._rank if snap is None else snap.rank
+        from ._otel_magnitude import data_points
+
+        return data_points(self._window.magnitude_rows(), rank, utf8_text)
 
     def _observe_batches(self, options: CallbackOptions) -> Iterable[Observation]:
         snap = self._window.snapshot()
@@ -446,12 +478,13 @@ class OtelTelemetry(Sink):
         return [Observation(snap.batch_number, {"tensorwatch.rank": snap.rank})]
 
     def _observe_grad_scale(self, options: CallbackOptions) -> Iterable[Observation]:
-        _, scale, rank = self._grad_scale
+        scale, rank = self._steps.scale, self._steps.rank
         if scale is None or not self._finite(scale):
             return []
         return [Observation(scale, {"tensorwatch.rank": rank})]
 
     def _observe_streak(self, options: CallbackOptions) -> Iterable[Observation]:
-        if self._streak is None:
+        streak = self._steps.streak
+        if streak is None:
             return []
-        return [Observation(self._streak[0], {"tensorwatch.rank": self._streak[1]})]
+        return [Observation(streak[0], {"tensorwatch.rank": streak[1]})]

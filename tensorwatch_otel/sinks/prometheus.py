@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
-import math
 import os
 import socket
 import threading
@@ -29,8 +28,10 @@ from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, 
                            label_for_module)
 from ..core.rank import current_rank
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
-from ._base import Sink, utf8_text
+from ._base import Sink, StepTally, utf8_text
 from ._detail import DetailPolicy, detail_ranks_setting, detail_setting, summary_families
+from ._options import number_option
+from .catalogue import BY_KEY
 
 __all__ = ["PrometheusMetrics", "DEFAULT_MAX_SERIES", "DEFAULT_LINGER_S"]
 
@@ -45,23 +46,6 @@ ENV_LINGER = _env.ENV_PROMETHEUS_LINGER_SECONDS
 # Time left for the HTTP response to reach Prometheus after the collector produced it.
 _RESPONSE_GRACE_S = 0.5
 
-
-
-def _env_number(name: str, arg: str, value, default, cast, minimum):
-    """Argument, then environment variable, then default; a clear error names the option."""
-    source = arg
-    if value is None:
-        raw = os.environ.get(name, "").strip()
-        if not raw:
-            return default
-        value, source = raw, name
-    try:
-        number = cast(value)
-    except (TypeError, ValueError):
-        number = None
-    if number is None or not number >= minimum or not math.isfinite(number):  # no wait takes inf
-        raise ValueError(f"{source}={value!r}: expected a finite number >= {minimum}")
-    return number
 
 
 _MAX_PORT = 65535
@@ -154,8 +138,10 @@ class PrometheusMetrics(Sink):
         detail: Union[str, int, None] = None,
         detail_ranks: Union[str, Iterable[int], None] = None,
     ):
-        self.max_series = _env_number(ENV_MAX_SERIES, "max_series", max_series, DEFAULT_MAX_SERIES, int, 1)
-        self.linger_s = _env_number(ENV_LINGER, "linger_s", linger_s, DEFAULT_LINGER_S, float, 0.0)
+        self.max_series = number_option("max_series", max_series, ENV_MAX_SERIES, DEFAULT_MAX_SERIES,
+                                        minimum=1, integer=True)
+        # finite: no wait at exit takes an endless timeout
+        self.linger_s = number_option("linger_s", linger_s, ENV_LINGER, DEFAULT_LINGER_S, minimum=0.0)
         self._wanted = ModuleFilter(include, exclude)
         self.detail = detail_setting(detail)
         self.detail_ranks = detail_ranks_setting(detail_ranks)
@@ -168,12 +154,7 @@ class PrometheusMetrics(Sink):
         # (module, class, tensor, rank, first_rank) -> [count, trace id, time of the last detection]
         self._nonfinite: Dict[Tuple[str, str, str, int, int], list] = {}
         self._stopped: Dict[Tuple[str, str, str, int, int], int] = {}  # StoppedByRankEvents, same key
-        # optimizer steps skipped: SkippedStepEvents seen, and the core's count in BatchStats;
-        # the counter shows the larger, whichever of the two arrives first
-        self._skips = [0, 0]
-        self._streaks = 0  # SkipStreakEvents: max_skipped_steps reached
-        self._streak: Optional[int] = None  # length of the latest streak reported
-        self._grad_scale: Tuple[float, Optional[float]] = (-math.inf, None)  # (time, scale)
+        self._steps = StepTally(self._default_rank)  # skipped optimizer steps, streaks, loss scale
         self._lock = threading.Lock()
         self._scraped = threading.Condition(self._lock)
         self._scrapes = 0
@@ -243,25 +224,15 @@ class PrometheusMetrics(Sink):
 
     def on_batch(self, stats: BatchStats) -> None:
         self._window.add(stats)
-        if stats.steps_skipped > self._skips[1]:
-            self._skips[1] = stats.steps_skipped
-        if stats.grad_scale is not None:
-            self._set_scale(stats.time, stats.grad_scale)
-
-    def _set_scale(self, t: float, scale: Optional[float]) -> None:
-        if scale is not None and t >= self._grad_scale[0]:
-            self._grad_scale = (t, float(scale))
+        self._steps.on_batch(stats)
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
-            if isinstance(event, SkippedStepEvent):
-                self._skips[0] += 1
-            else:
-                with self._lock:  # may precede the exception that ends the run: linger for it
-                    self._streaks += 1
+            streak = isinstance(event, SkipStreakEvent)
+            with self._lock:
+                self._steps.on_skip(event, streak)
+                if streak:  # may precede the exception that ends the run: linger for it
                     self._unscraped_detection = True
-            self._streak = event.streak
-            self._set_scale(event.time, event.scale)
             return
         if not isinstance(event, (NonFiniteEvent, StoppedByRankEvent)):
             return
@@ -358,65 +329,43 @@ class PrometheusMetrics(Sink):
 
     def _families(self, snap: Optional[Snapshot], rank: int) -> List[Metric]:
         r = str(rank)
-        window = "the batches of the last window (TENSORWATCH_METRICS_WINDOW_SECONDS)"
-        amax = GaugeMetricFamily("tensorwatch_tensor_abs_max",
-                                 f"Largest absolute value of the tensor over {window}",
-                                 labels=("module", "module_class", "tensor", "rank"))
-        amin = GaugeMetricFamily("tensorwatch_tensor_abs_min",
-                                 f"Smallest absolute value of the tensor over {window}",
-                                 labels=("module", "module_class", "tensor", "rank"))
-        used = GaugeMetricFamily("tensorwatch_tensor_range_used_ratio",
-                                 f"abs max divided by the largest finite value of the tensor's dtype, "
-                                 f"largest over {window}",
-                                 labels=("module", "module_class", "tensor", "dtype", "rank"))
-        nf_labels = ("module", "module_class", "tensor", "rank", "first_rank")
-        nonfinite = CounterMetricFamily("tensorwatch_nonfinite_events",
-                                        "inf/nan detections, labelled with the first module and tensor "
-                                        "where one appeared and the rank that detected first "
-                                        "(exemplar: the detection span's trace_id)", labels=nf_labels)
-        stopped_f = CounterMetricFamily("tensorwatch_stopped_by_rank_events", "Stops of this rank because "
-                                        "first_rank detected inf/nan first (in module, tensor)", labels=nf_labels)
-        batches_f = CounterMetricFamily("tensorwatch_batches", "Watched batches", labels=("rank",))
-        number = GaugeMetricFamily("tensorwatch_batch_number", "Number of the last watched batch (0-based)",
-                                   labels=("rank",))
-        dropped_f = GaugeMetricFamily("tensorwatch_series_dropped",
-                                      "(module, tensor) pairs of the last batch left out by max_series",
-                                      labels=("rank",))
-        skipped_f = CounterMetricFamily("tensorwatch_optimizer_steps_skipped",
-                                        "Optimizer steps skipped because the gradients held inf/nan",
-                                        labels=("rank",))
-        scale_f = GaugeMetricFamily("tensorwatch_grad_scale", "The gradient scaler's loss scale",
-                                    labels=("rank",))
-        streaks_f = CounterMetricFamily("tensorwatch_optimizer_skip_streaks",
-                                        "Times max_skipped_steps optimizer steps in a row were skipped",
-                                        labels=("rank",))
-        streak_f = GaugeMetricFamily("tensorwatch_optimizer_skip_streak",
-                                     "Consecutive skipped optimizer steps, as of the latest skip reported",
-                                     labels=("rank",))
+        f = _family
+        amax, amin, used = f("abs_max"), f("abs_min"), f("range_used")
+        under, over = f("underflow"), f("overflow")
+        nonfinite, stopped_f = f("nonfinite"), f("stopped_by_rank")
+        batches_f, number, dropped_f = f("batches"), f("batch_number"), f("series_dropped")
+        skipped_f, scale_f, streaks_f, streak_f = f("steps_skipped"), f("grad_scale"), f("skip_streaks"), \
+            f("skip_streak")
         batches = 0
         rows, cutoff, hidden = ((), 0.0, 0) if snap is None else \
             self._policy.select(snap.rows, rank, self._detected)
         if snap is not None:
-            for module, cls, tensor, dtype, lo, hi, ru in rows:
+            for module, cls, tensor, dtype, lo, hi, ru, shares in rows:
                 labels = (module, cls, tensor, r)
                 amax.add_metric(labels, hi)
                 amin.add_metric(labels, lo)
                 if ru is not None:
                     used.add_metric((module, cls, tensor, dtype, r), ru)
+                for target, u, o in shares:
+                    if u is not None:
+                        under.add_metric((module, cls, tensor, target, r), u)
+                    if o is not None:
+                        over.add_metric((module, cls, tensor, target, r), o)
             dropped_f.add_metric((r,), snap.dropped)
             number.add_metric((r,), snap.batch_number)
             batches = snap.batches
         batches_f.add_metric((r,), batches)
-        skipped_f.add_metric((r,), max(self._skips))
-        streaks_f.add_metric((r,), self._streaks)
-        if self._streak is not None:
-            streak_f.add_metric((r,), self._streak)
-        scale = self._grad_scale[1]
-        if scale is not None:
-            scale_f.add_metric((r,), scale)
         with self._lock:
+            steps = self._steps
+            skipped, streaks, streak, scale = steps.skipped, steps.streaks, steps.streak, steps.scale
             counts = [(k, list(v)) for k, v in self._nonfinite.items()]
             stopped = list(self._stopped.items())
+        skipped_f.add_metric((r,), skipped)
+        streaks_f.add_metric((r,), streaks)
+        if streak is not None:
+            streak_f.add_metric((r,), streak[0])
+        if scale is not None:
+            scale_f.add_metric((r,), scale)
         for (module, cls, tensor, ev_rank, first), (n, trace_id, t) in counts:
             labels = (module, cls, tensor, str(ev_rank), str(first))
             if trace_id is not None and _COUNTER_EXEMPLARS:
@@ -425,5 +374,13 @@ class PrometheusMetrics(Sink):
                 nonfinite.add_metric(labels, n)
         for (module, cls, tensor, ev_rank, first), n in stopped:
             stopped_f.add_metric((module, cls, tensor, str(ev_rank), str(first)), n)
-        return [amax, amin, used, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f, scale_f,
-                streaks_f, streak_f] + summary_families(None if snap is None else snap.rows, r, cutoff, hidden)
+        return [amax, amin, used, under, over, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f,
+                scale_f, streaks_f, streak_f] + summary_families(None if snap is None else snap.rows, r, cutoff,
+                                                                 hidden)
+
+
+def _family(key: str) -> Metric:
+    """The catalogue's family for `key`, empty."""
+    s = BY_KEY[key]
+    cls = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily
+    return cls(s.prom, s.help, labels=s.labels)
