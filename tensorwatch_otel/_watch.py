@@ -35,8 +35,8 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     flush_timeout_s (TENSORWATCH_FLUSH_TIMEOUT_SECONDS, 5.0), optimizer_state
     (TENSORWATCH_OPTIMIZER_STATE, False), capture_dir (TENSORWATCH_CAPTURE_DIR, off),
     max_skipped_steps (TENSORWATCH_MAX_SKIPPED_STEPS, 20), rerun_on_detect
-    (TENSORWATCH_RERUN_ON_DETECT, False), guard_steps (TENSORWATCH_GUARD_STEPS, True). An invalid value raises ConfigError (a ValueError)
-    naming the option or variable and the valid range.
+    (TENSORWATCH_RERUN_ON_DETECT, False), guard_steps (TENSORWATCH_GUARD_STEPS, True). An invalid
+    value raises ConfigError (a ValueError) naming the option or variable and the valid range.
 
     Statistics stay on the device and come back in one transfer per batch (`check="batch"`);
     `check="module"` reads back after every module call (exact and immediate, slower).
