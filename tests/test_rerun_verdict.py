@@ -114,10 +114,10 @@ def _held(x: torch.Tensor) -> BatchCapture:
     return held
 
 
-@pytest.mark.parametrize("how", ["watch-compiled", "compile-in-place", "compiled-after-watch"])
+@pytest.mark.parametrize("how", ["watch-compiled", "compile-in-place", "compiled-after-watch", "compiled-block"])
 @pytest.mark.parametrize("middle, verdict", [(Miscompiled, "compiler"), (nn.ReLU, "model")])
 def test_the_verdict_holds_for_every_way_of_compiling(how, middle, verdict):
-    """The replays themselves, for the three ways of compiling a watched model: the compiled
+    """The replays themselves, for the ways of compiling a watched model: the compiled
     replay runs the callable the user runs, the eager one the model with every compile ignored."""
     torch._dynamo.reset()
     net = _net(middle(), bad_weight=verdict == "model")
@@ -126,6 +126,9 @@ def test_the_verdict_holds_for_every_way_of_compiling(how, middle, verdict):
         watched = user = torch.compile(net, backend="eager")
     elif how == "compile-in-place":
         net.compile(backend="eager")
+        watched = user = net
+    elif how == "compiled-block":  # each block compiled on its own (torchtitan's way)
+        net[1] = torch.compile(net[1], backend="eager")
         watched = user = net
     else:
         watched, user = net, torch.compile(net, backend="eager")
