@@ -164,7 +164,7 @@ class Prometheus:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError("prometheus did not start; see " + workdir)
+                    raise RuntimeError("prometheus did not start; see " + workdir) from None
                 time.sleep(0.1)
 
     def own(self) -> Dict[str, float]:
@@ -254,7 +254,8 @@ def measure(prom: Prometheus, n: int, baseline: Dict[str, float]) -> dict:
     heap = own["go_memstats_heap_inuse_bytes"] - baseline["go_memstats_heap_inuse_bytes"]
     return {"endpoints": n, "head_series": int(head), "series_per_endpoint": round(head / n, 1),
             "samples_per_scrape": spread(samples, 0), "scrape_duration_s": spread(durations),
-            "rss_bytes": int(own["process_resident_memory_bytes"]), "heap_inuse_bytes": int(own["go_memstats_heap_inuse_bytes"]),
+            "rss_bytes": int(own["process_resident_memory_bytes"]),
+            "heap_inuse_bytes": int(own["go_memstats_heap_inuse_bytes"]),
             "rss_bytes_per_series": round(rss / head, 1), "heap_bytes_per_series": round(heap / head, 1)}
 
 
@@ -395,7 +396,8 @@ def extrapolate(result: dict, pairs: int, args) -> dict:
         out[str(ranks)] = {"all_series": round(ranks * per_rank_all),
                            "all_heap_gib": round(ranks * per_rank_all * bps / 2**30, 1),
                            "fleet_series": fleet, "fleet_heap_gib": round(fleet * bps / 2**30, 2),
-                           "samples_per_s_all": round(ranks * per_rank_all / 15), "samples_per_s_fleet": round(fleet / 15)}
+                           "samples_per_s_all": round(ranks * per_rank_all / 15),
+                           "samples_per_s_fleet": round(fleet / 15)}
     return out
 
 

@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     variants = make_variants(base, ids, labels, names)
     print(f"model: T5-shaped, {n_modules} modules, batch {tuple(ids.shape)}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
-    for name, run in variants.items():
+    for run in variants.values():
         run(args.warmup)
     result = {"model_modules": n_modules, "batch": list(ids.shape), "rounds": args.rounds,
               "steps_per_round": args.steps,

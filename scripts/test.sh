@@ -15,5 +15,9 @@ fi
 echo "== installing tensorwatch-otel with test extras (pinned by constraints.txt)"
 python3 -m pip install -q -c constraints.txt -e '.[test]'
 
+echo "== lint (ruff) and type check (mypy, strict on tensorwatch_otel/core; see pyproject.toml)"
+python3 -m ruff check .
+python3 -m mypy
+
 echo "== running tests"
 python3 -m pytest "$@"

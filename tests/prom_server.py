@@ -70,7 +70,7 @@ class _ManagedProcess:
 
     def start(self) -> "_ManagedProcess":
         last_error = ""
-        for attempt in range(_START_ATTEMPTS):
+        for _ in range(_START_ATTEMPTS):
             port = free_port()
             workdir = self._tmp_path / f"{self.name}-{port}"
             workdir.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ def test_fused_adamw_with_grad_scaler_healthy_steps_are_taken():
     sink = Collect()
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     with watch(model, sinks=[sink], grad_scaler=scaler) as w:
-        for i in range(3):
+        for _ in range(3):
             out = model(x)
             loss = F.mse_loss(out, y)
             scaler.scale(loss).backward()

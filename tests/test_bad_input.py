@@ -40,5 +40,6 @@ def test_max_frames_at_the_limit_is_accepted():
 
 def test_max_frames_from_the_environment_above_the_limit(monkeypatch):
     monkeypatch.setenv("TENSORWATCH_MAX_FRAMES", str(10**9))
-    with pytest.raises(ConfigError, match=r"^TENSORWATCH_MAX_FRAMES='1000000000': expected an integer from 1 to 100000"):
+    with pytest.raises(ConfigError,
+                       match=r"^TENSORWATCH_MAX_FRAMES='1000000000': expected an integer from 1 to 100000"):
         WatchConfig.build()  # max_frames left at None: the variable decides

@@ -83,7 +83,7 @@ def test_capture_written_on_detection_and_replayed_into_a_detection(tmp_path):
     cap.restore_rng()
     assert torch.equal(torch.get_rng_state(), rng_at_start)
     # the replay recipe: same weights, restored RNG, check="module": the same place again
-    with watch(model, sinks=[Collect()], check="module") as w2:
+    with watch(model, sinks=[Collect()], check="module"):
         with pytest.raises(NonFiniteDetected) as again:
             model(*cap.args, **cap.kwargs)
     assert (again.value.event.module, again.value.event.tensor) == (ev.module, ev.tensor)

@@ -529,11 +529,11 @@ def test_dashboard_shape(path):
     nonfinite = [p for p, t in _dashboard_targets(dash) if "tensorwatch_nonfinite_events_total" in t.get("expr", "")]
     assert nonfinite and any("by (rank)" in t["expr"] for p, t in _dashboard_targets(dash)
                              if "nonfinite" in t.get("expr", ""))
-    links = [l["url"] for p in nonfinite for l in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])]
+    links = [link["url"] for p in nonfinite for link in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])]
     assert any("tensorwatch.nonfinite_detected" in u for u in links), "no link to the spans in Jaeger"
     # Metric -> trace through exemplars (trace_id), not hard-coded host URLs.
     assert "localhost" not in text and "16686" not in text
-    assert all(u.startswith("/") for u in links + [l["url"] for l in dash.get("links", [])])
+    assert all(u.startswith("/") for u in links + [link["url"] for link in dash.get("links", [])])
     assert any(t.get("exemplar") for p, t in _dashboard_targets(dash)
                if "tensorwatch_nonfinite_events_total" in t.get("expr", "")), "no exemplar query"
     assert any("first_rank" in t.get("expr", "") and "by (first_rank)" in t["expr"]

@@ -314,8 +314,8 @@ def test_detect_overflow_lines_and_result():
     ]
     texts = []
     for t, ctx in cases:
-        (pt, pe), (ot, oe) = capture(lambda: debug_utils.detect_overflow(t, ctx)), \
-            capture(lambda: tw.detect_overflow(t, ctx))
+        (pt, pe), (ot, oe) = capture(lambda t=t, ctx=ctx: debug_utils.detect_overflow(t, ctx)), \
+            capture(lambda t=t, ctx=ctx: tw.detect_overflow(t, ctx))
         assert pe is None and oe is None
         assert ot == pt
         assert tw.detect_overflow(t, ctx) == debug_utils.detect_overflow(t, ctx)

@@ -529,7 +529,8 @@ def test_opentelemetry_instrument_run_exports_once_under_the_applications_resour
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=r.http_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
                    OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="otlp", OTEL_LOGS_EXPORTER="none",
                    OTEL_SERVICE_NAME="instrumented-app", OTEL_RESOURCE_ATTRIBUTES="service.instance.id=app-7")
-        proc = subprocess.run(["opentelemetry-instrument", sys.executable, "-c", _INSTRUMENTED_SCRIPT.format(tests=TESTS)],
+        script = _INSTRUMENTED_SCRIPT.format(tests=TESTS)
+        proc = subprocess.run(["opentelemetry-instrument", sys.executable, "-c", script],
                               env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "RAISED" in proc.stdout and "'OtelTelemetry'" in proc.stdout

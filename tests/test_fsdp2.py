@@ -73,7 +73,8 @@ def test_fsdp2_inf_in_one_ranks_shard_is_that_ranks_weight(tmp_path):
 def test_fsdp2_inf_gradient_is_named_by_the_step_guard_whenever_watch_ran(tmp_path, watch_first):
     # watch() before fully_shard: the DTensor parameters fully_shard made are found again, so the
     # step guard covers the optimizer built on them, as it does when watch() comes after
-    args = ["--mode", "fsdp2", "--inject", "grad", "--bad", "1", "--at", "3"] + (["--watch-first"] if watch_first else [])
+    args = ["--mode", "fsdp2", "--inject", "grad", "--bad", "1", "--at", "3"]
+    args += ["--watch-first"] if watch_first else []
     proc, results, _ = launch(tmp_path, 2, *args)
     for res in results.values():
         assert (res["event"], res["module"], res["tensor"], res["kind"], res["batch_number"]) == \

@@ -159,7 +159,8 @@ def test_schema_exactly(tmp_path, capsys):
     # the JSON carries the same numbers as the events, to the last bit
     for fd, fe in zip(trace["frames"], events[0].frames):
         for td, te in zip(fd["tensors"], fe.tensors):
-            assert (td["name"], td["abs_min"], td["abs_max"], td["dtype"]) == (te.name, te.abs_min, te.abs_max, te.dtype)
+            assert (td["name"], td["abs_min"], td["abs_max"], td["dtype"]) == \
+                (te.name, te.abs_min, te.abs_max, te.dtype)
     assert (inf["module"], inf["module_class"], inf["tensor"], inf["kind"]) == ("bad", "Blow", "output", "inf")
     assert inf["first_rank"] == 0 and inf["trace_id"] == events[1].trace_id
     assert nan["trace_id"] != inf["trace_id"]  # one trace per detection

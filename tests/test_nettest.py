@@ -11,7 +11,8 @@ from _diag_launch import OtlpReceiver, attrs, torchrun
 from tensorwatch_otel.cli import main
 from tensorwatch_otel.diagnostics import _nettest_faults, _nettest_rank, _nettest_report
 
-LINE = re.compile(r"^\[(?P<host>[^\]]+)-(?P<local>\d+|\?)\] rank (?P<rank>\d+)/(?P<ws>\d+) (?P<status>OK|broken)  (?P<rest>.*)$")
+LINE = re.compile(r"^\[(?P<host>[^\]]+)-(?P<local>\d+|\?)\] rank (?P<rank>\d+)/(?P<ws>\d+) "
+                  r"(?P<status>OK|broken)  (?P<rest>.*)$")
 
 
 def rank_lines(stdout: str) -> dict:
@@ -46,7 +47,8 @@ def test_two_ranks_pass_and_export_one_span_per_rank():
         spans = [s for s in otlp.spans() if s.name == "tensorwatch.nettest"]
         by_rank = {attrs(s.attributes)["tensorwatch.rank"]: attrs(s.attributes) for s in spans}
         assert sorted(by_rank) == [0, 1]
-        assert all(a["tensorwatch.nettest.status"] == "ok" and a["tensorwatch.world_size"] == 2 for a in by_rank.values())
+        assert all(a["tensorwatch.nettest.status"] == "ok" and a["tensorwatch.world_size"] == 2
+                   for a in by_rank.values())
         points = otlp.gauge_points("tensorwatch.nettest.busbw")
         seen = {(attrs(p.attributes)["tensorwatch.rank"], attrs(p.attributes)["tensorwatch.nettest.message_size"])
                 for p in points}

@@ -135,7 +135,7 @@ def test_weights_live_after_every_optimizer_step(fused):
     sink = Collect()
     stale = 0
     with watch(model, sinks=[sink]):
-        for i in range(10):
+        for _ in range(10):
             live = amm(model.a.weight)
             model(torch.randn(4, 8)).square().sum().backward()
             opt.step()

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from . import naming
 from .record import ModuleInfo, Record
-from .stats import measure
+from .stats import Pair, measure
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ class BackwardRecorder:
         self._rec: Optional[Record] = None
         self._owners: List[Optional[torch.Tensor]] = []
         self._gids: List[int] = []  # id of the gradient tensor behind each frame
-        self._seen: Dict[int, tuple] = {}  # id(grad) -> (weakref, stats, dtype): one tensor, one measurement
+        # id(grad) -> (weakref, stats, dtype): one tensor, one measurement
+        self._seen: Dict[int, Tuple[weakref.ref[torch.Tensor], Pair, torch.dtype]] = {}
 
     def _record(self) -> Record:
         rec = self._rec
@@ -48,7 +49,7 @@ class BackwardRecorder:
 
     def _frame(self, info: ModuleInfo, name: str, g: torch.Tensor, owner: Optional[torch.Tensor]) -> None:
         rec = self._record()
-        items: list = []
+        items: List[Union[str, Tuple[str, str]]] = []
         start = len(rec.dtypes)
         seen = self._seen.get(id(g))
         if seen is not None and seen[0]() is g:
@@ -57,14 +58,14 @@ class BackwardRecorder:
             items.append(name)
         else:
             r = measure(g)
-            if r.__class__ is str:
+            if type(r) is str:
                 items.append((name, r))
-            else:
-                rec.stats += r
+            else:  # a Pair (no isinstance narrowing on this path: it runs per gradient)
+                rec.stats += r  # type: ignore[arg-type]
                 rec.dtypes.append(g.dtype)
                 items.append(name)
                 try:
-                    self._seen[id(g)] = (weakref.ref(g), r, g.dtype)
+                    self._seen[id(g)] = (weakref.ref(g), r, g.dtype)  # type: ignore[assignment]
                 except TypeError:
                     pass
         rec.frames.append((info, items, start))
@@ -72,8 +73,8 @@ class BackwardRecorder:
         self._gids.append(id(g))
 
     # ------------------------------------------------------------------ parameter gradients
-    def param_hook(self, info: ModuleInfo, name: str):
-        def hook(p):
+    def param_hook(self, info: ModuleInfo, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
             if not self._watches():
                 return
             g = p.grad
@@ -87,7 +88,7 @@ class BackwardRecorder:
         return hook
 
     # ------------------------------------------------------------------ activation gradients
-    def hook_activations(self, info: ModuleInfo, args, output) -> None:
+    def hook_activations(self, info: ModuleInfo, args: Tuple[Any, ...], output: Any) -> None:
         """In a module's forward hook: hook the gradients of its outputs and inputs."""
         for name, t in _tensors(output, "output"):
             self._hook_tensor(info, name + ".grad", t)
@@ -99,7 +100,7 @@ class BackwardRecorder:
         if not t.requires_grad:
             return
 
-        def hook(g):
+        def hook(g: Optional[torch.Tensor]) -> None:
             if g is not None:
                 try:
                     with torch.no_grad():
@@ -137,7 +138,7 @@ def producer_frame(rec: Record, fi: int, gids: List[int]) -> int:
     return fi
 
 
-def _tensors(v, name: str):
+def _tensors(v: Any, name: str) -> Iterator[Tuple[str, torch.Tensor]]:
     """Top-level tensors of an output value: a tensor, a tuple/list, a dict or ModelOutput."""
     if isinstance(v, torch.Tensor):
         yield name, v

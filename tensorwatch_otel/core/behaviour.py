@@ -3,6 +3,8 @@ tensorwatch_otel's own; integrations/debug_utils.py passes the transformers.debu
 
 from __future__ import annotations
 
+from typing import AbstractSet, Any, Dict, Tuple
+
 from .events import NonFiniteEvent
 from .record import ModuleInfo, Record
 from .recorder import FrameRecorder
@@ -17,10 +19,11 @@ class Behaviour:
     #: a module called outside the root's forward ends a batch when the outermost call ends
     outermost_call_ends_batch = True
 
-    def record(self, recorder: FrameRecorder, rec: Record, info: ModuleInfo, args, kwargs, output) -> None:
+    def record(self, recorder: FrameRecorder, rec: Record, info: ModuleInfo, args: Tuple[Any, ...],
+               kwargs: Dict[str, Any], output: Any) -> None:
         recorder.frame(rec, info, args, kwargs, output)
 
-    def ring_stops_at(self, rec: Record, trace_batches) -> bool:
+    def ring_stops_at(self, rec: Record, trace_batches: AbstractSet[int]) -> bool:
         """True when a detection ring must not reach into the finished record `rec`."""
         return False
 

@@ -10,7 +10,7 @@ import logging
 import os
 import pickle
 from collections.abc import Mapping
-from typing import Any, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -21,8 +21,8 @@ MAX_BYTES = 2 << 30  # a batch larger than this is not written (said once)
 FORMAT = "tensorwatch_otel.capture/1"
 
 
-def _rng_states() -> dict:
-    states = {"cpu": torch.get_rng_state()}
+def _rng_states() -> Dict[str, Any]:
+    states: Dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
@@ -39,7 +39,7 @@ _MAX_DEPTH = 32
 _CHANGED = " (changed in place by the forward)"
 
 
-def _safe(v: Any, where: str, skipped: list, depth: int = 0) -> Any:
+def _safe(v: Any, where: str, skipped: List[str], depth: int = 0) -> Any:
     """`v` as a capture holds it: tensors on the CPU, namedtuples as tuples, mappings as dicts;
     what cannot be held safely becomes None and is listed in `skipped`."""
     if isinstance(v, torch.Tensor):
@@ -79,7 +79,7 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _rebuild(v: Any, shape: str, items: list) -> Any:
+def _rebuild(v: Any, shape: str, items: List[Any]) -> Any:
     if shape == "list":
         return items
     if shape == "tuple":
@@ -87,7 +87,7 @@ def _rebuild(v: Any, shape: str, items: list) -> Any:
     return type(v)(*items)
 
 
-def _skeleton(v: Any, versions: list, depth: int = 0) -> Any:
+def _skeleton(v: Any, versions: List[int], depth: int = 0) -> Any:
     """`v` with its lists, tuples and dicts copied (a forward that appends to a list the caller
     passed does not change what is held) and its tensors by reference, each one's version
     appended to `versions` (a forward that writes a tensor in place is seen at the replay).
@@ -103,7 +103,7 @@ def _skeleton(v: Any, versions: list, depth: int = 0) -> Any:
     return _rebuild(v, shape, [_skeleton(x, versions, depth + 1) for x in v])
 
 
-def _unchanged(v: Any, versions, where: str, problems: list, depth: int = 0) -> None:
+def _unchanged(v: Any, versions: Iterator[int], where: str, problems: List[str], depth: int = 0) -> None:
     """Walk a skeleton as _skeleton did: name each tensor whose version moved since it was held,
     and each object a replay could change and not give back (anything but tensors, plain values
     and the containers _skeleton copies)."""
@@ -147,21 +147,22 @@ def _nbytes(v: Any) -> int:
 class BatchCapture:
     """Holds the current batch's inputs (references) and RNG states; writes them on demand."""
 
-    def __init__(self, directory: str, rank: int):
+    def __init__(self, directory: str, rank: int) -> None:
         self.directory = directory
         self.rank = rank
         self.written = 0
-        self._args = self._kwargs = None
-        self._versions: list = []
-        self._rng: Optional[dict] = None
+        self._args: Any = None
+        self._kwargs: Any = None
+        self._versions: Optional[List[int]] = []
+        self._rng: Optional[Dict[str, Any]] = None
         self._batch = -1
         self._said = False
         self._said_skipped = False
         self.replays_skipped = 0
 
-    def hold(self, batch_number: int, args, kwargs) -> None:
+    def hold(self, batch_number: int, args: Any, kwargs: Any) -> None:
         self._batch = batch_number
-        versions: list = []
+        versions: List[int] = []
         try:
             self._args, self._kwargs = _skeleton(args, versions), _skeleton(kwargs, versions)
             self._versions = versions
@@ -170,7 +171,7 @@ class BatchCapture:
             log.debug("tensorwatch_otel: inputs held as they are (%s: %s)", type(exc).__name__, exc)
         self._rng = _rng_states()
 
-    def held(self, batch_number: int):
+    def held(self, batch_number: int) -> Tuple[Any, Any, Optional[Dict[str, Any]]]:
         """(args, kwargs, rng states) held for `batch_number`, or (None, None, None)."""
         if self._batch != batch_number:
             return None, None, None
@@ -184,7 +185,7 @@ class BatchCapture:
             return []
         if self._versions is None:
             return ["the inputs (a container that could not be copied)"]
-        problems: list = []
+        problems: List[str] = []
         versions = iter(self._versions)
         _unchanged(tuple(self._args or ()), versions, "args", problems)
         _unchanged(dict(self._kwargs or {}), versions, "kwargs", problems)
@@ -195,7 +196,7 @@ class BatchCapture:
         self.replays_skipped += 1
         return self.replays_skipped
 
-    def replay_inputs(self, batch_number: int):
+    def replay_inputs(self, batch_number: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """Copies of the held (args, kwargs) of `batch_number` for a replay to consume."""
         return _replay_copy(tuple(self._args or ())), _replay_copy(dict(self._kwargs or {}))
 
@@ -213,7 +214,7 @@ class BatchCapture:
             os.makedirs(self.directory, exist_ok=True)
             path = os.path.join(self.directory, f"capture-rank{self.rank}-batch{batch_number}.pt")
             tmp = path + ".tmp"
-            skipped: list = []
+            skipped: List[str] = []
             args = _safe(tuple(self._args or ()), "args", skipped)
             kwargs = _safe(dict(self._kwargs or {}), "kwargs", skipped)
             torch.save({"format": FORMAT, "batch_number": batch_number, "rank": self.rank, "args": args,
@@ -242,7 +243,7 @@ class Capture:
     `.not_captured`: the inputs written as None because a capture cannot hold them safely
     (`"kwargs['past_key_values']: DynamicCache"`)."""
 
-    def __init__(self, data: dict):
+    def __init__(self, data: Dict[str, Any]) -> None:
         self.args = tuple(data.get("args") or ())
         self.kwargs = dict(data.get("kwargs") or {})
         self.batch_number = int(data["batch_number"])

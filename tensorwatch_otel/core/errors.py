@@ -3,7 +3,7 @@ transformers.debug_utils peer raises)."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 from .events import NonFiniteEvent, StoppedByRankEvent
 
@@ -23,7 +23,7 @@ class NonFiniteDetected(ValueError):
         super().__init__(message)
         self.event = event
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[Any, ...]:
         return type(self), (str(self.args[0]) if self.args else "", self.event), self.__dict__
 
 

@@ -50,13 +50,17 @@ import struct
 import tempfile
 import time
 import weakref
-from typing import Callable, Optional, Tuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Dict, Literal, Optional, Tuple, Union
 
 import torch
 
 from .errors import NonFiniteDetected
 from .events import NonFiniteEvent, StoppedByRankEvent
 from .rank import current_rank
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +71,10 @@ NODE_KEY = "tensorwatch_otel/fleet_node"
 #: how long a rank waits for its node's leader (the file at first, then each answer)
 NODE_WAIT_S = 30.0
 
+Published = Dict[str, Any]  # a published detection: rank, batch_number, phase, module, ...
 
-def _dist():
+
+def _dist() -> Optional[ModuleType]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist
@@ -97,14 +103,14 @@ class FleetStop:
         self._batch_number = batch_number
         self._model = model
         self._pending: Optional[NonFiniteDetected] = None  # own detection, raised at the stop point
-        self._first: Optional[dict] = None  # the published record (first rank's), once known
+        self._first: Optional[Published] = None  # the published record (first rank's), once known
         self._done = False  # this watcher has raised its stop
         self._stops = stops
         self._failed = False  # the store failed once: back to raising at once
         self._stepped = False  # an optimizer step was polled since the last batch start
         self._unsynced = False  # the last batch ran DDP's backward without its all-reduce
         self._synced = False  # the last batch ran DDP's backward with its all-reduce
-        self._node: Optional[object] = None  # NodeShare; False: none (this rank asks the store)
+        self._node: Union[None, Literal[False], NodeShare] = None  # False: none (this rank asks the store)
         self.polls = 0  # store checks made (for tests and measurements)
         self.requests = 0  # store requests of any kind (check, get, compare_set, set, wait)
         self.node_reads = 0  # answers read from the node's leader instead of the store
@@ -128,11 +134,12 @@ class FleetStop:
         try:
             self.requests += 1
             got = _store().compare_set(STORE_KEY, "", payload)
-            self._learned(mine if got == payload.encode() else json.loads(got))
+            first: Published = mine if got == payload.encode() else json.loads(got)
+            self._learned(first)
         except Exception as exc:  # no usable store: this rank stops alone, as without a fleet
             self._store_failed(exc)
             return event
-        return _with_first(event, self._first["rank"])
+        return _with_first(event, first["rank"])
 
     def defer(self, exc: NonFiniteDetected, replicated: bool = False) -> bool:
         """Hold `exc` until the stop point; False when it must be raised now. `replicated`: every
@@ -180,9 +187,11 @@ class FleetStop:
                 return
             if self._pending is not None:
                 self._raise(self._pending)
-            if self._first is not None or (not self._failed and _dist() is not None
-                                           and self._ask_store(None) is not None):
-                self._stop(self._first, self._batch_number())
+            first = self._first
+            if first is None and not self._failed and _dist() is not None:
+                first = self._ask_store(None)  # the published record, once learned
+            if first is not None:
+                self._stop(first, self._batch_number())
         finally:
             if self._node:
                 self._node.leave()  # a leader's node asks the store itself from now on
@@ -211,18 +220,19 @@ class FleetStop:
         micro-batches, and anything not seen to be DDP."""
         return self._synced and self._stops and not self._failed and _dist() is not None
 
-    def _active_ddp(self):
+    def _active_ddp(self) -> Optional[torch.nn.Module]:
         """The DistributedDataParallel module whose backward this batch runs, if any."""
         if not torch.is_grad_enabled():
             return None
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ddp = getattr(DDP, "_active_ddp_module", None)  # set while a DDP forward runs its module
+        # set while a DDP forward runs its module
+        ddp: Optional[torch.nn.Module] = getattr(DDP, "_active_ddp_module", None)
         if ddp is None and isinstance(self._model, DDP):  # the watched root is the DDP wrapper
             ddp = self._model
         return ddp
 
-    def _stop(self, first: dict, batch: int) -> None:
+    def _stop(self, first: Published, batch: int) -> None:
         """Raise the stop another rank published, after recording it."""
         event = StoppedByRankEvent(
             batch_number=first["batch_number"], rank=current_rank(), first_rank=first["rank"],
@@ -232,7 +242,7 @@ class FleetStop:
         self._raise(NonFiniteDetected(stopped_message(event), event))
 
     # ------------------------------------------------------------------ asking
-    def _poll(self, point: int) -> Optional[dict]:
+    def _poll(self, point: int) -> Optional[Published]:
         """What was published before safe point `point`: from the node's leader, else the store."""
         node = self._node_share()
         if node is not None and not node.leader:
@@ -250,7 +260,7 @@ class FleetStop:
             self._node = False  # the leader does not answer: ask the store (logged by read)
         return self._ask_store(point)
 
-    def _ask_store(self, point: Optional[int]) -> Optional[dict]:
+    def _ask_store(self, point: Optional[int]) -> Optional[Published]:
         node = self._node if self._node and self._node.leader else None
         self.polls += 1
         try:
@@ -267,7 +277,7 @@ class FleetStop:
             return None
         return self._first
 
-    def _learned(self, first: dict) -> None:
+    def _learned(self, first: Published) -> None:
         self._first = first
         node = self._node_share() if self._stops else None
         if node is not None and node.leader:
@@ -310,7 +320,7 @@ _opened = itertools.count()  # node files this process opened: the same sequence
 class NodeShare:
     """A node-local channel from the node's leader (local rank 0) to its other ranks."""
 
-    def __init__(self, mm: mmap.mmap, leader: bool, path: str):
+    def __init__(self, mm: mmap.mmap, leader: bool, path: str) -> None:
         self._mm = mm
         self.leader = leader
         self.path = path
@@ -359,7 +369,7 @@ class NodeShare:
         """Nothing was published before `point`."""
         struct.pack_into("<q", self._mm, 0, point)
 
-    def stop(self, first: dict) -> None:
+    def stop(self, first: Published) -> None:
         data = json.dumps(first, separators=(",", ":")).encode()[:_SIZE - 24]
         self._mm[24:24 + len(data)] = data
         struct.pack_into("<q", self._mm, 16, len(data))
@@ -372,7 +382,7 @@ class NodeShare:
             _leave(self._mm)
 
     # the other ranks
-    def read(self, point: int, timeout: float) -> Optional[Tuple[int, Optional[dict]]]:
+    def read(self, point: int, timeout: float) -> Optional[Tuple[int, Optional[Published]]]:
         """(point, record or None) once the leader answered `point` or published a stop; None when
         the leader is gone or did not answer within `timeout` seconds."""
         mm = self._mm
@@ -418,7 +428,7 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _store():
+def _store() -> Store:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import TYPE_CHECKING, Dict, Tuple
+
+if TYPE_CHECKING:
+    import torch
 
 INPUT_NAMES = tuple(f"input[{i}]" for i in range(64))
 OUTPUT_NAMES = tuple(f"output[{i}]" for i in range(64))
@@ -21,7 +24,7 @@ WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_mo
 ROOT_WRAPPERS = ("DistributedDataParallel", "DataParallel", "OptimizedModule", "FullyShardedDataParallel")
 
 
-def unwrap_root(model):
+def unwrap_root(model: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside the root wrappers (DDP, DataParallel, torch.compile, FSDP1)."""
     seen = 0
     while type(model).__name__ in ROOT_WRAPPERS and seen < 8:
@@ -56,7 +59,7 @@ def output_nested(i: int, j: int) -> str:
     return OUTPUT_NESTED[i][j] if i < 16 and j < 16 else f"output[{i}][{j}]"
 
 
-def child(parent: str, key) -> str:
+def child(parent: str, key: object) -> str:
     """`parent[key]` for an int key, `parent.key` otherwise (cached)."""
     k = (parent, key)
     name = _child_cache.get(k)
@@ -67,7 +70,7 @@ def child(parent: str, key) -> str:
     return name
 
 
-def dataclass_fields(obj) -> Tuple[str, ...]:
+def dataclass_fields(obj: object) -> Tuple[str, ...]:
     """Field names of a dataclass instance (cached per type); () for anything else."""
     tp = type(obj)
     names = _dataclass_fields.get(tp)
@@ -78,7 +81,7 @@ def dataclass_fields(obj) -> Tuple[str, ...]:
     return names
 
 
-def module_class_name(module) -> str:
+def module_class_name(module: object) -> str:
     """The class name users wrote: FSDP2's fully_shard() swaps a module's class for a generated
     `FSDP<Name>` subclass, which is skipped here (`FSDPLinear` reports as `Linear`)."""
     cls = type(module)

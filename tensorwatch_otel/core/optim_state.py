@@ -7,17 +7,22 @@ silently stops learning; this is where that shows. Owners come from the watcher'
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, List, Tuple, Union
+
 import torch
 
 from .record import Record
 from .stats import measure
 
+if TYPE_CHECKING:
+    from .attach import ParamIndex
+
 
 class OptimizerStateReader:
-    def __init__(self, index):
+    def __init__(self, index: ParamIndex) -> None:
         self._owner = index.owner  # param -> (module info, parameter name) or None
 
-    def record(self, optimizer, batch_number: int) -> Record:
+    def record(self, optimizer: torch.optim.Optimizer, batch_number: int) -> Record:
         """One frame per parameter with state, in the optimizer's parameter order."""
         rec = Record(batch_number, phase="optimizer")
         state = optimizer.state
@@ -26,10 +31,10 @@ class OptimizerStateReader:
                 for p in group["params"]:
                     owner = self._owner(p)
                     st = state.get(p) if owner is not None else None
-                    if not st:
+                    if owner is None or not st:
                         continue
                     info, pname = owner
-                    items: list = []
+                    items: List[Union[str, Tuple[str, str]]] = []
                     start = len(rec.dtypes)
                     for key, v in st.items():
                         # the step counter is a scalar, not a statistic of the parameter
@@ -37,10 +42,10 @@ class OptimizerStateReader:
                             continue
                         r = measure(v)
                         name = f"{pname}.{key}"
-                        if r.__class__ is str:
+                        if type(r) is str:
                             items.append((name, r))
                             continue
-                        rec.stats += r
+                        rec.stats += r  # type: ignore[arg-type]  # a Pair: not a str
                         rec.dtypes.append(v.dtype)
                         items.append(name)
                     if items:

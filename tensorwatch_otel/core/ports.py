@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Set
 
 from .events import BatchStats, Event
 
@@ -48,11 +48,11 @@ class SinkFanout:
         self.sinks: List[Sink] = list(sinks)
         self.strict = strict
         self.failures: Dict[str, int] = {}
-        self._logged: set = set()
+        self._logged: Set[str] = set()
         self._lock = threading.Lock()
         self.wants_batches = any(getattr(s, "wants_batches", False) for s in self.sinks)
 
-    def _call(self, sink: Sink, method: str, *args) -> None:
+    def _call(self, sink: Sink, method: str, *args: Any) -> None:
         try:
             getattr(sink, method)(*args)
         except Exception as exc:  # a sink must never break training

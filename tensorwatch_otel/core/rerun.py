@@ -13,7 +13,7 @@ import logging
 import socket
 import sys
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,8 @@ VERDICT_TRANSIENT = "transient"
 _OPTIMIZED = "OptimizedModule"  # torch.compile's module wrapper (torch._dynamo is imported only when used)
 
 MakeWatcher = Callable[[torch.nn.Module, Sink], Any]
+Args = Tuple[Any, ...]
+Kwargs = Dict[str, Any]
 
 
 class FirstNonFinite(Sink):
@@ -84,7 +86,7 @@ def rerun_verdict(watched: torch.nn.Module, held: BatchCapture, batch_number: in
         return None, None
     grad = torch.is_grad_enabled()  # the detecting forward's mode: the compiled graph depends on it
 
-    def eager(args: tuple, kwargs: dict) -> Any:
+    def eager(args: Args, kwargs: Kwargs) -> Any:
         with torch.compiler.set_stance("force_eager"):
             return model(*args, **kwargs)
 
@@ -106,8 +108,11 @@ def compiled_callable(watched: torch.nn.Module) -> Optional[Callable[..., Any]]:
     OptimizedModule that wraps the model (`torch.compile(model)` called after `watch(model)`),
     found by one pass over the interpreter's objects, at a detection only."""
     root = watched
-    while type(root).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(root, "module"):
-        root = root.module
+    while type(root).__name__ in ("DistributedDataParallel", "DataParallel"):
+        inner = getattr(root, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        root = inner
     if type(root).__name__ == _OPTIMIZED:
         return root
     if any(type(m).__name__ == _OPTIMIZED or getattr(m, "_compiled_call_impl", None) is not None
@@ -135,7 +140,7 @@ def _replayable(held: BatchCapture, batch_number: int) -> bool:
     return True
 
 
-def _replay(model: torch.nn.Module, held: BatchCapture, batch_number: int, run: Callable[[tuple, dict], Any],
+def _replay(model: torch.nn.Module, held: BatchCapture, batch_number: int, run: Callable[[Args, Kwargs], Any],
             make_watcher: Optional[MakeWatcher], grad: bool) -> Optional[Tuple[Optional[NonFiniteEvent], bool]]:
     """Runs `run(args, kwargs)` once on copies of the held inputs from the batch's start RNG
     state, `model`'s buffers and the RNG states restored after: (the first inf/nan a probe
@@ -192,7 +197,7 @@ def _holds_nonfinite(out: Any, depth: int = 0) -> bool:
     return False
 
 
-def _say_skipped(held: BatchCapture, batch_number: int, problems: list) -> None:
+def _say_skipped(held: BatchCapture, batch_number: int, problems: List[str]) -> None:
     """One warning per watcher (its capture holder); later skips at debug level."""
     level = logging.WARNING if held.replay_skipped() == 1 else logging.DEBUG
     log.log(level, "tensorwatch_otel: rerun_on_detect skipped for batch %d: a replay would not see these inputs "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -27,6 +27,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .events import SkippedStepEvent, SkipStreakEvent, merge_kinds
 from .record import ModuleInfo, Record
 from .stats import measure
+
+if TYPE_CHECKING:
+    from .attach import ParamIndex
+
+StepArgs = Tuple[Tuple[Any, ...], Dict[str, Any]]  # an optimizer step's (args, kwargs)
+SkipEvent = Union[SkippedStepEvent, SkipStreakEvent]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,7 @@ class PendingGradients:
     def __init__(self, record: Record, frame: int, params: List[torch.Tensor]):
         self.record = record
         self.frame = frame
-        self.marks: List[Tuple[weakref.ref, int, int]] = []
+        self.marks: List[Tuple[weakref.ref[torch.Tensor], int, int]] = []
         for p in params[:4]:
             g = p.grad
             if g is not None:
@@ -68,19 +74,19 @@ class StepTracker:
     `refresh()` runs first at every step, so parameters replaced since the last batch are found
     before the step is judged (a replaced parameter's id is never trusted)."""
 
-    def __init__(self, index, refresh: Callable[[], None], on_pre_step: Callable[..., object],
+    def __init__(self, index: ParamIndex, refresh: Callable[[], None], on_pre_step: Callable[..., Any],
                  on_post_step: Callable[[torch.optim.Optimizer], None]):
         self._index = index
         self._refresh = refresh
         # optimizer -> (its group sizes, the index generation, concerns the model)
-        self._mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[tuple, int, bool]]" = \
+        self._mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...], int, bool]]" = \
             weakref.WeakKeyDictionary()
         self._on_pre = on_pre_step
         self._on_post = on_post_step
         self.steps = 0
         self.handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
 
-    def _concerns(self, optimizer) -> bool:
+    def _concerns(self, optimizer: torch.optim.Optimizer) -> bool:
         groups = optimizer.param_groups
         key = tuple(len(g["params"]) for g in groups)
         generation = self._index.generation
@@ -95,7 +101,8 @@ class StepTracker:
             pass
         return mine
 
-    def _pre(self, optimizer, args, kwargs):
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...],
+             kwargs: Dict[str, Any]) -> Optional[StepArgs]:
         self._refresh()
         if self._concerns(optimizer):
             closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args[0] is the optimizer)
@@ -105,7 +112,7 @@ class StepTracker:
             self._on_pre(optimizer)
         return None
 
-    def _post(self, optimizer, args, kwargs) -> None:
+    def _post(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if self._concerns(optimizer):
             self.steps += 1
             self._on_post(optimizer)
@@ -130,12 +137,12 @@ class StepGuard:
     gradient to name the first bad one. Only parameters of watched modules (`index.owners`,
     see core/attach.py) count; the list is made again when the model's parameters change."""
 
-    def __init__(self, index):
+    def __init__(self, index: ParamIndex) -> None:
         self._index = index
-        self._params: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[tuple, Watched]]" = \
+        self._params: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...], Watched]]" = \
             weakref.WeakKeyDictionary()
 
-    def _watched(self, optimizer) -> Watched:
+    def _watched(self, optimizer: torch.optim.Optimizer) -> Watched:
         groups = optimizer.param_groups
         index = self._index
         key = (index.generation,) + tuple(len(g["params"]) for g in groups)
@@ -159,7 +166,7 @@ class StepGuard:
             pass
         return out
 
-    def check(self, optimizer, batch: int) -> Optional[Record]:
+    def check(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[Record]:
         """None when every gradient the step consumes is finite (one host read); else a
         backward record of all of them, on the host, with a non-finite frame."""
         watched = self._watched(optimizer)
@@ -187,7 +194,7 @@ class StepGuard:
                 continue
             r = measure(g)
             if r.__class__ is not str:
-                tops.append(r[1])  # abs max: inf or NaN when any element is
+                tops.append(r[1])  # type: ignore[arg-type]  # abs max: inf or NaN when any element is
         for grads in fused.values():
             # max |g| of every gradient in one launch (NaN propagates), as float32
             tops.extend(torch._foreach_norm(grads, _INF, dtype=torch.float32))
@@ -211,10 +218,10 @@ class StepGuard:
                 continue
             start = len(rec.dtypes)
             r = measure(g)
-            if r.__class__ is str:
+            if type(r) is str:
                 rec.frames.append((info, [(name, r)], start))
                 continue
-            rec.stats += r
+            rec.stats += r  # type: ignore[arg-type]  # a Pair: not a str
             rec.dtypes.append(g.dtype)
             rec.frames.append((info, [name], start))
         rec.readback()
@@ -225,7 +232,7 @@ class ScaleReader:
     """The GradScaler's scale, read with the batch's statistics (no sync of its own). A drop
     of the scale between two batches is a skipped step when gradients are not watched."""
 
-    def __init__(self, scaler):
+    def __init__(self, scaler: Any) -> None:
         self.scaler = scaler
         # the scaler makes its scale tensor at the first scale(): until then it is init_scale
         init = getattr(scaler, "_init_scale", None)
@@ -260,7 +267,7 @@ class ScaleReader:
 class SkipCounter:
     """Skipped steps: the total, the streak, and the events they make."""
 
-    def __init__(self, max_streak: int):
+    def __init__(self, max_streak: int) -> None:
         self.max_streak = max_streak
         self.total = 0
         self.streak = 0
@@ -268,7 +275,8 @@ class SkipCounter:
     def step_taken(self) -> None:
         self.streak = 0
 
-    def skipped(self, pending: Optional[PendingGradients], batch: int, rank: int, scale: Optional[float]) -> list:
+    def skipped(self, pending: Optional[PendingGradients], batch: int, rank: int,
+                scale: Optional[float]) -> List[SkipEvent]:
         self.total += 1
         self.streak += 1
         module = module_class = tensor = kind = ""
@@ -279,7 +287,8 @@ class SkipCounter:
             tensor = first.name if first else ""
             batch = pending.record.batch_number
         now = time.time()
-        events: list = [SkippedStepEvent(batch, rank, self.streak, scale, module, module_class, tensor, kind, now)]
+        events: List[SkipEvent] = [
+            SkippedStepEvent(batch, rank, self.streak, scale, module, module_class, tensor, kind, now)]
         if self.streak == self.max_streak:
             log.warning("tensorwatch_otel: %d optimizer steps in a row were skipped (non-finite gradients%s): "
                         "the loss scale is collapsing or every step overflows", self.streak,

@@ -305,15 +305,17 @@ def run_rank(launch: Launch, opts: Options, faults: Faults, store: Any) -> RankS
         dev = torch.device("cpu")
         if st.backend == "nccl":
             if launch.local_rank >= torch.cuda.device_count():
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
                 raise RuntimeError(f"LOCAL_RANK {launch.local_rank} but only {torch.cuda.device_count()} "
-                                   f"GPU(s) visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+                                   f"GPU(s) visible (CUDA_VISIBLE_DEVICES={visible})")
             dev = torch.device("cuda", launch.local_rank)
             torch.cuda.set_device(dev)
         # NCCL's watchdog would abort the process at the group timeout; give our own deadline room.
         pg_timeout = opts.timeout_s + (30 if st.backend == "nccl" else 0)
         dist.init_process_group(st.backend, store=kv_prefix(store, "pg"), rank=launch.rank,
                                 world_size=launch.world_size, timeout=timedelta(seconds=pg_timeout))
-        side = None if st.backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=opts.timeout_s))
+        side = None if st.backend == "gloo" else dist.new_group(backend="gloo",
+                                                                timeout=timedelta(seconds=opts.timeout_s))
         _stage(store, st, "barrier")
         if faults.has("hang", launch.rank):
             _park(6 * opts.timeout_s + 60)

@@ -295,7 +295,7 @@ class Window:
         """Any other BatchStats (frames already built): one pass over its rows, remembered for
         the same frames object."""
         frames = stats.frames
-        for i, (f, vals) in enumerate(self._tuples):
+        for f, vals in self._tuples:
             if f is frames:
                 return vals
         vals = self._convert(stats)

@@ -4,8 +4,9 @@
 A 70B-shaped model has about 2,970 (module, tensor) pairs, 8,910 tensor series per rank; a
 thousand ranks overrun one Prometheus. In ``top:K`` mode a rank serves the K pairs with the
 largest range used (at most 2K, see DetailPolicy), plus ``tensorwatch_detail_cutoff_ratio``: the
-largest range used among the pairs it left out. So the fleet-wide per module maximum (``max without (rank, instance)``) is exact
-for every pair above the fleet's largest cutoff, and every hidden pair is known to be below it.
+largest range used among the pairs it left out. So the fleet-wide per module maximum
+(``max without (rank, instance)``) is exact for every pair above the fleet's largest cutoff, and
+every hidden pair is known to be below it.
 See docs/at-scale.md.
 """
 

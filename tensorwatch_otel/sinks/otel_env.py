@@ -13,9 +13,9 @@ import time
 import weakref
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
-log = logging.getLogger(__name__)
-
 from ._otlp_check import DEFAULT_PROTOCOL, PROTOCOLS, OtlpConfigError, Target  # noqa: F401  (re-exported)
+
+log = logging.getLogger(__name__)
 
 #: Upper bound for flushing and shutting down the providers at interpreter exit.
 EXIT_TIMEOUT_S = 5.0

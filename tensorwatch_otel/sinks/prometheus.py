@@ -19,8 +19,6 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-# Counter exemplars (the detection's trace_id) need prometheus-client >= 0.22; older: no exemplar.
-_COUNTER_EXEMPLARS = "exemplar" in inspect.signature(CounterMetricFamily.add_metric).parameters
 from prometheus_client.samples import Exemplar
 
 from ..core import env as _env
@@ -34,6 +32,9 @@ from ._options import number_option
 from .catalogue import BY_KEY
 
 __all__ = ["PrometheusMetrics", "DEFAULT_MAX_SERIES", "DEFAULT_LINGER_S"]
+
+# Counter exemplars (the detection's trace_id) need prometheus-client >= 0.22; older: no exemplar.
+_COUNTER_EXEMPLARS = "exemplar" in inspect.signature(CounterMetricFamily.add_metric).parameters
 
 log = logging.getLogger(__name__)
 
