@@ -4,7 +4,6 @@ every measured tensor, checked against an independent oracle: torch's own casts 
 from __future__ import annotations
 
 import math
-import os
 import pickle
 
 import pytest
@@ -17,7 +16,7 @@ from tensorwatch_otel.core import magnitude as M
 from tensorwatch_otel.core.config import WatchConfig
 from tensorwatch_otel.core.cpu_kernel import KERNEL
 from tensorwatch_otel.core.env import ENV_TARGET_DTYPES, ConfigError
-from tensorwatch_otel.core.events import Magnitude, TensorStat
+from tensorwatch_otel.core.events import Magnitude
 from tensorwatch_otel.core.record import Record
 
 TARGETS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -414,7 +414,8 @@ def test_frames_with_precision_fields_export_like_records(otel):
                   target_dtype="float16", rank="0") == 0.25
     assert sum(1 for k in p if k[0] == "tensorwatch_tensor_underflow_ratio") == 1
     assert under[("fc1", "weight", "float16")].value == 0.25 and len(under) == 1
-    assert mag[("fc1", "weight", None)].zero_count == 1 and list(mag[("fc1", "weight", None)].positive.bucket_counts) == [2]
+    fc1 = mag[("fc1", "weight", None)]
+    assert fc1.zero_count == 1 and list(fc1.positive.bucket_counts) == [2]
     assert ("fc1", "output", None) not in mag
 
 

@@ -17,7 +17,6 @@ import array
 import fnmatch
 import logging
 import math
-import os
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
