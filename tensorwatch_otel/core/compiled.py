@@ -1,0 +1,271 @@
+"""The compiled front end: watcher hooks that torch.compile traces into its graph call one custom
+op per hook; the op's Python body runs the eager hook at run time, on the graph's real tensors.
+
+Dynamo traces the forward hooks and pre-hooks registered on a module into the graph of the code
+that calls it. Traced, a hook only adds a call to `tensorwatch::pre` or `tensorwatch::post`
+with its slot number (which watcher, which module), the module's input and output tensors and a
+spec string describing the structure around them (tuples, dicts, None, other values). At run
+time the op rebuilds that structure around the real tensors and calls the watcher's eager hook,
+so a compiled call fills the same Record as an eager one: same frames, names, caches, batch
+boundaries and detection, with nothing to read inside the graph. Every op mutates one token
+tensor, which keeps them in call order and keeps them from being removed as dead code; being
+opaque to inductor, they run between the fused kernels, on the values those produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_MAX_ITEMS = 256  # as recorder.MAX_ITEMS: values looked at per container
+_MAX_DEPTH = 6  # as recorder.MAX_DEPTH
+
+# Ordering token: every op reads and writes it, so the ops keep the order the hooks ran in.
+_TOKEN = torch.zeros(1)
+
+
+class _Other:
+    """Stands, at run time, for a value that is not a tensor, None or a container (noted as such)."""
+
+    __slots__ = ()
+
+
+_OTHER = _Other()
+
+
+class _Slot:
+    """What one op call site runs: the watcher's eager pre-hook or hook for one module."""
+
+    __slots__ = ("watcher", "module", "pre", "post")
+
+    def __init__(self, watcher, module: torch.nn.Module, pre: Callable, post: Optional[Callable]):
+        self.watcher = weakref.ref(watcher)
+        self.module = weakref.ref(module)
+        self.pre = pre
+        self.post = post
+
+
+_SLOTS: Dict[int, _Slot] = {}
+# slot -> its module, kept after the slot is released: a graph traced for a watcher since
+# detached, and reused for a new watcher of the same module, reaches the new watcher's slot
+_MODULE_OF: Dict[int, "weakref.ref[torch.nn.Module]"] = {}
+_BY_MODULE: "weakref.WeakKeyDictionary[torch.nn.Module, List[int]]" = weakref.WeakKeyDictionary()
+_ids = itertools.count(1)
+
+
+class SlotHandle:
+    """Releases a slot when the watcher removes its hooks (a RemovableHandle's shape)."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int):
+        self.slot = slot
+
+    def remove(self) -> None:
+        s = _SLOTS.pop(self.slot, None)
+        if s is not None:
+            m = s.module()
+            live = _BY_MODULE.get(m) if m is not None else None
+            if live is not None and self.slot in live:
+                live.remove(self.slot)
+
+
+def new_slot(watcher, module: torch.nn.Module, pre: Callable, post: Optional[Callable] = None) -> int:
+    slot = next(_ids)
+    _SLOTS[slot] = _Slot(watcher, module, pre, post)
+    _MODULE_OF[slot] = weakref.ref(module)
+    _BY_MODULE.setdefault(module, []).append(slot)
+    return slot
+
+
+def set_post(slot: int, post: Callable) -> None:
+    _SLOTS[slot].post = post
+
+
+def _live(slot: int) -> List[_Slot]:
+    s = _SLOTS.get(slot)
+    if s is not None:
+        return [s]
+    ref = _MODULE_OF.get(slot)
+    m = ref() if ref is not None else None
+    if m is None:
+        return []
+    return [_SLOTS[i] for i in _BY_MODULE.get(m, ()) if i in _SLOTS]
+
+
+# ------------------------------------------------------------------------------ the ops
+@torch.library.custom_op("tensorwatch::pre", mutates_args=("token",))
+def _pre_op(token: torch.Tensor, slot: int) -> None:
+    for s in _live(slot):
+        w = s.watcher()
+        if w is not None and w._attached:
+            s.pre(s.module(), ())
+
+
+@_pre_op.register_fake
+def _pre_fake(token, slot) -> None:
+    return None
+
+
+@torch.library.custom_op("tensorwatch::post", mutates_args=("token",))
+def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tensor]) -> None:
+    live = _live(slot)
+    if not live:
+        return
+    args, kwargs, output = rebuild(spec, tensors)
+    for s in live:
+        w = s.watcher()
+        if w is not None and w._attached and s.post is not None:
+            s.post(s.module(), args, kwargs, output)
+
+
+@_post_op.register_fake
+def _post_fake(token, slot, spec, tensors) -> None:
+    return None
+
+
+# ------------------------------------------------------------------------------ traced side
+def traced_pre(slot: int) -> None:
+    """Called by a pre-hook while dynamo traces: the op call that runs it at run time."""
+    torch.ops.tensorwatch.pre(_TOKEN, slot)
+
+
+def pre_hook(slot: int, eager: Callable) -> Callable:
+    """The forward pre-hook registered on a module: the eager one, or its op while traced."""
+    compiling = torch.compiler.is_compiling
+
+    def pre(module, args):
+        if compiling():
+            traced_pre(slot)
+            return None
+        return eager(module, args)
+    return pre
+
+
+def traced_post(slot: int, args, kwargs, output) -> None:
+    """Called by a hook while dynamo traces: the op call that runs it at run time, with the
+    module's tensors and the structure around them (a constant of the graph)."""
+    tensors: List[torch.Tensor] = []
+    spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
+    torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)
+
+
+def _spec(v, tensors: list, depth: int) -> str:
+    """The structure of `v` as a string; its tensors appended to `tensors` in walk order. Kept
+    to what dynamo folds into constants: isinstance, string concatenation, len."""
+    if isinstance(v, torch.Tensor):
+        tensors.append(v)
+        return "T"
+    if v is None:
+        return "N"
+    if depth >= _MAX_DEPTH:
+        return "X"
+    if isinstance(v, (tuple, list)):
+        s = "("
+        for x in v[:_MAX_ITEMS]:
+            s = s + _spec(x, tensors, depth + 1)
+        return s + ")"
+    if isinstance(v, dict):
+        s = "{"
+        n = 0
+        for k, x in v.items():
+            if n >= _MAX_ITEMS:
+                break
+            n += 1
+            key = k if isinstance(k, str) else str(k)
+            s = s + str(len(key)) + ":" + key + _spec(x, tensors, depth + 1)
+        return s + "}"
+    return "X"
+
+
+# ------------------------------------------------------------------------------ run-time side
+_PARSED: Dict[str, tuple] = {}  # spec -> its parsed form (one per call site)
+
+
+def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[tuple, dict, object]:
+    """(args, kwargs, output) of the hooked call, the real tensors in place."""
+    parsed = _PARSED.get(spec)
+    if parsed is None:
+        parsed, _ = _parse(spec, 0)
+        if len(_PARSED) < 4096:
+            _PARSED[spec] = parsed
+    it = iter(tensors)
+    args, kwargs, output = (_fill(p, it) for p in parsed)
+    return args, kwargs, output
+
+
+def _parse(spec: str, i: int) -> Tuple[tuple, int]:
+    """Parses the three values at spec[i:]: ("T",), ("N",), ("X",), ("(", items), ("{", [(k, v)])."""
+    out = []
+    for _ in range(3):
+        v, i = _parse_one(spec, i)
+        out.append(v)
+    return tuple(out), i
+
+
+def _parse_one(spec: str, i: int):
+    c = spec[i]
+    if c in "TNX":
+        return (c,), i + 1
+    if c == "(":
+        i += 1
+        items = []
+        while spec[i] != ")":
+            v, i = _parse_one(spec, i)
+            items.append(v)
+        return ("(", items), i + 1
+    if c == "{":
+        i += 1
+        pairs = []
+        while spec[i] != "}":
+            colon = spec.index(":", i)
+            n = int(spec[i:colon])
+            key = spec[colon + 1:colon + 1 + n]
+            v, i = _parse_one(spec, colon + 1 + n)
+            pairs.append((key, v))
+        return ("{", pairs), i + 1
+    raise ValueError(f"tensorwatch_otel: bad traced structure at {i}: {spec!r}")
+
+
+def _fill(p, it):
+    c = p[0]
+    if c == "T":
+        return next(it)
+    if c == "N":
+        return None
+    if c == "X":
+        return _OTHER
+    if c == "(":
+        return tuple(_fill(x, it) for x in p[1])
+    return {k: _fill(x, it) for k, x in p[1]}
+
+
+# ------------------------------------------------------------------------------ dynamo's settings
+_configured = False
+
+
+def hook_guards() -> None:
+    """Hooks added or removed after a graph was compiled are ignored by that graph under torch's
+    default (`skip_nnmodule_hook_guards=True`, no guard on the hook dicts), and a hooked module
+    compiled after a hook-less one of the same class reuses the hook-less graph: either leaves a
+    compiled model silently unwatched. Turned off once per process, said at INFO."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    try:
+        import torch._dynamo
+        cfg = torch._dynamo.config
+        if getattr(cfg, "skip_nnmodule_hook_guards", False):
+            cfg.skip_nnmodule_hook_guards = False
+            log.info("tensorwatch_otel: set torch._dynamo.config.skip_nnmodule_hook_guards = False, so "
+                     "that compiled graphs see the watcher's hooks added or removed (at most one "
+                     "recompile per watch() or detach())")
+    except Exception as exc:  # no dynamo (a torch without it): nothing is compiled
+        log.debug("tensorwatch_otel: torch._dynamo not available: %s", exc)
