@@ -279,3 +279,44 @@ def test_gradients_true_under_compile_records_parameter_gradients_only():
     assert len(params) == 4 and len(eager) > len(params)  # eager also sees activation gradients
     assert {(m, n): v for m, n, v in comp} == pytest.approx({(m, n): v for m, n, v in params})
     assert len(comp) == len(params)
+
+
+_COMPILED_BEFORE_WATCH = r"""
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_compiled_frames import Stack
+from _collect import Collect
+from tensorwatch_otel import watch
+x = torch.randn(2, 8, 16)
+first = Stack(1)
+compiled = torch.compile(first, backend="aot_eager")
+compiled(x)  # compiled and run before any watch(): torch's default, no guard on hooks
+a = Collect()
+wa = watch(compiled, sinks=[a], on_detect="report")
+compiled(x)
+second = Stack(1)  # a new instance of the same classes, watched, then compiled
+b = Collect()
+wb = watch(second, sinks=[b], on_detect="report")
+torch.compile(second, backend="aot_eager")(x)
+print(len(a.batches[-1].frames), len(b.batches[-1].frames))
+"""
+
+
+@pytest.mark.slow
+def test_a_graph_compiled_before_the_first_watch_is_compiled_again_with_the_hooks(tmp_path):
+    """torch's default skip_nnmodule_hook_guards=True leaves graphs compiled before watch()
+    blind to the hooks (and reused for a hooked instance of the same classes): the first watch()
+    of the process turns the guards on and drops those graphs, said at INFO. A fresh process,
+    so that no earlier watch() in this one has done it already."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "before.py"
+    script.write_text(_COMPILED_BEFORE_WATCH.format(tests=here))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["13", "13"]  # every module of each, not the root alone

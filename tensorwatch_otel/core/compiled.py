@@ -261,11 +261,18 @@ def hook_guards() -> None:
     _configured = True
     try:
         import torch._dynamo
+        from torch._dynamo.utils import counters
         cfg = torch._dynamo.config
-        if getattr(cfg, "skip_nnmodule_hook_guards", False):
-            cfg.skip_nnmodule_hook_guards = False
-            log.info("tensorwatch_otel: set torch._dynamo.config.skip_nnmodule_hook_guards = False, so "
-                     "that compiled graphs see the watcher's hooks added or removed (at most one "
-                     "recompile per watch() or detach())")
+        if not getattr(cfg, "skip_nnmodule_hook_guards", False):
+            return
+        cfg.skip_nnmodule_hook_guards = False
+        # graphs compiled before now hold no guard on hooks: they would run on, unwatched
+        stale = counters["stats"]["unique_graphs"] > 0
+        if stale:
+            torch._dynamo.reset()
+        log.info("tensorwatch_otel: set torch._dynamo.config.skip_nnmodule_hook_guards = False, so that "
+                 "compiled graphs see the watcher's hooks added or removed (at most one recompile per "
+                 "watch() or detach())%s", "; the graphs compiled before the first watch() were dropped "
+                 "(torch._dynamo.reset()) and compile again at their next call" if stale else "")
     except Exception as exc:  # no dynamo (a torch without it): nothing is compiled
         log.debug("tensorwatch_otel: torch._dynamo not available: %s", exc)
