@@ -320,3 +320,57 @@ def test_a_graph_compiled_before_the_first_watch_is_compiled_again_with_the_hook
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["13", "13"]  # every module of each, not the root alone
+
+
+class _Odd(nn.Module):
+    """Outputs of every shape the recorder walks: a dict, a tuple holding None and an int, and
+    keyword inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, *, scale=None):
+        y = self.lin(x) * scale
+        return {"y": y, "rest": (y.sum(), None, 3)}
+
+
+class _OddRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.odd = _Odd()
+
+    def forward(self, x):
+        return self.odd(x, scale=torch.tensor(2.0))["y"]
+
+
+@pytest.mark.slow
+def test_odd_structures_get_the_eager_names_with_fullgraph_and_a_failure_of_ours_stops_nothing(
+        monkeypatch, caplog):
+    torch.manual_seed(0)
+    model = _OddRoot()
+    x = torch.randn(2, 4)
+    eager = _eager_reference(model, x)
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # no graph break at all
+    compiled(x)
+    assert _pairs(sink.batches[-1].frames) == _pairs(eager)
+    assert ("odd", "input.scale") in _pairs(eager) and ("odd", "output.rest[1]") in _pairs(eager)
+    ref, got = _values(eager), _values(sink.batches[-1].frames)
+    assert {k: v for k, v in got.items() if v != (None, None)} == pytest.approx(
+        {k: v for k, v in ref.items() if v != (None, None)})
+    # an error of ours inside the graph is logged once; the compiled call goes on
+    from tensorwatch_otel.core import compiled as front
+
+    def broken(spec, tensors):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(front, "rebuild", broken)
+    b = w.batch_number
+    out = compiled(x)
+    out = compiled(x)
+    assert w.batch_number == b + 2  # batches still end
+    assert torch.equal(out, model(x).detach()) or torch.allclose(out, model(x))
+    assert len([r for r in caplog.records if "broken on purpose" in r.getMessage()]) == 1
+    w.detach()

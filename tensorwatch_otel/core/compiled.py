@@ -21,6 +21,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .errors import AbortAfterBatch, NonFiniteDetected
+
 log = logging.getLogger(__name__)
 
 _MAX_ITEMS = 256  # as recorder.MAX_ITEMS: values looked at per container
@@ -100,12 +102,29 @@ def _live(slot: int) -> List[_Slot]:
 
 
 # ------------------------------------------------------------------------------ the ops
+_failed = False
+
+
+def _op_failed(exc: Exception) -> None:
+    """An error of ours inside a compiled graph: logged once, the graph goes on."""
+    global _failed
+    if not _failed:
+        _failed = True
+        log.error("tensorwatch_otel: recording inside a compiled graph failed (%s: %s); training goes on",
+                  type(exc).__name__, exc)
+
+
 @torch.library.custom_op("tensorwatch::pre", mutates_args=("token",))
 def _pre_op(token: torch.Tensor, slot: int) -> None:
-    for s in _live(slot):
-        w = s.watcher()
-        if w is not None and w._attached:
-            s.pre(s.module(), ())
+    try:
+        for s in _live(slot):
+            w = s.watcher()
+            if w is not None and w._attached:
+                s.pre(s.module(), ())
+    except (NonFiniteDetected, AbortAfterBatch):
+        raise  # by design: a stop published by another rank, raised at the batch start
+    except Exception as exc:
+        _op_failed(exc)
 
 
 @_pre_op.register_fake
@@ -115,14 +134,23 @@ def _pre_fake(token, slot) -> None:
 
 @torch.library.custom_op("tensorwatch::post", mutates_args=("token",))
 def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tensor]) -> None:
-    live = _live(slot)
-    if not live:
-        return
-    args, kwargs, output = rebuild(spec, tensors)
-    for s in live:
-        w = s.watcher()
-        if w is not None and w._attached and s.post is not None:
-            s.post(s.module(), args, kwargs, output)
+    try:
+        live = _live(slot)
+        if not live:
+            return
+        try:
+            args, kwargs, output = rebuild(spec, tensors)
+        except Exception as exc:  # the hook still runs (no values): the batch still ends
+            _op_failed(exc)
+            args, kwargs, output = (), {}, None
+        for s in live:
+            w = s.watcher()
+            if w is not None and w._attached and s.post is not None:
+                s.post(s.module(), args, kwargs, output)
+    except (NonFiniteDetected, AbortAfterBatch):
+        raise  # by design: the detection (on_detect="raise") leaves the compiled call
+    except Exception as exc:
+        _op_failed(exc)
 
 
 @_post_op.register_fake
