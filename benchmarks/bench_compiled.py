@@ -397,6 +397,60 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = N
     return float(((a - b).abs() / (b if scale is None else scale).abs().clamp_min(1e-30)).max())
 
 
+def attribute(trainer: CompiledTrainer, steps: int) -> dict:
+    """The watcher's share of the watched step, timed inside it (a companion to the paired
+    ratio that machine drift moves less): the time in the ops' Python bodies (the eager hooks
+    they run, and rebuilding the hooked values) plus the optimizer step hooks, over the step.
+    Leaves out the custom ops' dispatch (measured apart: an op call with an empty body, times
+    the op calls per step) and indirect costs."""
+    from tensorwatch_otel.core import compiled as front
+
+    spent = [0.0]
+    clock = CompiledTrainer.clock
+
+    def timed(fn):
+        def run(*a, **k):
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += clock() - t0
+        return run
+
+    w = trainer.watcher
+    slots = [s for s in front._SLOTS.values() if s.watcher() is w]
+    saved = [(s, s.pre, s.post) for s in slots]
+    real_rebuild = front.rebuild
+    for s in slots:
+        s.pre, s.post = timed(s.pre), timed(s.post)
+    front.rebuild = timed(real_rebuild)
+    shares = []
+    try:
+        for _ in range(steps):
+            spent[0] = 0.0
+            total = trainer.step()
+            shares.append(spent[0] / total)
+    finally:
+        front.rebuild = real_rebuild
+        for s, pre, post in saved:
+            s.pre, s.post = pre, post
+    calls = 2 * len(slots)
+
+    @torch.library.custom_op("twbench::empty", mutates_args=("token",))
+    def empty(token: torch.Tensor, x: torch.Tensor) -> None:
+        return None
+
+    token, x = torch.zeros(1), torch.zeros(4)
+    t0 = clock()
+    for _ in range(2000):
+        empty(token, x)
+    dispatch = (clock() - t0) / 2000
+    step_s = statistics.median(trainer.step() for _ in range(3))
+    return {"share_median": statistics.median(shares), "share_min": min(shares), "share_max": max(shares),
+            "op_calls_per_step": calls, "op_dispatch_us": dispatch * 1e6,
+            "dispatch_share": calls * dispatch / step_s}
+
+
 def probe_switches(trainer: CompiledTrainer) -> dict:
     """Off/on through the flag, then hooks removed and added again after compile: for each, the
     graphs compiled and whether the buffer was written (a sentinel -1 left there or not)."""
@@ -533,6 +587,8 @@ def main(argv=None) -> int:
         entry["median_interval_90"] = list(median_interval(entry["ratios"]))
         entry["ratio_mean"] = statistics.fmean(entry["ratios"])
     result["variants"] = variants
+    if "watched" in trainers:
+        result["watched_attributed"] = attribute(trainers["watched"], max(args.rounds, 5))
     result["switches"] = {n: probe_switches(trainers[n]) for n in RECORDERS if n in trainers}
     result["detection"] = {n: probe_detection(trainers[n]) for n in RECORDERS if n in trainers}
     report(result)
@@ -561,6 +617,11 @@ def report(result: dict) -> None:
               f"abs min {m['rel_diff_abs_min']:.2e} (over the row's abs max {m['abs_min_diff_over_abs_max']:.2e})"
               + (f"; output gradients: {m['grad_rows_written']} of {m['grad_rows']} rows written, max rel diff "
                  f"abs max {m['grad_rel_diff_abs_max']:.2e}" if "grad_rows" in m else ""))
+    a = result.get("watched_attributed")
+    if a:
+        print(f"watched, attributed (time in the ops' bodies over the step): median {a['share_median']:.1%} "
+              f"(min {a['share_min']:.1%}, max {a['share_max']:.1%}); plus op dispatch {a['op_calls_per_step']} x "
+              f"{a['op_dispatch_us']:.1f} us = {a['dispatch_share']:.1%}")
     for name, s in result["switches"].items():
         print(f"{name} switches: " + ", ".join(
             f"{k} {v['recompiles']} recompile(s) {'written' if v['buffer_written'] else 'not written'}"

@@ -292,7 +292,8 @@ class Watcher:
         return hook
 
     def _pre_hook(self, module, args):
-        if self._replaying or torch.compiler.is_compiling():
+        # registered through compiled.pre_hook, which runs it only outside dynamo's tracing
+        if self._replaying:
             return
         st = self._tls.st
         if st.depth == 0:
