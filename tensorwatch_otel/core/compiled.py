@@ -79,6 +79,9 @@ class SlotHandle:
 
 
 def new_slot(watcher, module: torch.nn.Module, pre: Callable, post: Optional[Callable] = None) -> int:
+    if len(_MODULE_OF) > 2 * len(_SLOTS) + 4096:  # forget the slots of modules freed since
+        for k in [k for k, ref in _MODULE_OF.items() if ref() is None]:
+            del _MODULE_OF[k]
     slot = next(_ids)
     _SLOTS[slot] = _Slot(watcher, module, pre, post)
     _MODULE_OF[slot] = weakref.ref(module)
@@ -160,8 +163,10 @@ def _post_fake(token, slot, spec, tensors) -> None:
 
 # ------------------------------------------------------------------------------ traced side
 def traced_pre(slot: int) -> None:
-    """Called by a pre-hook while dynamo traces: the op call that runs it at run time."""
-    torch.ops.tensorwatch.pre(_TOKEN, slot)
+    """Called by a pre-hook while dynamo traces: the op call that runs it at run time (none in
+    a torch.export: an exported program is not this process's to watch)."""
+    if not torch.compiler.is_exporting():
+        torch.ops.tensorwatch.pre(_TOKEN, slot)
 
 
 def pre_hook(slot: int, eager: Callable) -> Callable:
@@ -179,6 +184,8 @@ def pre_hook(slot: int, eager: Callable) -> Callable:
 def traced_post(slot: int, args, kwargs, output) -> None:
     """Called by a hook while dynamo traces: the op call that runs it at run time, with the
     module's tensors and the structure around them (a constant of the graph)."""
+    if torch.compiler.is_exporting():
+        return
     tensors: List[torch.Tensor] = []
     spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
     torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)
