@@ -393,3 +393,59 @@ def test_torch_export_of_a_watched_model_holds_none_of_our_ops():
         exported = torch.export.export(model, (x,))
     assert "tensorwatch" not in exported.graph_module.code
     assert torch.allclose(exported.module()(x), model(x))
+
+
+class _Lookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["watch_then_compile", "watch_compiled"])
+def test_an_exception_inside_the_graph_ends_its_batch_and_the_next_call_is_a_batch_of_its_own(how):
+    """No hook runs inside a compiled graph when its forward raises (eager runs always_call
+    hooks): the calls left open are ended at the next call, which is a fresh batch."""
+    torch.manual_seed(0)
+    model = _Lookup()
+    good, bad = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 30]])
+    eager = _eager_reference(model, good)
+    w, sink, call = _compiled(model, how, "aot_eager")
+    call(good)
+    with pytest.raises(IndexError):
+        call(bad)  # raises inside the graph, after the ops of nothing, or of emb
+    call(good)
+    call(good)
+    assert w.batch_number == 4
+    last = sink.batches[-1]
+    assert last.batch_number == 3 and _pairs(last.frames) == _pairs(eager)
+    w.detach()
+
+
+@pytest.mark.slow
+def test_check_module_under_compile_raises_at_the_module_and_the_next_call_starts_fresh():
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2)
+    x = torch.randn(2, 8, 16)
+    sink = Collect()
+    w = watch(model, sinks=[sink], check="module")
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(x)
+    with torch.no_grad():
+        saved = model.blocks[0].mlp.fc1.weight[0, 0].item()
+        model.blocks[0].mlp.fc1.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteDetected) as ei:
+        compiled(x)  # raised by the op of blocks.0.mlp.fc1, mid-graph
+    assert (ei.value.event.module, ei.value.event.tensor, ei.value.event.batch_number) == (
+        "blocks.0.mlp.fc1", "weight", 1)
+    with torch.no_grad():
+        model.blocks[0].mlp.fc1.weight[0, 0] = saved
+    compiled(x)
+    assert w.batch_number == 3 and sink.batches[-1].batch_number == 2
+    assert len(sink.batches[-1].frames) == 23 and sink.of(NonFiniteEvent) == [ei.value.event]
+    w.detach()

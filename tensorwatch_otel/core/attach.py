@@ -226,7 +226,7 @@ def _hook_module(w: "Watcher", h: _Hooked, module: torch.nn.Module, is_root: boo
     slot = compiled.new_slot(w, module, w._pre_hook)
     hook = w._make_hook(info, slot)
     compiled.set_post(slot, hook)
-    h.handles.append(module.register_forward_pre_hook(compiled.pre_hook(slot, w._pre_hook)))
+    h.handles.append(module.register_forward_pre_hook(compiled.pre_hook(slot, w._pre_hook, is_root)))
     h.handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
     h.handles.append(compiled.SlotHandle(slot))
     w._handles.extend(h.handles)

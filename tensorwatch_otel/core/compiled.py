@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -117,13 +118,44 @@ def _op_failed(exc: Exception) -> None:
                   type(exc).__name__, exc)
 
 
+class _Open(threading.local):
+    """The calling thread's module calls whose pre op ran and whose post op has not yet."""
+
+    def __init__(self) -> None:
+        self.stack: List[_Slot] = []
+
+
+_open = _Open()
+
+
+def _unwind(stack: List[_Slot], lo: int) -> None:
+    """Calls left open by an exception inside a compiled graph (no hook runs there when a
+    forward raises, unlike eager's always_call hooks): their hooks run now, innermost first,
+    with no values, so the batch ends as it would have in eager mode."""
+    while len(stack) > lo:
+        s = stack.pop()
+        w = s.watcher()
+        if w is None or not w._attached or s.post is None:
+            continue
+        try:
+            s.post(s.module(), (), {}, None)
+        except (NonFiniteDetected, AbortAfterBatch):
+            pass  # the interrupted batch's detection: in the sinks already; the first exception goes on
+        except Exception as exc:
+            _op_failed(exc)
+
+
 @torch.library.custom_op("tensorwatch::pre", mutates_args=("token",))
 def _pre_op(token: torch.Tensor, slot: int) -> None:
+    stack = _open.stack
     try:
         for s in _live(slot):
+            if s in stack:  # its last call never returned (an exception inside the graph)
+                _unwind(stack, stack.index(s))
             w = s.watcher()
             if w is not None and w._attached:
                 s.pre(s.module(), ())
+                stack.append(s)
     except (NonFiniteDetected, AbortAfterBatch):
         raise  # by design: a stop published by another rank, raised at the batch start
     except Exception as exc:
@@ -146,11 +178,15 @@ def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tens
         except Exception as exc:  # the hook still runs (no values): the batch still ends
             _op_failed(exc)
             args, kwargs, output = (), {}, None
+        stack = _open.stack
         for s in live:
+            if stack and stack[-1] is s:
+                stack.pop()
             w = s.watcher()
             if w is not None and w._attached and s.post is not None:
                 s.post(s.module(), args, kwargs, output)
     except (NonFiniteDetected, AbortAfterBatch):
+        _unwind(_open.stack, 0)  # the enclosing calls end, as eager's always_call hooks end them
         raise  # by design: the detection (on_detect="raise") leaves the compiled call
     except Exception as exc:
         _op_failed(exc)
@@ -169,14 +205,19 @@ def traced_pre(slot: int) -> None:
         torch.ops.tensorwatch.pre(_TOKEN, slot)
 
 
-def pre_hook(slot: int, eager: Callable) -> Callable:
-    """The forward pre-hook registered on a module: the eager one, or its op while traced."""
+def pre_hook(slot: int, eager: Callable, is_root: bool = False) -> Callable:
+    """The forward pre-hook registered on a module: the eager one, or its op while traced. The
+    root's, run eagerly (a compiled model watched through its wrapper), first ends the calls an
+    exception left open inside the last compiled call."""
     compiling = torch.compiler.is_compiling
+    stack = _open
 
     def pre(module, args):
         if compiling():
             traced_pre(slot)
             return None
+        if is_root and stack.stack:
+            _unwind(stack.stack, 0)
         return eager(module, args)
     return pre
 
