@@ -239,5 +239,5 @@ def say_compiled(w: "Watcher") -> None:
         "graph (one op per hook, run between the compiled kernels), so every module is recorded "
         "as in eager mode%s",
         naming.module_class_name(naming.unwrap_root(w.model)),
-        "; gradients: the parameters' (the backward's activation gradients are not seen)"
-        if w.config.gradients else "")
+        ("; gradients: the parameters'" + (" and the compiled call's inputs' and output's" if w._compiled else "")
+         + ", not the activations' inside the graph") if w.config.gradients else "")
