@@ -449,3 +449,62 @@ def test_check_module_under_compile_raises_at_the_module_and_the_next_call_start
     assert w.batch_number == 3 and sink.batches[-1].batch_number == 2
     assert len(sink.batches[-1].frames) == 23 and sink.of(NonFiniteEvent) == [ei.value.event]
     w.detach()
+
+
+@pytest.mark.slow
+def test_threads_calling_one_compiled_model_each_get_their_own_batches():
+    import threading
+
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1)
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report")
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 8, 16)
+    compiled(x)  # compiled once, before the threads
+    errors = []
+
+    def serve():
+        try:
+            for _ in range(20):
+                compiled(x)
+        except Exception as exc:  # pragma: no cover - shown by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert w.batch_number == 81 and sorted(b.batch_number for b in sink.batches) == list(range(81))
+    assert all(_pairs(b.frames) == _pairs(sink.batches[0].frames) for b in sink.batches)
+    w.detach()
+
+
+@pytest.mark.slow
+def test_the_drop_in_prints_the_same_under_compile():
+    """DebugUnderflowOverflow (the transformers.debug_utils drop-in) on a compiled model prints
+    what it prints on the eager one."""
+    import contextlib
+    import io
+
+    from tensorwatch_otel import DebugUnderflowOverflow
+
+    outs = []
+    for compile_it in (False, True):
+        torch.manual_seed(0)
+        model = Stack(n_blocks=1)
+        dbg = DebugUnderflowOverflow(model, max_frames_to_save=4)
+        call = torch.compile(model, backend="aot_eager") if compile_it else model
+        x = torch.randn(2, 8, 16)
+        call(x)
+        with torch.no_grad():
+            model.blocks[0].mlp.fc1.weight.fill_(1e38)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), pytest.raises(ValueError) as ei:
+            call(x)
+        outs.append((buf.getvalue(), str(ei.value)))
+        dbg.detach()
+    assert "blocks.0.mlp.fc1" in outs[0][0]
+    assert outs[1] == outs[0]
