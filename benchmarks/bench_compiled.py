@@ -62,6 +62,7 @@ import re
 import statistics
 import sys
 import time
+import weakref
 from typing import Callable, Dict, List, Optional
 from unittest import mock
 
@@ -421,8 +422,11 @@ def attribute(trainer: CompiledTrainer, steps: int) -> dict:
     slots = [s for s in front._SLOTS.values() if s.watcher() is w]
     saved = [(s, s.pre, s.post) for s in slots]
     real_rebuild = front.rebuild
+    keep = []  # the slots hold their hooks weakly
     for s in slots:
-        s.pre, s.post = timed(s.pre), timed(s.post)
+        pre, post = timed(s.pre()), timed(s.post())
+        keep += [pre, post]
+        s.pre, s.post = weakref.ref(pre), weakref.ref(post)
     front.rebuild = timed(real_rebuild)
     shares = []
     try:

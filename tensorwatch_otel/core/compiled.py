@@ -42,16 +42,29 @@ class _Other:
 _OTHER = _Other()
 
 
+def _nothing() -> None:
+    return None
+
+
+def _weak(fn: Optional[Callable]) -> Callable[[], Optional[Callable]]:
+    """A weak reference to a hook (held by its module while registered): the global slot table
+    must not keep a watcher, its model and its sinks alive."""
+    if fn is None:
+        return _nothing
+    return weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
+
+
 class _Slot:
-    """What one op call site runs: the watcher's eager pre-hook or hook for one module."""
+    """What one op call site runs: the watcher's eager pre-hook and hook for one module, each
+    held weakly (`s.pre()` is the pre-hook, or None once it is gone)."""
 
     __slots__ = ("watcher", "module", "pre", "post")
 
     def __init__(self, watcher, module: torch.nn.Module, pre: Callable, post: Optional[Callable]):
         self.watcher = weakref.ref(watcher)
         self.module = weakref.ref(module)
-        self.pre = pre
-        self.post = post
+        self.pre = _weak(pre)
+        self.post = _weak(post)
 
 
 _SLOTS: Dict[int, _Slot] = {}
@@ -80,18 +93,25 @@ class SlotHandle:
 
 
 def new_slot(watcher, module: torch.nn.Module, pre: Callable, post: Optional[Callable] = None) -> int:
-    if len(_MODULE_OF) > 2 * len(_SLOTS) + 4096:  # forget the slots of modules freed since
-        for k in [k for k, ref in _MODULE_OF.items() if ref() is None]:
-            del _MODULE_OF[k]
     slot = next(_ids)
+    if slot % 1024 == 0:
+        _forget_freed()
     _SLOTS[slot] = _Slot(watcher, module, pre, post)
     _MODULE_OF[slot] = weakref.ref(module)
     _BY_MODULE.setdefault(module, []).append(slot)
     return slot
 
 
+def _forget_freed() -> None:
+    """Drops the slots of modules freed since (a model dropped without detach(): its slots
+    would keep its watcher and sinks alive)."""
+    for k in [k for k, ref in _MODULE_OF.items() if ref() is None]:
+        del _MODULE_OF[k]
+        _SLOTS.pop(k, None)
+
+
 def set_post(slot: int, post: Callable) -> None:
-    _SLOTS[slot].post = post
+    _SLOTS[slot].post = _weak(post)
 
 
 def _live(slot: int) -> List[_Slot]:
@@ -134,11 +154,11 @@ def _unwind(stack: List[_Slot], lo: int) -> None:
     with no values, so the batch ends as it would have in eager mode."""
     while len(stack) > lo:
         s = stack.pop()
-        w = s.watcher()
-        if w is None or not w._attached or s.post is None:
+        w, post = s.watcher(), s.post()
+        if w is None or not w._attached or post is None:
             continue
         try:
-            s.post(s.module(), (), {}, None)
+            post(s.module(), (), {}, None)
         except (NonFiniteDetected, AbortAfterBatch):
             pass  # the interrupted batch's detection: in the sinks already; the first exception goes on
         except Exception as exc:
@@ -152,9 +172,9 @@ def _pre_op(token: torch.Tensor, slot: int) -> None:
         for s in _live(slot):
             if s in stack:  # its last call never returned (an exception inside the graph)
                 _unwind(stack, stack.index(s))
-            w = s.watcher()
-            if w is not None and w._attached:
-                s.pre(s.module(), ())
+            w, pre = s.watcher(), s.pre()
+            if w is not None and w._attached and pre is not None:
+                pre(s.module(), ())
                 stack.append(s)
     except (NonFiniteDetected, AbortAfterBatch):
         raise  # by design: a stop published by another rank, raised at the batch start
@@ -182,9 +202,9 @@ def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tens
         for s in live:
             if stack and stack[-1] is s:
                 stack.pop()
-            w = s.watcher()
-            if w is not None and w._attached and s.post is not None:
-                s.post(s.module(), args, kwargs, output)
+            w, post = s.watcher(), s.post()
+            if w is not None and w._attached and post is not None:
+                post(s.module(), args, kwargs, output)
     except (NonFiniteDetected, AbortAfterBatch):
         _unwind(_open.stack, 0)  # the enclosing calls end, as eager's always_call hooks end them
         raise  # by design: the detection (on_detect="raise") leaves the compiled call
