@@ -398,12 +398,12 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = N
     return float(((a - b).abs() / (b if scale is None else scale).abs().clamp_min(1e-30)).max())
 
 
-def attribute(trainer: CompiledTrainer, steps: int) -> dict:
+def attribute(trainer: CompiledTrainer, steps: int, op_calls: int) -> dict:
     """The watcher's share of the watched step, timed inside it (a companion to the paired
     ratio that machine drift moves less): the time in the ops' Python bodies (the eager hooks
     they run, and rebuilding the hooked values) plus the optimizer step hooks, over the step.
     Leaves out the custom ops' dispatch (measured apart: an op call with an empty body, times
-    the op calls per step) and indirect costs."""
+    `op_calls`, the op calls in the step's generated code) and indirect costs."""
     from tensorwatch_otel.core import compiled as front
 
     spent = [0.0]
@@ -438,7 +438,7 @@ def attribute(trainer: CompiledTrainer, steps: int) -> dict:
         front.rebuild = real_rebuild
         for s, pre, post in saved:
             s.pre, s.post = pre, post
-    calls = 2 * len(slots)
+    calls = op_calls
 
     @torch.library.custom_op("twbench::empty", mutates_args=("token",))
     def empty(token: torch.Tensor, x: torch.Tensor) -> None:
@@ -592,7 +592,8 @@ def main(argv=None) -> int:
         entry["ratio_mean"] = statistics.fmean(entry["ratios"])
     result["variants"] = variants
     if "watched" in trainers:
-        result["watched_attributed"] = attribute(trainers["watched"], max(args.rounds, 5))
+        result["watched_attributed"] = attribute(trainers["watched"], max(args.rounds, 5),
+                                                 first["watched"]["custom_op_calls"])
     result["switches"] = {n: probe_switches(trainers[n]) for n in RECORDERS if n in trainers}
     result["detection"] = {n: probe_detection(trainers[n]) for n in RECORDERS if n in trainers}
     report(result)
