@@ -7,8 +7,13 @@ against the compiled unwatched step (benchmarks/_bracketed.py; a full garbage co
 every step, untimed):
 
     null            a second compiled unwatched copy: copy-to-copy difference plus noise
-    today           tensorwatch_otel.watch(torch.compile(model), sinks=[]): the compiled call's
-                    edges and the weights, nothing inside the graph
+    watched         THE PACKAGE: tensorwatch_otel.watch(model, sinks=[]) before torch.compile(model):
+                    its hooks traced into the graph as custom ops that run the eager hook at
+                    run time (core/compiled.py): every module's weights, inputs and outputs
+    watched_sampled the same, with every_n_batches=10 (a copy of its own: one watcher sees
+                    consecutive batches)
+    wrapped         tensorwatch_otel.watch(torch.compile(model), sinks=[]): the same frames; the
+                    root's hooks run outside the graph
     custom          PROTOTYPE: forward hooks registered before compile write abs min/max of each
                     module's input and output into row r of a preallocated [rows, 2] buffer
                     through a torch.library.custom_op that mutates the buffer (opaque to
@@ -25,7 +30,7 @@ every step, untimed):
     plain_sampled   `plain`'s compiled model, device flag on every 10th step only (the
                     statistics are still computed, torch.where keeps the old row)
 
-The prototypes live in this file, not in the package: groundwork for the in-graph engine. Each
+The prototypes live in this file, not in the package: the groundwork for core/compiled.py. Each
 watched step ends with the per-batch read-back (one copy of the buffer to the host and an
 isfinite check there). Apart from the timing, per variant: graphs compiled and graph breaks on
 its first step (torch._dynamo counters), the inductor kernels and custom-op calls in its
@@ -57,6 +62,7 @@ import re
 import statistics
 import sys
 import time
+import weakref
 from typing import Callable, Dict, List, Optional
 from unittest import mock
 
@@ -68,7 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _bracketed import median_interval, run_bracketed  # noqa: E402
 
-VARIANTS = ("null", "today", "custom", "plain", "custom_sampled", "plain_sampled", "custom_kernel", "kernel_grad")
+VARIANTS = ("null", "watched", "watched_sampled", "wrapped", "custom", "plain", "custom_sampled", "plain_sampled", "custom_kernel", "kernel_grad")
 RECORDERS = ("custom", "plain", "custom_kernel", "kernel_grad")
 SAMPLE_EVERY = 10
 
@@ -274,17 +280,27 @@ class Recorder:
 class CompiledTrainer:
     """A model copy, compiled, with its AdamW and optional recorder: one fwd+bwd+AdamW step."""
 
-    def __init__(self, model, x, autocast, recorder: Optional[Recorder] = None, watch: bool = False,
-                 backend: str = "inductor"):
+    def __init__(self, model, x, autocast, recorder: Optional[Recorder] = None, watch: Optional[str] = None,
+                 backend: str = "inductor", every_n_batches: int = 1):
+        """watch: None, "before" (watch(model), then torch.compile) or "wrapped" (watch(torch.compile(model)))."""
+        import tensorwatch_otel as tw
+
         self.model, self.x, self.autocast, self.recorder = model, x, autocast, recorder
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        self.compiled = torch.compile(model, backend=backend)
         self.watcher = None
-        if watch:
-            import tensorwatch_otel as tw
-
+        if watch == "before":
+            self.watcher = tw.watch(model, sinks=[], on_detect="report", every_n_batches=every_n_batches)
+        self.compiled = torch.compile(model, backend=backend)
+        if watch == "wrapped":
             self.watcher = tw.watch(self.compiled, sinks=[], on_detect="report")
         self.calls = 0
+
+    def frames_recorded(self) -> int:
+        """Frames in the watcher's last finished batch (0 without a watcher)."""
+        if self.watcher is None:
+            return 0
+        records = self.watcher._history.records
+        return len(records[-1].frames) if records else 0
 
     #: wall time, or the process' CPU time (time.process_time, CPU only): immune to the
     #: preemption of a loaded shared machine
@@ -343,7 +359,8 @@ def first_step(trainer: CompiledTrainer, code_dir: Optional[str] = None, name: s
     kernels = [len(re.findall(r"^\w+ = async_compile\.", code, re.M)) for code in codes]
     return {"graphs": after["graphs"] - before["graphs"], "graph_breaks": after["breaks"] - before["breaks"],
             "compile_s": time.perf_counter() - t0, "kernels": sum(kernels), "kernels_per_graph": kernels,
-            "custom_op_calls": sum(len(re.findall(r"torch\.ops\.twbench\.\w+\.default\(", c)) for c in codes)}
+            "custom_op_calls": sum(len(re.findall(r"torch\.ops\.(?:twbench|tensorwatch)\.\w+\.default\(", c))
+                                   for c in codes)}
 
 
 def eager_reference(model, x, autocast, recorder: Recorder):
@@ -364,10 +381,78 @@ def eager_reference(model, x, autocast, recorder: Recorder):
     return ref, gref
 
 
+def eager_frames(base, x, autocast) -> int:
+    """The frames one eager forward of a copy records under tensorwatch_otel.watch()."""
+    import tensorwatch_otel as tw
+
+    model = copy.deepcopy(base)
+    with tw.watch(model, sinks=[], on_detect="report") as w, torch.no_grad(), \
+            torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
+        model(x)
+        return len(w._history.records[-1].frames)
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None) -> float:
     """max |a - b| / |scale| (scale: b). An abs min is the value nearest zero of a tensor: its
     relative difference is the rounding of that one value; against the row's abs max it is not."""
     return float(((a - b).abs() / (b if scale is None else scale).abs().clamp_min(1e-30)).max())
+
+
+def attribute(trainer: CompiledTrainer, steps: int, op_calls: int) -> dict:
+    """The watcher's share of the watched step, timed inside it (a companion to the paired
+    ratio that machine drift moves less): the time in the ops' Python bodies (the eager hooks
+    they run, and rebuilding the hooked values) plus the optimizer step hooks, over the step.
+    Leaves out the custom ops' dispatch (measured apart: an op call with an empty body, times
+    `op_calls`, the op calls in the step's generated code) and indirect costs."""
+    from tensorwatch_otel.core import compiled as front
+
+    spent = [0.0]
+    clock = CompiledTrainer.clock
+
+    def timed(fn):
+        def run(*a, **k):
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += clock() - t0
+        return run
+
+    w = trainer.watcher
+    slots = [s for s in front._SLOTS.values() if s.watcher() is w]
+    saved = [(s, s.pre, s.post) for s in slots]
+    real_rebuild = front.rebuild
+    keep = []  # the slots hold their hooks weakly
+    for s in slots:
+        pre, post = timed(s.pre()), timed(s.post())
+        keep += [pre, post]
+        s.pre, s.post = weakref.ref(pre), weakref.ref(post)
+    front.rebuild = timed(real_rebuild)
+    shares = []
+    try:
+        for _ in range(steps):
+            spent[0] = 0.0
+            total = trainer.step()
+            shares.append(spent[0] / total)
+    finally:
+        front.rebuild = real_rebuild
+        for s, pre, post in saved:
+            s.pre, s.post = pre, post
+    calls = op_calls
+
+    @torch.library.custom_op("twbench::empty", mutates_args=("token",))
+    def empty(token: torch.Tensor, x: torch.Tensor) -> None:
+        return None
+
+    token, x = torch.zeros(1), torch.zeros(4)
+    t0 = clock()
+    for _ in range(2000):
+        empty(token, x)
+    dispatch = (clock() - t0) / 2000
+    step_s = statistics.median(trainer.step() for _ in range(3))
+    return {"share_median": statistics.median(shares), "share_min": min(shares), "share_max": max(shares),
+            "op_calls_per_step": calls, "op_dispatch_us": dispatch * 1e6,
+            "dispatch_share": calls * dispatch / step_s}
 
 
 def probe_switches(trainer: CompiledTrainer) -> dict:
@@ -465,12 +550,16 @@ def main(argv=None) -> int:
     # the prototypes compile first: under torch's default skip_nnmodule_hook_guards=True a
     # hooked copy compiled after a hook-less copy of the same classes keeps only its root's hooks
     for name in [n for n in RECORDERS if n in names] + ["unwatched"] + [
-            n for n in ("null", "today") if n in names]:
+            n for n in ("null", "watched", "watched_sampled", "wrapped") if n in names]:
         model = copy.deepcopy(base)
         rec = Recorder(model, name) if name in RECORDERS else None
         ref, gref = eager_reference(model, x, autocast, rec) if rec is not None else (None, None)
-        trainers[name] = CompiledTrainer(model, x, autocast, rec, watch=name == "today", backend=args.backend)
+        how = {"watched": "before", "watched_sampled": "before", "wrapped": "wrapped"}.get(name)
+        trainers[name] = CompiledTrainer(model, x, autocast, rec, watch=how, backend=args.backend,
+                                         every_n_batches=SAMPLE_EVERY if name == "watched_sampled" else 1)
         first[name] = first_step(trainers[name], args.code_dir, name)
+        if how is not None:
+            first[name]["frames"] = trainers[name].frames_recorded()
         if rec is not None:  # the first step's forward ran on the reference's weights
             match[name] = {"rel_diff_abs_max": rel_diff(rec.buf[:, 1], ref[:, 1]),
                            "rel_diff_abs_min": rel_diff(rec.buf[:, 0], ref[:, 0]),
@@ -483,6 +572,7 @@ def main(argv=None) -> int:
         print(f"{name}: first step {first[name]}" + (f", vs eager {match[name]}" if name in match else ""),
               file=sys.stderr)
     result["first_step"], result["eager_match"] = first, match
+    result["eager_frames"] = eager_frames(base, x, autocast)
     steps: Dict[str, Callable[[], float]] = {n: t.step for n, t in trainers.items()}
     for name in ("custom_sampled", "plain_sampled"):
         if name in names:
@@ -501,6 +591,9 @@ def main(argv=None) -> int:
         entry["median_interval_90"] = list(median_interval(entry["ratios"]))
         entry["ratio_mean"] = statistics.fmean(entry["ratios"])
     result["variants"] = variants
+    if "watched" in trainers:
+        result["watched_attributed"] = attribute(trainers["watched"], max(args.rounds, 5),
+                                                 first["watched"]["custom_op_calls"])
     result["switches"] = {n: probe_switches(trainers[n]) for n in RECORDERS if n in trainers}
     result["detection"] = {n: probe_detection(trainers[n]) for n in RECORDERS if n in trainers}
     report(result)
@@ -514,17 +607,26 @@ def report(result: dict) -> None:
     print(f"\n{'variant':<15} {'median':>7} {'90% interval':>15} {'min':>7} {'max':>7} {'mean':>7} "
           f"{'graphs':>6} {'breaks':>6} {'kernels':>7} {'op calls':>8}")
     for name, v in result["variants"].items():
-        f = result["first_step"].get(name[:-len("_sampled")] if name.endswith("_sampled") else name, {})
+        f = result["first_step"].get(name) or result["first_step"].get(name[:-len("_sampled")], {})
         lo, hi = v["median_interval_90"]
         print(f"{name:<15} {v['ratio_median']:>7.3f} {lo:>7.3f}..{hi:<7.3f} {v['ratio_min']:>7.3f} "
               f"{v['ratio_max']:>7.3f} {v['ratio_mean']:>7.3f} {f.get('graphs', 0):>6} "
               f"{f.get('graph_breaks', 0):>6} {f.get('kernels', 0):>7} {f.get('custom_op_calls', 0):>8}")
     print(f"recompiles while timed: {result['recompiles_while_timed']}")
+    for name in ("watched", "watched_sampled", "wrapped"):
+        if name in result["first_step"]:
+            print(f"{name}: {result['first_step'][name]['frames']} frames in its first batch (eager watching: "
+                  f"{result['eager_frames']})")
     for name, m in result["eager_match"].items():
         print(f"{name} vs eager hooks ({m['rows']} rows): max rel diff abs max {m['rel_diff_abs_max']:.2e}, "
               f"abs min {m['rel_diff_abs_min']:.2e} (over the row's abs max {m['abs_min_diff_over_abs_max']:.2e})"
               + (f"; output gradients: {m['grad_rows_written']} of {m['grad_rows']} rows written, max rel diff "
                  f"abs max {m['grad_rel_diff_abs_max']:.2e}" if "grad_rows" in m else ""))
+    a = result.get("watched_attributed")
+    if a:
+        print(f"watched, attributed (time in the ops' bodies over the step): median {a['share_median']:.1%} "
+              f"(min {a['share_min']:.1%}, max {a['share_max']:.1%}); plus op dispatch {a['op_calls_per_step']} x "
+              f"{a['op_dispatch_us']:.1f} us = {a['dispatch_share']:.1%}")
     for name, s in result["switches"].items():
         print(f"{name} switches: " + ", ".join(
             f"{k} {v['recompiles']} recompile(s) {'written' if v['buffer_written'] else 'not written'}"

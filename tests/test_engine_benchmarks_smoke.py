@@ -43,8 +43,8 @@ def test_bench_compiled_quick(tmp_path):
     result, stdout = _run("bench_compiled.py", tmp_path)
     assert result["skip_nnmodule_hook_guards"] is False and result["backend"] == "inductor"
     v = result["variants"]
-    assert set(v) == {"unwatched", "null", "today", "custom", "plain", "custom_sampled", "plain_sampled",
-                      "custom_kernel", "kernel_grad"}
+    assert set(v) == {"unwatched", "null", "watched", "watched_sampled", "wrapped", "custom", "plain",
+                      "custom_sampled", "plain_sampled", "custom_kernel", "kernel_grad"}
     for name, r in v.items():
         assert len(r["ratios"]) == 2 and 0.05 < r["ratio_median"] < 50, (name, r)
     first = result["first_step"]
@@ -52,6 +52,11 @@ def test_bench_compiled_quick(tmp_path):
         assert first[name]["graphs"] >= 1 and first[name]["graph_breaks"] == 0, first[name]
         m = result["eager_match"][name]
         assert m["rel_diff_abs_max"] < 1e-4 and m["rows"] == 2 * 13, m
+    for name in ("watched", "watched_sampled", "wrapped"):  # the package: every module, inside the graph
+        assert first[name]["graph_breaks"] == 0 and first[name]["frames"] == result["eager_frames"] == 13, first
+        assert first[name]["custom_op_calls"] >= 2 * 12, first[name]  # a pre and a post op per module
+    a = result["watched_attributed"]  # the ops' bodies timed inside the watched step
+    assert 0 < a["share_median"] < 1 and a["op_calls_per_step"] == first["watched"]["custom_op_calls"] and a["op_dispatch_us"] > 0, a
     rows = result["eager_match"]["custom"]["rows"]
     # each (module, tensor) one op call in the generated code; the plain ops fused into kernels
     assert first["custom"]["custom_op_calls"] == first["custom_kernel"]["custom_op_calls"] == rows

@@ -1,6 +1,6 @@
 """Models entered other than through their root forward (encode()/decode(), submodules called
 directly) and compiled models: batches end, memory stays bounded, the inf is found and named, and
-under torch.compile the watcher says once what it watches."""
+under torch.compile the modules inside the graph are recorded as in eager mode, said once."""
 
 from __future__ import annotations
 
@@ -93,23 +93,28 @@ def _compile(module):
     return torch.compile(module, backend="eager")
 
 
-def test_watch_compiled_model_records_inputs_outputs_weights_and_says_so(caplog):
+EAGER_FRAMES = ["encoder.0", "encoder.1", "encoder", "decoder", ""]
+
+
+def test_watch_compiled_model_records_every_module_inside_the_graph_and_says_so(caplog):
     torch.manual_seed(0)
     model = EncDec()
     compiled = _compile(model)
     sink = Collect()
-    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+    with caplog.at_level(logging.INFO, logger="tensorwatch_otel"):
         w = watch(compiled, sinks=[sink], on_detect="report")
         x = torch.randn(2, 4)
         compiled(x)
         compiled(x)
-    said = [r for r in caplog.records if "torch.compile" in r.getMessage()]
-    assert len(said) == 1
+    said = [r for r in caplog.records if "torch.compile" in r.getMessage() and "traced" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
     frames = sink.batches[-1].frames
-    assert [f.module for f in frames] == ["encoder.0", "decoder", ""]  # no _orig_mod. anywhere
+    assert [f.module for f in frames] == EAGER_FRAMES  # no _orig_mod. anywhere
     assert frames[-1].module_class == "EncDec"
     root = {t.name: t for t in frames[-1].tensors}
     assert root["output"].abs_max == pytest.approx(compiled(x).abs().max().item())
+    inner = {t.name: t for t in frames[0].tensors}
+    assert inner["output"].abs_max == pytest.approx(model.encoder[0](x).abs().max().item())
     with torch.no_grad():
         model.encoder[0].weight[0, 0] = float("inf")
     compiled(x)
@@ -140,8 +145,8 @@ def test_inductor_compiled_training_is_watched_and_an_inf_weight_named():
             opt.zero_grad()
         assert w.batch_number == 3 and len(sink.batches) == 3
         frames = sink.batches[-1].frames
-        assert [f.module for f in frames] == ["encoder.0", "decoder", ""]
-        weights = {f.module: {t.name: t for t in f.tensors} for f in frames[:2]}
+        assert [f.module for f in frames] == EAGER_FRAMES
+        weights = {f.module: {t.name: t for t in f.tensors} for f in frames}
         assert weights["decoder"]["weight"].abs_max == want_w  # live, not stale
         assert {t.name: t for t in frames[-1].tensors}["output"].abs_max == want_out
         with torch.no_grad():
@@ -151,26 +156,29 @@ def test_inductor_compiled_training_is_watched_and_an_inf_weight_named():
     assert (ev.module, ev.module_class, ev.tensor, ev.kind) == ("encoder.0", "Linear", "weight", "inf")
 
 
-def test_compiled_after_watch_is_said_once_not_silent(caplog):
+def test_compiled_after_watch_records_inside_the_graph_without_a_warning(caplog):
     model = EncDec()
+    sink = Collect()
     with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
-        w = watch(model, sinks=[Collect()])
+        w = watch(model, sinks=[sink])
         compiled = _compile(model)
         for _ in range(3):
             compiled(torch.randn(2, 4))
         w.detach()
-    said = [r for r in caplog.records if "compiled" in r.getMessage()]
-    assert len(said) == 1
-    assert "watch(torch.compile(model))" in said[0].getMessage()
+    assert [r for r in caplog.records if "compile" in r.getMessage()] == []
+    assert [b.batch_number for b in sink.batches] == [0, 1, 2]
+    assert [f.module for f in sink.batches[-1].frames] == EAGER_FRAMES
 
 
-def test_model_compiled_in_place_is_said_at_watch(caplog):
+def test_model_compiled_in_place_is_said_at_watch_and_recorded(caplog):
     model = EncDec()
     model.compile(backend="eager")
-    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
-        w = watch(model, sinks=[Collect()])
+    sink = Collect()
+    with caplog.at_level(logging.INFO, logger="tensorwatch_otel"):
+        w = watch(model, sinks=[sink])
         said = [r for r in caplog.records if "torch.compile" in r.getMessage()]
         model(torch.randn(2, 4))
         w.detach()
-    assert len(said) == 1 and "model.compile()" in said[0].getMessage()
+    assert len(said) == 1 and "traced into its graph" in said[0].getMessage()
     assert len([r for r in caplog.records if "torch.compile" in r.getMessage()]) == 1
+    assert [f.module for f in sink.batches[-1].frames] == EAGER_FRAMES

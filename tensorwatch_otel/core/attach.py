@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from . import naming
+from . import compiled, naming
 from .config import WatchConfig
 from .optim_state import OptimizerStateReader
 from .record import ModuleInfo
@@ -119,6 +119,7 @@ def place_hooks(w: "Watcher") -> None:
     inner = naming.unwrap_root(w.model)
     if inner is not w.model:
         w._compiled = any(type(m).__name__ == "OptimizedModule" for m in w.model.modules())
+    compiled.hook_guards()  # before any graph sees the hooks
     w._index = ParamIndex()
     w._hooked = weakref.WeakKeyDictionary()
     w._param_hooks = {}
@@ -184,8 +185,6 @@ def rescan(w: "Watcher", first: bool = False) -> None:
         info = h.info
         for pname, p in module.named_parameters(recurse=False):
             owners.setdefault(id(p), (info, pname))
-        if w._compiled and not is_root and info.params:
-            weight_infos.append((info, module))  # compiled away: weights are read at the root
         if cfg.gradients and info.recorded:
             for name, p in module.named_parameters(recurse=False):
                 if p.requires_grad and id(p) not in param_hooks:
@@ -223,18 +222,22 @@ def _hook_module(w: "Watcher", h: _Hooked, module: torch.nn.Module, is_root: boo
     info = h.info
     if is_root and w._capture is not None:
         h.handles.append(module.register_forward_pre_hook(w._capture_hook, with_kwargs=True))
-    if not (w._compiled and not is_root):  # compiled away: hooks inside the graph do not run
-        h.handles.append(module.register_forward_pre_hook(w._pre_hook))
-        h.handles.append(module.register_forward_hook(w._make_hook(info), with_kwargs=True, always_call=True))
+    # traced into a compiled graph, each hook becomes an op that runs it at run time (core/compiled.py)
+    slot = compiled.new_slot(w, module, w._pre_hook)
+    hook = w._make_hook(info, slot)
+    compiled.set_post(slot, hook)
+    h.handles.append(module.register_forward_pre_hook(compiled.pre_hook(slot, w._pre_hook, is_root)))
+    h.handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
+    h.handles.append(compiled.SlotHandle(slot))
     w._handles.extend(h.handles)
 
 
 def say_compiled(w: "Watcher") -> None:
-    """What a watcher of a torch.compile'd module records, said once."""
-    log.warning(
-        "tensorwatch_otel: %s is compiled with torch.compile: module hooks do not run inside "
-        "compiled graphs, so each batch records the compiled call's inputs and outputs and "
-        "the weights of every module%s; an inf/nan born inside the graph is reported at the "
-        "model's output. Watch the model before compiling it only to debug in eager mode.",
+    """What a watcher of a torch.compile'd module records, said once at INFO."""
+    log.info(
+        "tensorwatch_otel: %s runs under torch.compile: the watcher's hooks are traced into its "
+        "graph (one op per hook, run between the compiled kernels), so every module is recorded "
+        "as in eager mode%s",
         naming.module_class_name(naming.unwrap_root(w.model)),
-        " and their gradients" if w.config.gradients else "")
+        ("; gradients: the parameters'" + (" and the compiled call's inputs' and output's" if w._compiled else "")
+         + ", not the activations' inside the graph") if w.config.gradients else "")

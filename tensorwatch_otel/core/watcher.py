@@ -32,6 +32,7 @@ from .recorder import FrameRecorder
 from .backward import BackwardRecorder
 from .detection import DetectionPipeline
 from .attach import place_hooks, rescan, say_compiled
+from .compiled import traced_post
 from .step_monitor import StepHost, StepMonitor
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,6 @@ class Watcher:
                                           self._steps.backward_done, self._hook_failed)
         self._step_hooks = None  # the StepTracker (core/attach.py)
         self._compiled = False
-        self._compile_warned = False
         self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
         # the model's parameters and their owners, found again when replaced (core/attach.py)
         self._index = None
@@ -144,10 +144,8 @@ class Watcher:
         place_hooks(self)
         self._attached = True
         ACTIVE.add(self)
-        if getattr(self.model, "_compiled_call_impl", None) is not None:
-            self._compiled_away()  # model.compile() in place: even the root's hooks run in the graph
-        if self._compiled:
-            say_compiled(self)
+        if self._compiled or getattr(self.model, "_compiled_call_impl", None) is not None:
+            say_compiled(self)  # torch.compile'd (or model.compile() in place): hooks run as ops
 
     def detach(self) -> None:
         """Remove every hook, flush the sinks and close those the watcher created. Idempotent."""
@@ -247,7 +245,8 @@ class Watcher:
         return batch % cfg.every_n_batches == 0 or batch in cfg.trace_batches
 
     # ---------------------------------------------------------------- hot path
-    def _make_hook(self, info: ModuleInfo):
+    def _make_hook(self, info: ModuleInfo, slot: int = 0):
+        """`slot`: the hook's op slot (core/compiled.py), called in its place while dynamo traces."""
         record = self.behaviour.record
         recorder = self._recorder
         tls = self._tls
@@ -255,10 +254,11 @@ class Watcher:
         compiling = torch.compiler.is_compiling
 
         def hook(module, args, kwargs, output):
-            if self._replaying:
+            if compiling():  # traced into a graph: an op runs this hook at run time
+                if slot:
+                    traced_post(slot, args, kwargs, output)
                 return
-            if compiling():
-                self._compiled_away()
+            if self._replaying:
                 return
             st = tls.st
             outside_backward = graph_task() == -1  # inside: checkpoint recomputation, not a batch
@@ -289,7 +289,8 @@ class Watcher:
         return hook
 
     def _pre_hook(self, module, args):
-        if self._replaying or torch.compiler.is_compiling():
+        # registered through compiled.pre_hook, which runs it only outside dynamo's tracing
+        if self._replaying:
             return
         st = self._tls.st
         if st.depth == 0:
@@ -349,15 +350,6 @@ class Watcher:
         """A silent watcher that checks every module as it returns (for the re-run)."""
         return Watcher(model, [sink], WatchConfig.build(check="module", on_detect="report", max_frames=1,
                                                         guard_steps=False, environ={}))
-
-    def _compiled_away(self) -> None:
-        if not self._compile_warned and not self._compiled:
-            self._compile_warned = True
-            log.warning(
-                "tensorwatch_otel: the watched model runs under torch.compile (compiled after watch(), or "
-                "in place with model.compile()): its hooks are compiled away and nothing of it is watched. "
-                "Call watch() on the compiled module (watch(torch.compile(model))) to watch its "
-                "inputs, outputs and every weight.")
 
     def _hook_failed(self, info: ModuleInfo, exc: Exception) -> None:
         self._failed_hooks += 1

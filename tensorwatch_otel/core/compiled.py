@@ -1,0 +1,374 @@
+"""The compiled front end: watcher hooks that torch.compile traces into its graph call one custom
+op per hook; the op's Python body runs the eager hook at run time, on the graph's real tensors.
+
+Dynamo traces the forward hooks and pre-hooks registered on a module into the graph of the code
+that calls it. Traced, a hook only adds a call to `tensorwatch::pre` or `tensorwatch::post`
+with its slot number (which watcher, which module), the module's input and output tensors and a
+spec string describing the structure around them (tuples, dicts, None, other values). At run
+time the op rebuilds that structure around the real tensors and calls the watcher's eager hook,
+so a compiled call fills the same Record as an eager one: same frames, names, caches, batch
+boundaries and detection, with nothing to read inside the graph. Every op mutates one token
+tensor, which keeps them in call order and keeps them from being removed as dead code; being
+opaque to inductor, they run between the fused kernels, on the values those produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import AbortAfterBatch, NonFiniteDetected
+
+log = logging.getLogger(__name__)
+
+_MAX_ITEMS = 256  # as recorder.MAX_ITEMS: values looked at per container
+_MAX_DEPTH = 6  # as recorder.MAX_DEPTH
+
+# Ordering token: every op reads and writes it, so the ops keep the order the hooks ran in.
+_TOKEN = torch.zeros(1)
+
+
+class _Other:
+    """Stands, at run time, for a value that is not a tensor, None or a container (noted as such)."""
+
+    __slots__ = ()
+
+
+_OTHER = _Other()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _weak(fn: Optional[Callable]) -> Callable[[], Optional[Callable]]:
+    """A weak reference to a hook (held by its module while registered): the global slot table
+    must not keep a watcher, its model and its sinks alive."""
+    if fn is None:
+        return _nothing
+    return weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
+
+
+class _Slot:
+    """What one op call site runs: the watcher's eager pre-hook and hook for one module, each
+    held weakly (`s.pre()` is the pre-hook, or None once it is gone)."""
+
+    __slots__ = ("watcher", "module", "pre", "post")
+
+    def __init__(self, watcher, module: torch.nn.Module, pre: Callable, post: Optional[Callable]):
+        self.watcher = weakref.ref(watcher)
+        self.module = weakref.ref(module)
+        self.pre = _weak(pre)
+        self.post = _weak(post)
+
+
+_SLOTS: Dict[int, _Slot] = {}
+# slot -> its module, kept after the slot is released: a graph traced for a watcher since
+# detached, and reused for a new watcher of the same module, reaches the new watcher's slot
+_MODULE_OF: Dict[int, "weakref.ref[torch.nn.Module]"] = {}
+_BY_MODULE: "weakref.WeakKeyDictionary[torch.nn.Module, List[int]]" = weakref.WeakKeyDictionary()
+_ids = itertools.count(1)
+
+
+class SlotHandle:
+    """Releases a slot when the watcher removes its hooks (a RemovableHandle's shape)."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int):
+        self.slot = slot
+
+    def remove(self) -> None:
+        s = _SLOTS.pop(self.slot, None)
+        if s is not None:
+            m = s.module()
+            live = _BY_MODULE.get(m) if m is not None else None
+            if live is not None and self.slot in live:
+                live.remove(self.slot)
+
+
+def new_slot(watcher, module: torch.nn.Module, pre: Callable, post: Optional[Callable] = None) -> int:
+    slot = next(_ids)
+    if slot % 1024 == 0:
+        _forget_freed()
+    _SLOTS[slot] = _Slot(watcher, module, pre, post)
+    _MODULE_OF[slot] = weakref.ref(module)
+    _BY_MODULE.setdefault(module, []).append(slot)
+    return slot
+
+
+def _forget_freed() -> None:
+    """Drops the slots of modules freed since (a model dropped without detach(): its slots
+    would keep its watcher and sinks alive)."""
+    for k in [k for k, ref in _MODULE_OF.items() if ref() is None]:
+        del _MODULE_OF[k]
+        _SLOTS.pop(k, None)
+
+
+def set_post(slot: int, post: Callable) -> None:
+    _SLOTS[slot].post = _weak(post)
+
+
+def _live(slot: int) -> List[_Slot]:
+    s = _SLOTS.get(slot)
+    if s is not None:
+        return [s]
+    ref = _MODULE_OF.get(slot)
+    m = ref() if ref is not None else None
+    if m is None:
+        return []
+    return [_SLOTS[i] for i in _BY_MODULE.get(m, ()) if i in _SLOTS]
+
+
+# ------------------------------------------------------------------------------ the ops
+_failed = False
+
+
+def _op_failed(exc: Exception) -> None:
+    """An error of ours inside a compiled graph: logged once, the graph goes on."""
+    global _failed
+    if not _failed:
+        _failed = True
+        log.error("tensorwatch_otel: recording inside a compiled graph failed (%s: %s); training goes on",
+                  type(exc).__name__, exc)
+
+
+class _Open(threading.local):
+    """The calling thread's module calls whose pre op ran and whose post op has not yet."""
+
+    def __init__(self) -> None:
+        self.stack: List[_Slot] = []
+
+
+_open = _Open()
+
+
+def _unwind(stack: List[_Slot], lo: int) -> None:
+    """Calls left open by an exception inside a compiled graph (no hook runs there when a
+    forward raises, unlike eager's always_call hooks): their hooks run now, innermost first,
+    with no values, so the batch ends as it would have in eager mode."""
+    while len(stack) > lo:
+        s = stack.pop()
+        w, post = s.watcher(), s.post()
+        if w is None or not w._attached or post is None:
+            continue
+        try:
+            post(s.module(), (), {}, None)
+        except (NonFiniteDetected, AbortAfterBatch):
+            pass  # the interrupted batch's detection: in the sinks already; the first exception goes on
+        except Exception as exc:
+            _op_failed(exc)
+
+
+@torch.library.custom_op("tensorwatch::pre", mutates_args=("token",))
+def _pre_op(token: torch.Tensor, slot: int) -> None:
+    stack = _open.stack
+    try:
+        for s in _live(slot):
+            if s in stack:  # its last call never returned (an exception inside the graph)
+                _unwind(stack, stack.index(s))
+            w, pre = s.watcher(), s.pre()
+            if w is not None and w._attached and pre is not None:
+                pre(s.module(), ())
+                stack.append(s)
+    except (NonFiniteDetected, AbortAfterBatch):
+        raise  # by design: a stop published by another rank, raised at the batch start
+    except Exception as exc:
+        _op_failed(exc)
+
+
+@_pre_op.register_fake
+def _pre_fake(token, slot) -> None:
+    return None
+
+
+@torch.library.custom_op("tensorwatch::post", mutates_args=("token",))
+def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tensor]) -> None:
+    try:
+        live = _live(slot)
+        if not live:
+            return
+        try:
+            args, kwargs, output = rebuild(spec, tensors)
+        except Exception as exc:  # the hook still runs (no values): the batch still ends
+            _op_failed(exc)
+            args, kwargs, output = (), {}, None
+        stack = _open.stack
+        for s in live:
+            if stack and stack[-1] is s:
+                stack.pop()
+            w, post = s.watcher(), s.post()
+            if w is not None and w._attached and post is not None:
+                post(s.module(), args, kwargs, output)
+    except (NonFiniteDetected, AbortAfterBatch):
+        _unwind(_open.stack, 0)  # the enclosing calls end, as eager's always_call hooks end them
+        raise  # by design: the detection (on_detect="raise") leaves the compiled call
+    except Exception as exc:
+        _op_failed(exc)
+
+
+@_post_op.register_fake
+def _post_fake(token, slot, spec, tensors) -> None:
+    return None
+
+
+# ------------------------------------------------------------------------------ traced side
+def traced_pre(slot: int) -> None:
+    """Called by a pre-hook while dynamo traces: the op call that runs it at run time (none in
+    a torch.export: an exported program is not this process's to watch)."""
+    if not torch.compiler.is_exporting():
+        torch.ops.tensorwatch.pre(_TOKEN, slot)
+
+
+def pre_hook(slot: int, eager: Callable, is_root: bool = False) -> Callable:
+    """The forward pre-hook registered on a module: the eager one, or its op while traced. The
+    root's, run eagerly (a compiled model watched through its wrapper), first ends the calls an
+    exception left open inside the last compiled call."""
+    compiling = torch.compiler.is_compiling
+    stack = _open
+
+    def pre(module, args):
+        if compiling():
+            traced_pre(slot)
+            return None
+        if is_root and stack.stack:
+            _unwind(stack.stack, 0)
+        return eager(module, args)
+    return pre
+
+
+def traced_post(slot: int, args, kwargs, output) -> None:
+    """Called by a hook while dynamo traces: the op call that runs it at run time, with the
+    module's tensors and the structure around them (a constant of the graph)."""
+    if torch.compiler.is_exporting():
+        return
+    tensors: List[torch.Tensor] = []
+    spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
+    torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)
+
+
+def _spec(v, tensors: list, depth: int) -> str:
+    """The structure of `v` as a string; its tensors appended to `tensors` in walk order. Kept
+    to what dynamo folds into constants: isinstance, string concatenation, len."""
+    if isinstance(v, torch.Tensor):
+        tensors.append(v)
+        return "T"
+    if v is None:
+        return "N"
+    if depth >= _MAX_DEPTH:
+        return "X"
+    if isinstance(v, (tuple, list)):
+        s = "("
+        for x in v[:_MAX_ITEMS]:
+            s = s + _spec(x, tensors, depth + 1)
+        return s + ")"
+    if isinstance(v, dict):
+        s = "{"
+        n = 0
+        for k, x in v.items():
+            if n >= _MAX_ITEMS:
+                break
+            n += 1
+            key = k if isinstance(k, str) else str(k)
+            s = s + str(len(key)) + ":" + key + _spec(x, tensors, depth + 1)
+        return s + "}"
+    return "X"
+
+
+# ------------------------------------------------------------------------------ run-time side
+_PARSED: Dict[str, tuple] = {}  # spec -> its parsed form (one per call site)
+
+
+def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[tuple, dict, object]:
+    """(args, kwargs, output) of the hooked call, the real tensors in place."""
+    parsed = _PARSED.get(spec)
+    if parsed is None:
+        parsed, _ = _parse(spec, 0)
+        if len(_PARSED) < 4096:
+            _PARSED[spec] = parsed
+    it = iter(tensors)
+    args, kwargs, output = (_fill(p, it) for p in parsed)
+    return args, kwargs, output
+
+
+def _parse(spec: str, i: int) -> Tuple[tuple, int]:
+    """Parses the three values at spec[i:]: ("T",), ("N",), ("X",), ("(", items), ("{", [(k, v)])."""
+    out = []
+    for _ in range(3):
+        v, i = _parse_one(spec, i)
+        out.append(v)
+    return tuple(out), i
+
+
+def _parse_one(spec: str, i: int):
+    c = spec[i]
+    if c in "TNX":
+        return (c,), i + 1
+    if c == "(":
+        i += 1
+        items = []
+        while spec[i] != ")":
+            v, i = _parse_one(spec, i)
+            items.append(v)
+        return ("(", items), i + 1
+    if c == "{":
+        i += 1
+        pairs = []
+        while spec[i] != "}":
+            colon = spec.index(":", i)
+            n = int(spec[i:colon])
+            key = spec[colon + 1:colon + 1 + n]
+            v, i = _parse_one(spec, colon + 1 + n)
+            pairs.append((key, v))
+        return ("{", pairs), i + 1
+    raise ValueError(f"tensorwatch_otel: bad traced structure at {i}: {spec!r}")
+
+
+def _fill(p, it):
+    c = p[0]
+    if c == "T":
+        return next(it)
+    if c == "N":
+        return None
+    if c == "X":
+        return _OTHER
+    if c == "(":
+        return tuple(_fill(x, it) for x in p[1])
+    return {k: _fill(x, it) for k, x in p[1]}
+
+
+# ------------------------------------------------------------------------------ dynamo's settings
+_configured = False
+
+
+def hook_guards() -> None:
+    """Hooks added or removed after a graph was compiled are ignored by that graph under torch's
+    default (`skip_nnmodule_hook_guards=True`, no guard on the hook dicts), and a hooked module
+    compiled after a hook-less one of the same class reuses the hook-less graph: either leaves a
+    compiled model silently unwatched. Turned off once per process, said at INFO."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    try:
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+        cfg = torch._dynamo.config
+        if not getattr(cfg, "skip_nnmodule_hook_guards", False):
+            return
+        cfg.skip_nnmodule_hook_guards = False
+        # graphs compiled before now hold no guard on hooks: they would run on, unwatched
+        stale = counters["stats"]["unique_graphs"] > 0
+        if stale:
+            torch._dynamo.reset()
+        log.info("tensorwatch_otel: set torch._dynamo.config.skip_nnmodule_hook_guards = False, so that "
+                 "compiled graphs see the watcher's hooks added or removed (at most one recompile per "
+                 "watch() or detach())%s", "; the graphs compiled before the first watch() were dropped "
+                 "(torch._dynamo.reset()) and compile again at their next call" if stale else "")
+    except Exception as exc:  # no dynamo (a torch without it): nothing is compiled
+        log.debug("tensorwatch_otel: torch._dynamo not available: %s", exc)

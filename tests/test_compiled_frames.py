@@ -1,0 +1,510 @@
+"""Compiled models are watched inside the graph: watch() before torch.compile(model),
+model.compile() before watch(), and watch(torch.compile(model)) record the frames eager records
+(same module paths, tensor names, values), with no graph break of ours; an inf is named where it is
+born inside the graph; detach stops recording, sampling does not recompile, and the step guard
+and `gradients=True` work on compiled models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _collect import Collect
+from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Mlp(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, heads)
+        self.ln2, self.mlp = nn.LayerNorm(d), Mlp(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Stack(nn.Module):
+    """A pre-norm transformer block stack (LayerNorm, attention through Linear layers, MLP,
+    residuals)."""
+
+    def __init__(self, n_blocks: int = 3, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(n_blocks))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _pairs(frames):
+    return [(f.module, t.name) for f in frames for t in f.tensors]
+
+
+def _values(frames):
+    return {(f.module, t.name): (t.abs_min, t.abs_max) for f in frames for t in f.tensors}
+
+
+def _close(a: float, b: float, scale: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-3 * scale)
+
+
+def _eager_reference(model, x):
+    """The frames eager watching records for one forward, and the events of two inf cases."""
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="report"):
+        model(x)
+    return sink.batches[-1].frames
+
+
+def _compiled(model, how: str, backend: str):
+    """(the watcher, the callable a user calls) for each way of compiling."""
+    sink = Collect()
+    if how == "watch_then_compile":
+        w = watch(model, sinks=[sink], on_detect="report")
+        call = torch.compile(model, backend=backend)
+    elif how == "model_compile_then_watch":
+        model.compile(backend=backend)
+        w = watch(model, sinks=[sink], on_detect="report")
+        call = model
+    else:  # watch(torch.compile(model))
+        call = torch.compile(model, backend=backend)
+        w = watch(call, sinks=[sink], on_detect="report")
+    return w, sink, call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["watch_then_compile", "model_compile_then_watch", "watch_compiled"])
+def test_every_way_of_compiling_records_the_eager_frames_and_names_the_inf_where_born(how):
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(2, 8, 16)
+    eager = _eager_reference(model, x)
+    breaks = _breaks()
+    w, sink, call = _compiled(model, how, "inductor")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = call(x)
+    assert _breaks() == breaks  # no graph break of ours
+    frames = sink.batches[-1].frames
+    assert _pairs(frames) == _pairs(eager)  # every (module, tensor) eager records, in its order
+    assert len(frames) == 33 and frames[-1].module == "" and frames[-1].module_class == "Stack"
+    ref, got = _values(eager), _values(frames)
+    for key, (mn, mx) in ref.items():
+        assert _close(got[key][1], mx, mx), (key, got[key], (mn, mx))
+        assert _close(got[key][0], mn, mx), (key, got[key], (mn, mx))
+    # training through the compiled model: fwd + bwd + AdamW, one batch per compiled call
+    for step in range(2):
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        out = call(x)
+    assert w.batch_number == 3 and [b.batch_number for b in sink.batches] == [0, 1, 2]
+    live = model.blocks[1].mlp.fc2.weight.detach().abs().max().item()
+    assert _values(sink.batches[-1].frames)[("blocks.1.mlp.fc2", "weight")][1] == live  # after the steps
+    assert _values(sink.batches[-1].frames)[("", "output")][1] == pytest.approx(out.detach().abs().max().item())
+    # an inf in a middle block's weight: named at that block's Linear, as eager names it
+    with torch.no_grad():
+        model.blocks[1].attn.qkv.weight[0, 0] = float("inf")
+    call(x)
+    (ev,) = sink.of(NonFiniteEvent)
+    assert (ev.module, ev.module_class, ev.tensor, ev.batch_number) == ("blocks.1.attn.qkv", "Linear", "weight", 3)
+    # an inf born inside the graph, in an activation (finite weights, finite input): named at
+    # the module whose output it is, not at the model's output
+    with torch.no_grad():
+        model.blocks[1].attn.qkv.weight[0, 0] = 0.0
+        model.blocks[1].mlp.fc1.weight.fill_(1e38)
+    call(x)
+    ev = sink.of(NonFiniteEvent)[-1]
+    assert (ev.module, ev.tensor, ev.batch_number) == ("blocks.1.mlp.fc1", "output", 4)
+    assert _breaks() == breaks
+    w.detach()
+
+
+@pytest.mark.slow
+def test_a_detection_raises_out_of_the_compiled_call():
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2)
+    sink = Collect()
+    w = watch(model, sinks=[sink])  # on_detect="raise"
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 8, 16)
+    compiled(x)
+    with torch.no_grad():
+        model.blocks[0].mlp.fc2.bias[3] = float("nan")
+    with pytest.raises(NonFiniteDetected) as ei:
+        compiled(x)
+    assert (ei.value.event.module, ei.value.event.tensor) == ("blocks.0.mlp.fc2", "bias")
+    assert sink.of(NonFiniteEvent) == [ei.value.event]
+    w.detach()
+
+
+@pytest.mark.slow
+def test_detach_stops_recording_with_one_recompile_and_a_new_watch_records_again():
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1)
+    x = torch.randn(2, 8, 16)
+    w = watch(model, sinks=[Collect()], on_detect="report")
+    compiled = torch.compile(model, backend="aot_eager")
+    g = _graphs()
+    compiled(x)
+    per_compile = _graphs() - g  # graphs of one compile (the root's hooks are graphs apart)
+    compiled(x)
+    sink = w.sinks[0]
+    assert len(sink.batches) == 2 and len(sink.batches[-1].frames) == 13
+    g = _graphs()
+    w.detach()
+    compiled(x)
+    assert _graphs() - g <= per_compile  # at most one recompile for the detach
+    g = _graphs()
+    compiled(x)
+    compiled(x)
+    assert _graphs() == g  # none per call
+    assert len(sink.batches) == 2 and w.batch_number == 2  # the graph knows: nothing recorded
+    again = Collect()
+    g = _graphs()
+    w2 = watch(model, sinks=[again], on_detect="report")
+    compiled(x)
+    assert _graphs() - g <= per_compile  # at most one for the new watch()
+    g = _graphs()
+    compiled(x)
+    compiled(x)
+    assert _graphs() == g
+    assert [b.batch_number for b in again.batches] == [0, 1, 2]
+    assert _pairs(again.batches[-1].frames) == _pairs(sink.batches[-1].frames)
+    w2.detach()
+
+
+@pytest.mark.slow
+def test_every_n_batches_samples_without_recompiling():
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1)
+    x = torch.randn(2, 8, 16)
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report", every_n_batches=3)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(x)
+    g = _graphs()
+    for _ in range(6):
+        compiled(x)
+    assert _graphs() == g  # sampled and unsampled batches run the same graph
+    assert [b.batch_number for b in sink.batches] == [0, 3, 6]
+    assert all(len(b.frames) == 13 for b in sink.batches)
+    w.detach()
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.slow
+def test_step_guard_checks_the_gradients_of_a_compiled_model():
+    """The guard (on by default) reads the gradients at the optimizer step, outside the graph:
+    an inf born in the loss stops the step, named at a gradient."""
+    torch.manual_seed(0)
+    model = _Two()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sink = Collect()
+    with watch(model, sinks=[sink]):
+        compiled = torch.compile(model, backend="aot_eager")
+        x = torch.randn(4, 8)
+        compiled(x).sum().backward()
+        opt.step()  # healthy: goes through
+        opt.zero_grad()
+        (compiled(x).sum() * torch.tensor(float("inf"))).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(NonFiniteDetected) as ei:
+            opt.step()
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # stopped before
+    ev = ei.value.event
+    assert (ev.module, ev.tensor, ev.phase, ev.batch_number) == ("b", "bias.grad", "backward", 1)
+
+
+@pytest.mark.slow
+def test_gradients_true_under_compile_records_parameter_gradients_only():
+    """What `gradients=True` records under compile: each parameter's gradient as it is
+    accumulated (outside the compiled backward), not the activations' gradients (inside it)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+
+    def grads(compile_it: bool):
+        torch.manual_seed(0)
+        model = _Two()
+        sink = Collect()
+        with watch(model, sinks=[sink], gradients=True, on_detect="report"):
+            call = torch.compile(model, backend="aot_eager") if compile_it else model
+            call(x).sum().backward()
+        back = [b for b in sink.batches if b.frames and b.frames[0].phase == "backward"]
+        return [(f.module, t.name, t.abs_max) for b in back for f in b.frames for t in f.tensors]
+
+    eager, comp = grads(False), grads(True)
+    params = [g for g in eager if g[1] in ("weight.grad", "bias.grad")]
+    assert len(params) == 4 and len(eager) > len(params)  # eager also sees activation gradients
+    assert {(m, n): v for m, n, v in comp} == pytest.approx({(m, n): v for m, n, v in params})
+    assert len(comp) == len(params)
+
+
+_COMPILED_BEFORE_WATCH = r"""
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_compiled_frames import Stack
+from _collect import Collect
+from tensorwatch_otel import watch
+x = torch.randn(2, 8, 16)
+first = Stack(1)
+compiled = torch.compile(first, backend="aot_eager")
+compiled(x)  # compiled and run before any watch(): torch's default, no guard on hooks
+a = Collect()
+wa = watch(compiled, sinks=[a], on_detect="report")
+compiled(x)
+second = Stack(1)  # a new instance of the same classes, watched, then compiled
+b = Collect()
+wb = watch(second, sinks=[b], on_detect="report")
+torch.compile(second, backend="aot_eager")(x)
+print(len(a.batches[-1].frames), len(b.batches[-1].frames))
+"""
+
+
+@pytest.mark.slow
+def test_a_graph_compiled_before_the_first_watch_is_compiled_again_with_the_hooks(tmp_path):
+    """torch's default skip_nnmodule_hook_guards=True leaves graphs compiled before watch()
+    blind to the hooks (and reused for a hooked instance of the same classes): the first watch()
+    of the process turns the guards on and drops those graphs, said at INFO. A fresh process,
+    so that no earlier watch() in this one has done it already."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "before.py"
+    script.write_text(_COMPILED_BEFORE_WATCH.format(tests=here))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["13", "13"]  # every module of each, not the root alone
+
+
+class _Odd(nn.Module):
+    """Outputs of every shape the recorder walks: a dict, a tuple holding None and an int, and
+    keyword inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, *, scale=None):
+        y = self.lin(x) * scale
+        return {"y": y, "rest": (y.sum(), None, 3)}
+
+
+class _OddRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.odd = _Odd()
+
+    def forward(self, x):
+        return self.odd(x, scale=torch.tensor(2.0))["y"]
+
+
+@pytest.mark.slow
+def test_odd_structures_get_the_eager_names_with_fullgraph_and_a_failure_of_ours_stops_nothing(
+        monkeypatch, caplog):
+    torch.manual_seed(0)
+    model = _OddRoot()
+    x = torch.randn(2, 4)
+    eager = _eager_reference(model, x)
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # no graph break at all
+    compiled(x)
+    assert _pairs(sink.batches[-1].frames) == _pairs(eager)
+    assert ("odd", "input.scale") in _pairs(eager) and ("odd", "output.rest[1]") in _pairs(eager)
+    ref, got = _values(eager), _values(sink.batches[-1].frames)
+    assert {k: v for k, v in got.items() if v != (None, None)} == pytest.approx(
+        {k: v for k, v in ref.items() if v != (None, None)})
+    # an error of ours inside the graph is logged once; the compiled call goes on
+    from tensorwatch_otel.core import compiled as front
+
+    def broken(spec, tensors):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(front, "rebuild", broken)
+    b = w.batch_number
+    out = compiled(x)
+    out = compiled(x)
+    assert w.batch_number == b + 2  # batches still end
+    assert torch.equal(out, model(x).detach()) or torch.allclose(out, model(x))
+    assert len([r for r in caplog.records if "broken on purpose" in r.getMessage()]) == 1
+    w.detach()
+
+
+@pytest.mark.slow
+def test_torch_export_of_a_watched_model_holds_none_of_our_ops():
+    """An exported program runs elsewhere, without this watcher: no op of ours goes into it."""
+    model = Stack(n_blocks=1)
+    x = torch.randn(2, 8, 16)
+    with watch(model, sinks=[Collect()], on_detect="report"):
+        exported = torch.export.export(model, (x,))
+    assert "tensorwatch" not in exported.graph_module.code
+    assert torch.allclose(exported.module()(x), model(x))
+
+
+class _Lookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["watch_then_compile", "watch_compiled"])
+def test_an_exception_inside_the_graph_ends_its_batch_and_the_next_call_is_a_batch_of_its_own(how):
+    """No hook runs inside a compiled graph when its forward raises (eager runs always_call
+    hooks): the calls left open are ended at the next call, which is a fresh batch."""
+    torch.manual_seed(0)
+    model = _Lookup()
+    good, bad = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 30]])
+    eager = _eager_reference(model, good)
+    w, sink, call = _compiled(model, how, "aot_eager")
+    call(good)
+    with pytest.raises(IndexError):
+        call(bad)  # raises inside the graph, after the ops of nothing, or of emb
+    call(good)
+    call(good)
+    assert w.batch_number == 4
+    last = sink.batches[-1]
+    assert last.batch_number == 3 and _pairs(last.frames) == _pairs(eager)
+    w.detach()
+
+
+@pytest.mark.slow
+def test_check_module_under_compile_raises_at_the_module_and_the_next_call_starts_fresh():
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2)
+    x = torch.randn(2, 8, 16)
+    sink = Collect()
+    w = watch(model, sinks=[sink], check="module")
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(x)
+    with torch.no_grad():
+        saved = model.blocks[0].mlp.fc1.weight[0, 0].item()
+        model.blocks[0].mlp.fc1.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteDetected) as ei:
+        compiled(x)  # raised by the op of blocks.0.mlp.fc1, mid-graph
+    assert (ei.value.event.module, ei.value.event.tensor, ei.value.event.batch_number) == (
+        "blocks.0.mlp.fc1", "weight", 1)
+    with torch.no_grad():
+        model.blocks[0].mlp.fc1.weight[0, 0] = saved
+    compiled(x)
+    assert w.batch_number == 3 and sink.batches[-1].batch_number == 2
+    assert len(sink.batches[-1].frames) == 23 and sink.of(NonFiniteEvent) == [ei.value.event]
+    w.detach()
+
+
+@pytest.mark.slow
+def test_threads_calling_one_compiled_model_each_get_their_own_batches():
+    import threading
+
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1)
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report")
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 8, 16)
+    compiled(x)  # compiled once, before the threads
+    errors = []
+
+    def serve():
+        try:
+            for _ in range(20):
+                compiled(x)
+        except Exception as exc:  # pragma: no cover - shown by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert w.batch_number == 81 and sorted(b.batch_number for b in sink.batches) == list(range(81))
+    assert all(_pairs(b.frames) == _pairs(sink.batches[0].frames) for b in sink.batches)
+    w.detach()
+
+
+@pytest.mark.slow
+def test_the_drop_in_prints_the_same_under_compile():
+    """DebugUnderflowOverflow (the transformers.debug_utils drop-in) on a compiled model prints
+    what it prints on the eager one."""
+    import contextlib
+    import io
+
+    from tensorwatch_otel import DebugUnderflowOverflow
+
+    outs = []
+    for compile_it in (False, True):
+        torch.manual_seed(0)
+        model = Stack(n_blocks=1)
+        dbg = DebugUnderflowOverflow(model, max_frames_to_save=4)
+        call = torch.compile(model, backend="aot_eager") if compile_it else model
+        x = torch.randn(2, 8, 16)
+        call(x)
+        with torch.no_grad():
+            model.blocks[0].mlp.fc1.weight.fill_(1e38)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), pytest.raises(ValueError) as ei:
+            call(x)
+        outs.append((buf.getvalue(), str(ei.value)))
+        dbg.detach()
+    assert "blocks.0.mlp.fc1" in outs[0][0]
+    assert outs[1] == outs[0]
