@@ -74,7 +74,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _bracketed import median_interval, run_bracketed  # noqa: E402
 
-VARIANTS = ("null", "watched", "watched_sampled", "wrapped", "custom", "plain", "custom_sampled", "plain_sampled", "custom_kernel", "kernel_grad")
+VARIANTS = ("null", "watched", "watched_sampled", "wrapped", "custom", "plain", "custom_sampled", "plain_sampled",
+            "custom_kernel", "kernel_grad")
 RECORDERS = ("custom", "plain", "custom_kernel", "kernel_grad")
 SAMPLE_EVERY = 10
 

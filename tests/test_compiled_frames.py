@@ -134,7 +134,7 @@ def test_every_way_of_compiling_records_the_eager_frames_and_names_the_inf_where
         assert _close(got[key][1], mx, mx), (key, got[key], (mn, mx))
         assert _close(got[key][0], mn, mx), (key, got[key], (mn, mx))
     # training through the compiled model: fwd + bwd + AdamW, one batch per compiled call
-    for step in range(2):
+    for _ in range(2):
         out.square().mean().backward()
         opt.step()
         opt.zero_grad()

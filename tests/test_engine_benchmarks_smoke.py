@@ -56,7 +56,8 @@ def test_bench_compiled_quick(tmp_path):
         assert first[name]["graph_breaks"] == 0 and first[name]["frames"] == result["eager_frames"] == 13, first
         assert first[name]["custom_op_calls"] >= 2 * 12, first[name]  # a pre and a post op per module
     a = result["watched_attributed"]  # the ops' bodies timed inside the watched step
-    assert 0 < a["share_median"] < 1 and a["op_calls_per_step"] == first["watched"]["custom_op_calls"] and a["op_dispatch_us"] > 0, a
+    assert 0 < a["share_median"] < 1 and a["op_dispatch_us"] > 0, a
+    assert a["op_calls_per_step"] == first["watched"]["custom_op_calls"], a
     rows = result["eager_match"]["custom"]["rows"]
     # each (module, tensor) one op call in the generated code; the plain ops fused into kernels
     assert first["custom"]["custom_op_calls"] == first["custom_kernel"]["custom_op_calls"] == rows
