@@ -5,7 +5,6 @@ put into a weight mid-training is named at its module."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
