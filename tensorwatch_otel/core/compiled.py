@@ -18,13 +18,26 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
 from .errors import AbortAfterBatch, NonFiniteDetected
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class _Watcher(Protocol):
+        """What the ops read of a watcher (core/watcher.py's Watcher)."""
+
+        _attached: bool
+
+# The watcher's eager hooks, as the ops call them: the module is None once it was freed.
+_PreHook = Callable[[Optional[torch.nn.Module], Tuple[Any, ...]], object]
+_PostHook = Callable[[Optional[torch.nn.Module], Tuple[Any, ...], Dict[str, Any], Any], object]
+_F = TypeVar("_F", bound=Callable[..., object])
 
 _MAX_ITEMS = 256  # as recorder.MAX_ITEMS: values looked at per container
 _MAX_DEPTH = 6  # as recorder.MAX_DEPTH
@@ -46,7 +59,7 @@ def _nothing() -> None:
     return None
 
 
-def _weak(fn: Optional[Callable]) -> Callable[[], Optional[Callable]]:
+def _weak(fn: Optional[_F]) -> Callable[[], Optional[_F]]:
     """A weak reference to a hook (held by its module while registered): the global slot table
     must not keep a watcher, its model and its sinks alive."""
     if fn is None:
@@ -60,7 +73,7 @@ class _Slot:
 
     __slots__ = ("watcher", "module", "pre", "post")
 
-    def __init__(self, watcher, module: torch.nn.Module, pre: Callable, post: Optional[Callable]):
+    def __init__(self, watcher: _Watcher, module: torch.nn.Module, pre: _PreHook, post: Optional[_PostHook]):
         self.watcher = weakref.ref(watcher)
         self.module = weakref.ref(module)
         self.pre = _weak(pre)
@@ -80,7 +93,7 @@ class SlotHandle:
 
     __slots__ = ("slot",)
 
-    def __init__(self, slot: int):
+    def __init__(self, slot: int) -> None:
         self.slot = slot
 
     def remove(self) -> None:
@@ -92,7 +105,7 @@ class SlotHandle:
                 live.remove(self.slot)
 
 
-def new_slot(watcher, module: torch.nn.Module, pre: Callable, post: Optional[Callable] = None) -> int:
+def new_slot(watcher: _Watcher, module: torch.nn.Module, pre: _PreHook, post: Optional[_PostHook] = None) -> int:
     slot = next(_ids)
     if slot % 1024 == 0:
         _forget_freed()
@@ -110,7 +123,7 @@ def _forget_freed() -> None:
         _SLOTS.pop(k, None)
 
 
-def set_post(slot: int, post: Callable) -> None:
+def set_post(slot: int, post: _PostHook) -> None:
     _SLOTS[slot].post = _weak(post)
 
 
@@ -183,7 +196,7 @@ def _pre_op(token: torch.Tensor, slot: int) -> None:
 
 
 @_pre_op.register_fake
-def _pre_fake(token, slot) -> None:
+def _pre_fake(token: torch.Tensor, slot: int) -> None:
     return None
 
 
@@ -213,7 +226,7 @@ def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tens
 
 
 @_post_op.register_fake
-def _post_fake(token, slot, spec, tensors) -> None:
+def _post_fake(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tensor]) -> None:
     return None
 
 
@@ -225,14 +238,14 @@ def traced_pre(slot: int) -> None:
         torch.ops.tensorwatch.pre(_TOKEN, slot)
 
 
-def pre_hook(slot: int, eager: Callable, is_root: bool = False) -> Callable:
+def pre_hook(slot: int, eager: _PreHook, is_root: bool = False) -> Callable[[torch.nn.Module, Tuple[Any, ...]], object]:
     """The forward pre-hook registered on a module: the eager one, or its op while traced. The
     root's, run eagerly (a compiled model watched through its wrapper), first ends the calls an
     exception left open inside the last compiled call."""
     compiling = torch.compiler.is_compiling
     stack = _open
 
-    def pre(module, args):
+    def pre(module: torch.nn.Module, args: Tuple[Any, ...]) -> object:
         if compiling():
             traced_pre(slot)
             return None
@@ -242,7 +255,7 @@ def pre_hook(slot: int, eager: Callable, is_root: bool = False) -> Callable:
     return pre
 
 
-def traced_post(slot: int, args, kwargs, output) -> None:
+def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object) -> None:
     """Called by a hook while dynamo traces: the op call that runs it at run time, with the
     module's tensors and the structure around them (a constant of the graph)."""
     if torch.compiler.is_exporting():
@@ -252,7 +265,7 @@ def traced_post(slot: int, args, kwargs, output) -> None:
     torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)
 
 
-def _spec(v, tensors: list, depth: int) -> str:
+def _spec(v: object, tensors: List[torch.Tensor], depth: int) -> str:
     """The structure of `v` as a string; its tensors appended to `tensors` in walk order. Kept
     to what dynamo folds into constants: isinstance, string concatenation, len."""
     if isinstance(v, torch.Tensor):
@@ -281,10 +294,12 @@ def _spec(v, tensors: list, depth: int) -> str:
 
 
 # ------------------------------------------------------------------------------ run-time side
-_PARSED: Dict[str, tuple] = {}  # spec -> its parsed form (one per call site)
+# One parsed value: ("T",), ("N",), ("X",), ("(", [node, ...]) or ("{", [(key, node), ...]).
+_Node = Tuple[Any, ...]
+_PARSED: Dict[str, Tuple[_Node, ...]] = {}  # spec -> its parsed form (one per call site)
 
 
-def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[tuple, dict, object]:
+def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any], object]:
     """(args, kwargs, output) of the hooked call, the real tensors in place."""
     parsed = _PARSED.get(spec)
     if parsed is None:
@@ -296,29 +311,29 @@ def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[tuple, dict, object
     return args, kwargs, output
 
 
-def _parse(spec: str, i: int) -> Tuple[tuple, int]:
+def _parse(spec: str, i: int) -> Tuple[Tuple[_Node, ...], int]:
     """Parses the three values at spec[i:]: ("T",), ("N",), ("X",), ("(", items), ("{", [(k, v)])."""
-    out = []
+    out: List[_Node] = []
     for _ in range(3):
         v, i = _parse_one(spec, i)
         out.append(v)
     return tuple(out), i
 
 
-def _parse_one(spec: str, i: int):
+def _parse_one(spec: str, i: int) -> Tuple[_Node, int]:
     c = spec[i]
     if c in "TNX":
         return (c,), i + 1
     if c == "(":
         i += 1
-        items = []
+        items: List[_Node] = []
         while spec[i] != ")":
             v, i = _parse_one(spec, i)
             items.append(v)
         return ("(", items), i + 1
     if c == "{":
         i += 1
-        pairs = []
+        pairs: List[Tuple[str, _Node]] = []
         while spec[i] != "}":
             colon = spec.index(":", i)
             n = int(spec[i:colon])
@@ -329,7 +344,7 @@ def _parse_one(spec: str, i: int):
     raise ValueError(f"tensorwatch_otel: bad traced structure at {i}: {spec!r}")
 
 
-def _fill(p, it):
+def _fill(p: _Node, it: Iterator[torch.Tensor]) -> Any:  # a tensor, None, _OTHER, tuple or dict
     c = p[0]
     if c == "T":
         return next(it)
