@@ -157,7 +157,7 @@ class NonFiniteEvent:
     #: exemplar, the JSON lines field. Made here when not given; "" when unknown (old logs).
     trace_id: Optional[str] = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.first_rank is None:
             object.__setattr__(self, "first_rank", self.rank)
         if self.trace_id is None:
