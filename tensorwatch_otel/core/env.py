@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
+from typing import FrozenSet, Mapping, Optional, Sequence, Set, Tuple
 
 # -- watch() options (read by WatchConfig.build; an argument left at None falls back to them) -----
 #: ``max_frames``: frames in the ring buffer that ends with the first bad one (integer >= 1; 21).
@@ -86,7 +86,7 @@ ALL: Tuple[str, ...] = (
     ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,
 )
 
-_warned_unknown: set = set()
+_warned_unknown: Set[str] = set()
 
 
 def warn_unknown(environ: Mapping[str, str]) -> None:
