@@ -11,7 +11,9 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, fields
-from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
 
 from . import env as _env
 from .magnitude import parse_targets
@@ -22,7 +24,7 @@ ON_DETECT = ("raise", "report")
 CHECK = ("batch", "module")
 
 
-def _int_option(name: str, value, minimum: int, maximum: Optional[int] = None) -> int:
+def _int_option(name: str, value: object, minimum: int, maximum: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or \
             (maximum is not None and value > maximum):
         rng = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
@@ -30,7 +32,7 @@ def _int_option(name: str, value, minimum: int, maximum: Optional[int] = None) -
     return value
 
 
-def _patterns(name: str, value) -> Tuple[str, ...]:
+def _patterns(name: str, value: Any) -> Tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
@@ -45,7 +47,7 @@ def _patterns(name: str, value) -> Tuple[str, ...]:
     return out
 
 
-def check_keywords(owner: str, given, valid) -> None:
+def check_keywords(owner: str, given: Iterable[str], valid: Sequence[str]) -> None:
     """TypeError for keywords `owner` does not take, listing the valid ones (and the closest
     one to each unknown): watch() and the framework callbacks say the same."""
     unknown = sorted(set(given) - set(valid))
@@ -112,10 +114,15 @@ class WatchConfig:
     target_dtypes: Tuple[str, ...] = ()
 
     @classmethod
-    def build(cls, *, max_frames=None, trace_batches=None, abort_after_batch=None, every_n_batches=None,
-              gradients=None, include=None, exclude=None, on_detect=None, check=None,
-              flush_timeout_s=None, strict=False, optimizer_state=None, capture_dir=None,
-              max_skipped_steps=None, rerun_on_detect=None, guard_steps=None, target_dtypes=None,
+    def build(cls, *, max_frames: Optional[int] = None, trace_batches: Union[int, Iterable[int], None] = None,
+              abort_after_batch: Optional[int] = None, every_n_batches: Optional[int] = None,
+              gradients: Optional[bool] = None, include: Union[str, Iterable[str], None] = None,
+              exclude: Union[str, Iterable[str], None] = None, on_detect: Optional[str] = None,
+              check: Optional[str] = None, flush_timeout_s: Optional[float] = None, strict: bool = False,
+              optimizer_state: Optional[bool] = None, capture_dir: Union[str, os.PathLike[str], None] = None,
+              max_skipped_steps: Optional[int] = None, rerun_on_detect: Optional[bool] = None,
+              guard_steps: Optional[bool] = None,
+              target_dtypes: Union[str, torch.dtype, Iterable[Union[str, torch.dtype]], None] = None,
               environ: Optional[Mapping[str, str]] = None) -> "WatchConfig":
         """Validated options. An option left at None comes from its TENSORWATCH_* variable (see
         core/env.py) when that is set, else from the field's default. ``environ``: the variables
@@ -134,13 +141,13 @@ class WatchConfig:
 
         max_frames = _int_option(*pick("max_frames", max_frames), *_INT_RANGE["max_frames"])
         every = _int_option(*pick("every_n_batches", every_n_batches), *_INT_RANGE["every_n_batches"])
-        name, trace_batches = pick("trace_batches", trace_batches)
-        if isinstance(trace_batches, int) and not isinstance(trace_batches, bool):
-            trace_batches = (trace_batches,)
+        name, batches = pick("trace_batches", trace_batches)  # any value: checked here
+        if isinstance(batches, int) and not isinstance(batches, bool):
+            batches = (batches,)
         try:
-            traced = frozenset(trace_batches)
+            traced = frozenset(batches)
         except TypeError:
-            raise ConfigError(f"{name}={trace_batches!r}: expected a list of batch numbers >= 0") from None
+            raise ConfigError(f"{name}={batches!r}: expected a list of batch numbers >= 0") from None
         for b in traced:
             if isinstance(b, bool) or not isinstance(b, int) or b < 0:
                 raise ConfigError(f"{name}: {b!r} is not a batch number (an integer >= 0)")
@@ -153,7 +160,7 @@ class WatchConfig:
         name, check = pick("check", check)
         if check not in CHECK:
             raise ConfigError(f"{name}={check!r}: expected one of {', '.join(CHECK)}")
-        flags = {}
+        flags: Dict[str, Any] = {}  # checked below: True or False
         for option, value in (("gradients", gradients), ("optimizer_state", optimizer_state),
                               ("rerun_on_detect", rerun_on_detect), ("guard_steps", guard_steps)):
             name, flags[option] = pick(option, value)
