@@ -264,6 +264,9 @@ class Watcher:
                 self._compiled_away()
                 return
             st = tls.st
+            if not st.active and st.depth > 1:  # an inner call of an unsampled batch: nothing to do
+                st.depth -= 1
+                return
             outside_backward = graph_task() == -1  # inside: checkpoint recomputation, not a batch
             try:
                 if st.active and info.recorded and outside_backward:
