@@ -188,6 +188,7 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _CODES = CODES
+_STRIDED = torch.strided
 _INF = float("inf")
 
 
@@ -206,12 +207,13 @@ class HostBatch:
     def add(self, t: torch.Tensor) -> bool:
         """Take `t` when the kernel can read it as it is (a dense CPU float tensor); False
         otherwise (measure it with `measure`)."""
+        if t.__class__ not in _PLAIN or not t.is_cpu:  # (meta tensors are not is_cpu)
+            return False
         code = _CODES.get(t.dtype)
-        if code is None or t.__class__ not in _PLAIN or t.device.type != "cpu" or t.layout is not torch.strided \
-                or not t.is_contiguous() or t.is_meta:
+        if code is None or t.layout is not _STRIDED or not t.is_contiguous():
             return False
         n = t.numel()
-        if n == 0:
+        if not n:
             return False
         self.ptrs.append(t.data_ptr())
         self.ns.append(n)
