@@ -1,5 +1,12 @@
 """What one module call contributes to a batch record: its own parameters, its inputs and its
-outputs, measured on the device. Caches keep each distinct tensor measured once per batch."""
+outputs, measured on the device. Caches keep each distinct tensor measured once per batch.
+
+On a CPU with the compiled kernel (core/cpu_kernel.py) a module call's dense float tensors are
+gathered while its hook walks them and measured in one kernel call before the hook returns (so
+an output a later in-place op changes is still measured as it was when its module returned);
+their values are Python floats in the record at once: nothing to stack or copy at the batch's
+read-back. Elsewhere (CUDA, odd tensors) each tensor gives two 0-d device tensors, read back
+with the batch."""
 
 from __future__ import annotations
 

@@ -119,16 +119,17 @@ class StepTracker:
 
 _INF = float("inf")
 #: Devices whose gradients the guard checks with one fused inf-norm (a launch or two for all of
-#: them); elsewhere (CPU) the statistics kernel reads each gradient once, which is faster there.
+#: them); elsewhere (CPU) the statistics kernel reads all of them in one call, which is faster there.
 FUSED_DEVICES = ("cuda",)
 Watched = List[Tuple[torch.Tensor, ModuleInfo, str]]  # (parameter, its module, "weight.grad")
 
 
 class StepGuard:
     """The gradients an optimizer step will consume, checked before it runs: one host read per
-    step (CUDA: one fused inf-norm over each device's gradients; CPU: the statistics kernel per
-    gradient, no read of its own), then, only when that read finds inf/nan, a record of every
-    gradient to name the first bad one. Only parameters of watched modules (`index.owners`,
+    step (CUDA: one fused inf-norm over each device's gradients; CPU: one call of the
+    statistics kernel for all dense gradients, its values on the host at once, no read of its
+    own), then, only when that read finds inf/nan, a record of every gradient to name the
+    first bad one. Only parameters of watched modules (`index.owners`,
     see core/attach.py) count; the list is made again when the model's parameters change."""
 
     def __init__(self, index):
