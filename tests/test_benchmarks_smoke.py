@@ -57,10 +57,13 @@ def test_bench_paired_quick(tmp_path):
         assert r["ratio_min"] <= r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"] <= r["ratio_max"]
         assert len(r["ratios"]) == 1 and r["step_ms_median"] > 0
     c = result["counts"]
-    # the watcher adds device work and one host sync per step on CPU (the optimizer-step guard's
-    # read; gradients=True has none); the peer reads values on the host
+    # the watcher adds device work and at most one host sync per step (the optimizer-step guard's
+    # read; none on a CPU with the compiled kernel, whose values are on the host at once;
+    # gradients=True has none); the peer reads values on the host
+    from tensorwatch_otel.core import cpu_kernel
+    guard_sync = 0 if cpu_kernel.find_compiler() else 1
     assert c["watch"]["extra_ops"] > 0 and c["gradients"]["extra_ops"] > c["watch"]["extra_ops"]
-    assert c["watch"]["host_syncs"] == c["unwatched"]["host_syncs"] + 1
+    assert c["watch"]["host_syncs"] == c["unwatched"]["host_syncs"] + guard_sync
     assert c["gradients"]["host_syncs"] == c["unwatched"]["host_syncs"]
     assert c["peer"]["host_syncs"] > c["unwatched"]["host_syncs"]
     assert c["null"]["extra_ops"] == 0 and c["null"]["host_syncs"] == c["unwatched"]["host_syncs"]

@@ -128,9 +128,13 @@ def test_guard_variable_and_its_validation(monkeypatch):
         watch(model, sinks=[Collect()], guard_steps="yes")
 
 
-def test_guard_reads_once_per_step_and_not_with_gradients_true():
-    """One host read per guarded step; gradients=True localizes in backward, no guard on top."""
-    from test_sync_count import SyncCounter
+def test_guard_reads_once_per_step_and_not_with_gradients_true(monkeypatch):
+    """One host read per guarded step; gradients=True localizes in backward, no guard on top.
+    (The device path: on a CPU with the compiled kernel the guard reads no tensor at all,
+    tests/test_sync_count.py::test_the_cpu_kernel_path_transfers_nothing.)"""
+    from test_sync_count import SyncCounter, torch_ops_path
+
+    torch_ops_path(monkeypatch)
 
     torch.manual_seed(0)
     model = Net()
@@ -321,6 +325,7 @@ def test_a_guard_that_fails_logs_once_and_training_goes_on(monkeypatch, caplog):
         raise RuntimeError("no reading this tensor")
 
     monkeypatch.setattr(steps, "measure", broken)
+    monkeypatch.setattr(steps.HostBatch, "measure", lambda self: broken(None))  # the CPU kernel's batch
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -5,7 +5,11 @@ and every copy to the CPU while real training steps run with the watcher on.
 A watched training step makes two reads: the batch's statistics (one copy when the batch
 ends) and the optimizer-step guard (one `bool()` over all the step's gradients, before the
 step runs: it has to stop the step before the weights change, so it cannot wait for the next
-batch's copy). `guard_steps=False` or `gradients=True` leave the copy alone."""
+batch's copy). `guard_steps=False` or `gradients=True` leave the copy alone.
+
+These counts are the device path's (CUDA, or a CPU without the compiled statistics kernel,
+which every test here but the last one forces): on a CPU with the kernel the statistics are
+Python floats as soon as they are measured, and a step transfers nothing at all."""
 
 from __future__ import annotations
 
@@ -19,6 +23,22 @@ from _collect import Collect
 
 aten = torch.ops.aten
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def torch_ops_path(monkeypatch) -> None:
+    """CPU statistics by torch ops (as on a device, with 0-d result tensors read back once)
+    instead of the compiled kernel, for this test (undone with the monkeypatch)."""
+    from tensorwatch_otel.core import cpu_kernel
+
+    cpu_kernel.KERNEL.wait()
+    monkeypatch.setattr(cpu_kernel.KERNEL, "_kernel", None)
+    monkeypatch.setattr(cpu_kernel.KERNEL, "_done", True)
+
+
+@pytest.fixture(autouse=True)
+def _device_path(request, monkeypatch):
+    if not request.node.name.startswith("test_the_cpu_kernel_path"):
+        torch_ops_path(monkeypatch)
 
 
 class SyncCounter(TorchDispatchMode):
@@ -197,3 +217,25 @@ def test_peer_syncs_many_times_per_batch_in_the_same_harness():
     n_modules = len(list(model.modules()))
     for scalar, _ in peer:
         assert scalar - base[0] > 2 * n_modules
+
+
+def test_the_cpu_kernel_path_transfers_nothing():
+    """With the compiled CPU kernel the batch's statistics and the guard's gradients are
+    measured straight into host memory: no sync, no copy, and the values are the exact ones."""
+    from tensorwatch_otel.core import cpu_kernel
+
+    if cpu_kernel.KERNEL.wait() is None:
+        pytest.skip("no compiled CPU kernel on this machine")
+    torch.manual_seed(0)
+    model = Small()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    sink = Collect()
+    with watch(model, sinks=[sink]):
+        counts = _counted_steps(model, opt, x, 3)
+        w = model.head.weight.detach().abs()
+    assert counts == [(0, 0)] * 3
+    head = next(f for f in sink.batches[-1].frames if f.module == "head")
+    t = {s.name: s for s in head.tensors}["weight"]
+    # the head's weight as the last batch saw it (before that step's update)
+    assert t.abs_max == pytest.approx(w.max().item(), rel=1e-2) and t.abs_max > 0

@@ -27,6 +27,21 @@ from tensorwatch_otel.sinks import Sink
 from _collect import Collect
 
 
+
+def count_measured(monkeypatch, into: list) -> None:
+    """Every tensor the recorder measures goes into `into`: through `measure`, or gathered for
+    a frame's one kernel call (HostBatch.add accepting it)."""
+    real = watcher_mod.measure
+    monkeypatch.setattr(watcher_mod, "measure", lambda t: into.append(t) or real(t))
+    real_add = watcher_mod.HostBatch.add
+
+    def add(self, t):
+        took = real_add(self, t)
+        if took and self is not None:
+            into.append(t)
+        return took
+    monkeypatch.setattr(watcher_mod.HostBatch, "add", add)
+
 def amm(t):
     """abs min and abs max computed independently of the watcher."""
     a = t.detach().abs()
@@ -346,8 +361,7 @@ def test_every_n_batches_samples_and_traced_batches_always_watched(monkeypatch):
     model = Chain()
     sink = Collect()
     calls = []
-    real = watcher_mod.measure
-    monkeypatch.setattr(watcher_mod, "measure", lambda t: calls.append(1) or real(t))
+    count_measured(monkeypatch, calls)
     w = watch(model, sinks=[sink], every_n_batches=3, trace_batches=[4])
     x = torch.randn(2, 3)
     per_batch = []
@@ -463,8 +477,7 @@ def test_weights_reused_only_in_no_grad_batches_until_changed(monkeypatch):
     torch.manual_seed(0)
     model = Chain()
     measured = []
-    real = watcher_mod.measure
-    monkeypatch.setattr(watcher_mod, "measure", lambda t: measured.append(t) or real(t))
+    count_measured(monkeypatch, measured)
     sink = Collect()
     w = watch(model, sinks=[sink])
     params = {id(p) for p in model.parameters()}
@@ -513,8 +526,7 @@ def test_tensor_seen_twice_measured_once_and_inplace_measured_again(monkeypatch)
     with torch.no_grad():
         model.l1.bias.copy_(torch.tensor([-5.0, 5.0] * 4))  # some pre-relu values are negative
     measured = []
-    real = watcher_mod.measure
-    monkeypatch.setattr(watcher_mod, "measure", lambda t: measured.append(t) or real(t))
+    count_measured(monkeypatch, measured)
     sink = Collect()
     cap = Capture(model)
     x = torch.randn(4, 3)

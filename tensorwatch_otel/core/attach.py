@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import weakref
+from itertools import chain
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -58,15 +59,54 @@ class ParamIndex:
         self._refs: Dict[int, weakref.ref] = {}  # id(param) -> the parameter, for every parameter of the model
         # (module._parameters or module._modules, key, what it held): compared at each check
         self._slots: List[Tuple[dict, str, Callable[[], object]]] = []
+        self._fast: Optional[Tuple[List[dict], List[str], List[int]]] = None  # see current()
+        self._died = False
+        self._keep_cbs: List[weakref.ref] = []
 
     def current(self) -> bool:
-        """True when every module still holds the parameters and submodules last seen (one
-        identity compare per parameter and submodule; no allocation), or holds plain tensors
-        lent for one call in their place (`torch.func.functional_call`)."""
+        """True when every module still holds the parameters and submodules last seen (an
+        identity compare per parameter and submodule, run in C: the ids of what the dicts hold
+        against those last seen, exact while every object last seen is alive, which a weakref
+        callback tells), or holds plain tensors lent for one call in their place
+        (`torch.func.functional_call`)."""
+        if not self._died and self._fast is not None:
+            dicts, keys, ids = self._fast
+            if list(chain.from_iterable(dicts)) == keys and \
+                    list(map(id, chain.from_iterable(map(dict.values, dicts)))) == ids:
+                return True
         for d, k, ref in self._slots:
             if d.get(k) is not ref():
                 return self._only_lent()
         return True
+
+    def _died_cb(self, _ref) -> None:
+        self._died = True  # an object last seen is gone: its id may be reused, compare slowly
+
+    def _fast_check(self, slots: List[Tuple[dict, str, Callable[[], object]]]) -> None:
+        """The dicts of `slots` (each whole, in order), their keys and the ids of what they hold,
+        for current()'s C-speed compare; weakref callbacks set _died when one of them is freed."""
+        self._died = False
+        self._keep_cbs = []
+        dicts: List[dict] = []
+        seen: Set[int] = set()
+        for d, _, _ in slots:
+            if id(d) not in seen:
+                seen.add(id(d))
+                dicts.append(d)
+        if sum(len(d) for d in dicts) != len(slots):
+            self._fast = None  # (never expected: slots are every entry of these dicts)
+            return
+        cb = self._died_cb
+        for d in dicts:
+            for v in d.values():
+                if v is not None:
+                    try:
+                        self._keep_cbs.append(weakref.ref(v, cb))
+                    except TypeError:  # cannot be weakly referenced: compare slowly
+                        self._fast = None
+                        return
+        self._fast = (dicts, list(chain.from_iterable(dicts)),
+                      list(map(id, chain.from_iterable(map(dict.values, dicts)))))
 
     def _only_lent(self) -> bool:
         for d, k, ref in self._slots:
@@ -97,6 +137,7 @@ class ParamIndex:
         self.scans += 1
         self._refs = refs
         self._slots = slots
+        self._fast_check(slots)
         self.owners.clear()
         self.owners.update(owners)  # one dict for every reader
         if changed:

@@ -117,10 +117,36 @@ MAGNITUDE(tw_abs_minmax_mag_f64, uint64_t, 0x7FFFFFFFFFFFFFFFull, 0x7FF000000000
 MAGNITUDE(tw_abs_minmax_mag_f32, uint32_t, 0x7FFFFFFFu, 0x7F800000u, 23, 278)
 MAGNITUDE(tw_abs_minmax_mag_f16, uint16_t, 0x7FFFu, 0x7C00u, 10, 41)
 MAGNITUDE(tw_abs_minmax_mag_bf16, uint16_t, 0x7FFFu, 0x7F80u, 7, 262)
+/* The same extremes as doubles (exact: every value of these dtypes is one), for many tensors
+   in one call: tensor i (ptrs[i], ns[i] elements, dtype codes[i]: 0 f64, 1 f32, 2 f16,
+   3 bf16) writes out[2i] (abs min) and out[2i + 1] (abs max). */
+static double d_f64(uint64_t b) { double d; __builtin_memcpy(&d, &b, 8); return d; }
+static double d_f32(uint32_t b) { float f; __builtin_memcpy(&f, &b, 4); return (double)f; }
+static double d_bf16(uint16_t b) { return d_f32((uint32_t)b << 16); }
+static double d_f16(uint16_t b) {
+    uint64_t e = (b >> 10) & 0x1F, m = b & 0x3FF;
+    if (e == 0) return (double)m * 5.9604644775390625e-08; /* subnormal: m * 2^-24 */
+    if (e == 31) return d_f64(m ? 0x7FF8000000000000ull : 0x7FF0000000000000ull);
+    return d_f64(((e + 1008) << 52) | (m << 42)); /* exponent e - 15 + 1023 */
+}
+void tw_abs_minmax_many(const void* const* ptrs, const int64_t* ns, const int8_t* codes, int64_t k,
+                        double* out, int nt, int64_t parallel_min) {
+    for (int64_t i = 0; i < k; i++) {
+        int64_t n = ns[i];
+        int t = n >= parallel_min ? nt : 1;
+        switch (codes[i]) {
+        case 0: { uint64_t r[2]; tw_abs_minmax_f64(ptrs[i], n, r, t); out[2*i] = d_f64(r[0]); out[2*i+1] = d_f64(r[1]); break; }
+        case 1: { uint32_t r[2]; tw_abs_minmax_f32(ptrs[i], n, r, t); out[2*i] = d_f32(r[0]); out[2*i+1] = d_f32(r[1]); break; }
+        case 2: { uint16_t r[2]; tw_abs_minmax_f16(ptrs[i], n, r, t); out[2*i] = d_f16(r[0]); out[2*i+1] = d_f16(r[1]); break; }
+        default: { uint16_t r[2]; tw_abs_minmax_bf16(ptrs[i], n, r, t); out[2*i] = d_bf16(r[0]); out[2*i+1] = d_bf16(r[1]); break; }
+        }
+    }
+}
 """
 
 _SYMBOLS = {torch.float64: "tw_abs_minmax_f64", torch.float32: "tw_abs_minmax_f32",
             torch.float16: "tw_abs_minmax_f16", torch.bfloat16: "tw_abs_minmax_bf16"}
+CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # tw_abs_minmax_many's
 _SLAB = 512  # result pairs per allocation
 
 Kernel = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
@@ -265,7 +291,36 @@ def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
         n = v.numel()
         fns[dt](v.data_ptr(), n, ptr, threads() if parallel and n >= _PARALLEL_MIN else 1)
         return lo, hi
+    many = lib.tw_abs_minmax_many
+    many.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                     ctypes.c_int, ctypes.c_int64)
+    many.restype = None
+    one = (ctypes.c_void_p * 1)()
+    one_n = (ctypes.c_int64 * 1)()
+    one_code = (ctypes.c_int8 * 1)()
+    out2 = (ctypes.c_double * 2)()
+    addrs = tuple(ctypes.addressof(a) for a in (one, one_n, one_code, out2))
+    one_lock = threading.Lock()
+    par_min = _PARALLEL_MIN if parallel else 1 << 62
+
+    def host(v: torch.Tensor) -> Tuple[float, float]:
+        """(abs_min, abs_max) of `v` (as abs_min_max takes it) as Python floats: the values are
+        on the host as soon as the call returns, and no tensor is made for them."""
+        with one_lock:
+            one[0] = v.data_ptr()
+            one_n[0] = v.numel()
+            one_code[0] = CODES[v.dtype]
+            many(addrs[0], addrs[1], addrs[2], 1, addrs[3], threads(), par_min)
+            return out2[0], out2[1]
+
+    def host_many(ptrs: int, ns: int, codes: int, k: int, out: int) -> None:
+        """k tensors in one call: addresses of k pointers (int64), k element counts (int64), k
+        dtype codes (int8, CODES) and room for 2k doubles (abs min, abs max per tensor)."""
+        many(ptrs, ns, codes, k, out, threads(), par_min)
+
     abs_min_max.parallel = parallel  # type: ignore[attr-defined]
+    abs_min_max.host = host  # type: ignore[attr-defined]
+    abs_min_max.host_many = host_many  # type: ignore[attr-defined]
     return abs_min_max
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -46,7 +46,8 @@ class Record:
     def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
                  targets: Tuple[str, ...] = ()):
         self.batch_number = batch_number
-        self.stats: List[torch.Tensor] = []  # abs_min, abs_max, abs_min, ... (0-d, on device)
+        # abs_min, abs_max, abs_min, ...: 0-d device tensors, or floats already on the host (CPU)
+        self.stats: List[Union[torch.Tensor, float]] = []
         self.dtypes: List[torch.dtype] = []  # one per measured tensor
         self.frames: List[tuple] = []  # (info, items, first tensor index)
         self.host: List[float] = []
@@ -74,11 +75,21 @@ class Record:
             pending = pending + [extra]
         if not pending:
             return None
-        try:
-            stacked = torch.stack(pending)
-        except RuntimeError:  # stats on several devices (a model split over GPUs)
-            stacked = torch.stack([s.to("cpu").to(torch.float64) for s in pending])
-        values = stacked.to("cpu", copy=True).tolist()
+        # CPU statistics read by the compiled kernel are Python floats already (stats.measure_host)
+        tensors = [s for s in pending if s.__class__ is not float]
+        if not tensors:
+            values = pending
+        else:
+            try:
+                stacked = torch.stack(tensors)
+            except RuntimeError:  # stats on several devices (a model split over GPUs)
+                stacked = torch.stack([s.to("cpu").to(torch.float64) for s in tensors])
+            read = stacked.to("cpu", copy=True).tolist()
+            if len(tensors) == len(pending):
+                values = read
+            else:
+                it = iter(read)
+                values = [s if s.__class__ is float else next(it) for s in pending]
         if extra is not None:
             self.host += values[:-1]
             return values[-1]

@@ -1,22 +1,32 @@
 """What one module call contributes to a batch record: its own parameters, its inputs and its
-outputs, measured on the device. Caches keep each distinct tensor measured once per batch."""
+outputs, measured on the device. Caches keep each distinct tensor measured once per batch.
+
+On a CPU with the compiled kernel (core/cpu_kernel.py) a module call's dense float tensors are
+gathered while its hook walks them and measured in one kernel call before the hook returns (so
+an output a later in-place op changes is still measured as it was when its module returned);
+their values are Python floats in the record at once: nothing to stack or copy at the batch's
+read-back. Elsewhere (CUDA, odd tensors) each tensor gives two 0-d device tensors, read back
+with the batch."""
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from .record import ModuleInfo, Record
+from .cpu_kernel import KERNEL
 from .magnitude import measure_magnitude
-from .stats import measure, nonfinite_kind_of
+from .stats import HostBatch, measure_host as measure, nonfinite_kind_of
 
 MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded
 MAX_DEPTH = 6
 _PLAIN = (torch.nn.Parameter, torch.Tensor)  # data_ptr() is cheap and defined for these
+_UNREAD = (None, None)  # a tensor's places in Record.stats until its frame's kernel call fills them
 
 
 def _tensor_attributes(v) -> tuple:
@@ -28,6 +38,18 @@ def _tensor_attributes(v) -> tuple:
         return ()
     out = tuple(k for k, x in attrs.items() if isinstance(x, torch.Tensor) and isinstance(k, str) and k[:1] != "_")
     return out[:MAX_ITEMS]
+
+
+class _FrameBatch(threading.local):
+    """One thread's frame in progress: its dense CPU tensors, measured in one kernel call when
+    the frame is complete (each thread has its own: a model may be called from several)."""
+
+    def __init__(self) -> None:
+        self.host = HostBatch()
+        # (stats position, tensor, True for a parameter / False / the position of its twin, version, data_ptr)
+        self.pending: List[tuple] = []
+        self.acts: Dict[int, tuple] = {}  # id -> (stats position, tensor, version) gathered this frame
+        self.on = False
 
 
 class FrameRecorder:
@@ -46,6 +68,7 @@ class FrameRecorder:
         # target_dtypes: id(abs-min tensor) -> (that tensor, its histogram row): the row of a
         # measurement the caches above reuse (core/magnitude.py)
         self.mags_seen: Dict[int, tuple] = {}
+        self._fb = _FrameBatch()  # the calling thread's frame in progress
 
     def invalidate_weights(self) -> None:
         self.params_seen.clear()
@@ -112,8 +135,70 @@ class FrameRecorder:
         return None
 
     # ------------------------------------------------------------------ a module call
+    def _batch_start(self) -> None:
+        """Dense CPU float tensors of one frame go to the kernel in one call (at _batch_end)
+        when it is loaded; each is still measured during the hook that sees it."""
+        self._fb.on = getattr(KERNEL.get(), "host_many", None) is not None
+
+    def _batch_end(self, rec: Record) -> None:
+        """Measure the frame's gathered tensors (one kernel call) and put their values in the
+        record's places and the caches."""
+        fb = self._fb
+        pending = fb.pending
+        fb.on = False
+        if not pending:
+            return
+        fb.pending = []
+        fb.acts.clear()
+        values = fb.host.measure()
+        stats = rec.stats
+        params_seen, acts_seen = self.params_seen, self.acts_seen
+        if values is None:  # the kernel went away meanwhile (tests): measure each as before
+            for pos, t, is_param, version, ptr in pending:
+                r = measure(t) if is_param.__class__ is not int else (stats[is_param], stats[is_param + 1])
+                if r.__class__ is str:  # (never for a tensor the kernel took)
+                    r = (float("nan"), float("nan"))
+                stats[pos], stats[pos + 1] = r
+            return
+        j = 0
+        for pos, t, is_param, version, ptr in pending:
+            if is_param.__class__ is int:  # the same tensor as at position is_param, earlier
+                stats[pos] = stats[is_param]
+                stats[pos + 1] = stats[is_param + 1]
+                continue
+            r = (values[j], values[j + 1])
+            j += 2
+            stats[pos] = r[0]
+            stats[pos + 1] = r[1]
+            if is_param:
+                params_seen[t] = (version, ptr, t.dtype, r)
+            else:
+                try:
+                    acts_seen[id(t)] = (weakref.ref(t), version, r, t.dtype)
+                except (TypeError, RuntimeError):  # no weakref (inference tensors): no reuse
+                    pass
+
     def frame(self, rec: Record, info: ModuleInfo, args, kwargs, output) -> None:
         """The full view: parameters, every positional and keyword input, any output value."""
+        marks = (len(rec.stats), len(rec.dtypes), len(rec.frames))
+        self._batch_start()
+        try:
+            self._frame(rec, info, args, kwargs, output)
+            self._batch_end(rec)
+        except BaseException:
+            self._abandon(rec, marks)
+            raise
+
+    def _abandon(self, rec: Record, marks: tuple) -> None:
+        """A frame that could not be taken leaves nothing in the record (no unread places)."""
+        fb = self._fb
+        fb.pending = []
+        fb.acts.clear()
+        fb.host.clear()
+        fb.on = False
+        del rec.stats[marks[0]:], rec.dtypes[marks[1]:], rec.frames[marks[2]:]
+
+    def _frame(self, rec: Record, info: ModuleInfo, args, kwargs, output) -> None:
         items: list = []
         start = len(rec.dtypes)
         self.params(rec, info, items)
@@ -134,7 +219,14 @@ class FrameRecorder:
         """A frame of a module's own weights only (a module whose call cannot be hooked)."""
         items: list = []
         start = len(rec.dtypes)
-        self.params(rec, info, items)
+        marks = (len(rec.stats), start, len(rec.frames))
+        self._batch_start()
+        try:
+            self.params(rec, info, items)
+            self._batch_end(rec)
+        except BaseException:
+            self._abandon(rec, marks)
+            raise
         rec.frames.append((info, items, start))
 
     def params(self, rec: Record, info: ModuleInfo, items: list) -> None:
@@ -182,6 +274,13 @@ class FrameRecorder:
             rec.dtypes.append(seen[2])
             items.append(name)
             return
+        fb = self._fb
+        if fb.on and fb.host.add(p):  # measured with the frame's others (_batch_end)
+            fb.pending.append((len(rec.stats), p, True, version, ptr))
+            rec.stats += _UNREAD
+            rec.dtypes.append(p.dtype)
+            items.append(name)
+            return
         r = measure(p)
         if r.__class__ is str:
             items.append((name, r))
@@ -202,6 +301,23 @@ class FrameRecorder:
             rec.dtypes.append(seen[3])
             items.append(name)
             return
+        fb = self._fb
+        if fb.on:
+            version = t._version
+            twin = fb.acts.get(key)  # gathered already in this frame, unchanged since
+            if twin is not None and twin[1] is t and twin[2] == version:
+                fb.pending.append((len(rec.stats), t, twin[0], version, 0))
+                rec.stats += _UNREAD
+                rec.dtypes.append(t.dtype)
+                items.append(name)
+                return
+            if fb.host.add(t):  # measured with the frame's others (_batch_end)
+                fb.acts[key] = (len(rec.stats), t, version)
+                fb.pending.append((len(rec.stats), t, False, version, 0))
+                rec.stats += _UNREAD
+                rec.dtypes.append(t.dtype)
+                items.append(name)
+                return
         r = measure(t)
         if r.__class__ is str:
             items.append((name, r))

@@ -6,13 +6,14 @@ bool, subclasses) are guarded here so the watcher never has to think about them.
 
 from __future__ import annotations
 
+import array
 import logging
 import threading
 from typing import Optional, Tuple, Union
 
 import torch
 
-from .cpu_kernel import KERNEL
+from .cpu_kernel import CODES, KERNEL
 from .events import NOTE_EMPTY, NOTE_NO_DATA
 
 log = logging.getLogger(__name__)
@@ -186,7 +187,71 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_CODES = CODES
+_STRIDED = torch.strided
 _INF = float("inf")
+
+
+class HostBatch:
+    """Dense CPU float tensors gathered for one kernel call (`measure_many`): their addresses,
+    sizes and dtype codes in flat arrays reused from call to call (no tensor is made)."""
+
+    __slots__ = ("ptrs", "ns", "codes", "out")
+
+    def __init__(self) -> None:
+        self.ptrs = array.array("q")
+        self.ns = array.array("q")
+        self.codes = array.array("b")
+        self.out = array.array("d")
+
+    def add(self, t: torch.Tensor) -> bool:
+        """Take `t` when the kernel can read it as it is (a dense CPU float tensor); False
+        otherwise (measure it with `measure`)."""
+        if t.__class__ not in _PLAIN or not t.is_cpu:  # (meta tensors are not is_cpu)
+            return False
+        code = _CODES.get(t.dtype)
+        if code is None or t.layout is not _STRIDED or not t.is_contiguous():
+            return False
+        n = t.numel()
+        if not n:
+            return False
+        self.ptrs.append(t.data_ptr())
+        self.ns.append(n)
+        self.codes.append(code)
+        return True
+
+    def measure(self) -> Optional[array.array]:
+        """Abs min and abs max of every tensor added, as doubles (2 per tensor, in order), and
+        the batch emptied; None when the kernel is not loaded (measure them with `measure`)."""
+        k = len(self.ns)
+        kernel = KERNEL.get()
+        many = getattr(kernel, "host_many", None)
+        if many is None:
+            return None
+        out = self.out
+        if len(out) < 2 * k:
+            out.extend([0.0] * (2 * k - len(out)))
+        if k:
+            many(self.ptrs.buffer_info()[0], self.ns.buffer_info()[0], self.codes.buffer_info()[0], k,
+                 out.buffer_info()[0])
+        del self.ptrs[:], self.ns[:], self.codes[:]
+        return out[:2 * k]
+
+    def clear(self) -> None:
+        del self.ptrs[:], self.ns[:], self.codes[:]
+
+
+def measure_host(t: torch.Tensor) -> Union[Pair, Tuple[float, float], str]:
+    """`measure(t)`, except that a dense CPU float tensor read by the compiled kernel gives its
+    two values as Python floats (on the host already: no 0-d tensors to make, stack and copy
+    at the read-back). Same values, same NaN rule."""
+    if t.__class__ in _PLAIN and t.dtype in _FLOATS and t.device.type == "cpu" and t.layout is torch.strided \
+            and t.is_contiguous() and t.numel() > 0 and not t.is_meta:
+        kernel = KERNEL.get()
+        host = getattr(kernel, "host", None)
+        if host is not None:
+            return host(t)
+    return measure(t)
 
 
 def _abs_minmax_device(v: torch.Tensor) -> Pair:

@@ -17,6 +17,7 @@ each watcher keeps the handles and removes them on detach.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
@@ -26,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .events import SkippedStepEvent, SkipStreakEvent, merge_kinds
 from .record import ModuleInfo, Record
-from .stats import measure
+from .stats import HostBatch, measure
 
 if TYPE_CHECKING:
     from .attach import ParamIndex
@@ -125,16 +126,17 @@ class StepTracker:
 
 _INF = float("inf")
 #: Devices whose gradients the guard checks with one fused inf-norm (a launch or two for all of
-#: them); elsewhere (CPU) the statistics kernel reads each gradient once, which is faster there.
+#: them); elsewhere (CPU) the statistics kernel reads all of them in one call, which is faster there.
 FUSED_DEVICES = ("cuda",)
 Watched = List[Tuple[torch.Tensor, ModuleInfo, str]]  # (parameter, its module, "weight.grad")
 
 
 class StepGuard:
     """The gradients an optimizer step will consume, checked before it runs: one host read per
-    step (CUDA: one fused inf-norm over each device's gradients; CPU: the statistics kernel per
-    gradient, no read of its own), then, only when that read finds inf/nan, a record of every
-    gradient to name the first bad one. Only parameters of watched modules (`index.owners`,
+    step (CUDA: one fused inf-norm over each device's gradients; CPU: one call of the
+    statistics kernel for all dense gradients, its values on the host at once, no read of its
+    own), then, only when that read finds inf/nan, a record of every gradient to name the
+    first bad one. Only parameters of watched modules (`index.owners`,
     see core/attach.py) count; the list is made again when the model's parameters change."""
 
     def __init__(self, index: ParamIndex) -> None:
@@ -181,6 +183,8 @@ class StepGuard:
     def _all_finite(watched: Watched) -> bool:
         tops: List[torch.Tensor] = []  # a 0-d tensor per gradient (or per device group): non-finite iff a bad value
         fused: Dict[torch.device, List[torch.Tensor]] = {}
+        host = HostBatch()  # dense CPU gradients: one kernel call for all of them
+        add = host.add
         for p, _, _ in watched:
             g = p.grad
             if g is None:
@@ -192,9 +196,17 @@ class StepGuard:
                     group = fused[g.device] = []
                 group.append(g)
                 continue
+            if add(g):
+                continue
             r = measure(g)
             if r.__class__ is not str:
                 tops.append(r[1])  # type: ignore[arg-type]  # abs max: inf or NaN when any element is
+        if len(host.ns):
+            values = host.measure()
+            if values is None:  # the kernel is not loaded (yet): a read each, as below
+                return StepGuard._all_finite_each(watched, tops, fused)
+            if not math.isfinite(sum(values)):  # NaN or inf anywhere (abs values: no inf - inf)
+                return False
         for grads in fused.values():
             # max |g| of every gradient in one launch (NaN propagates), as float32
             tops.extend(torch._foreach_norm(grads, _INF, dtype=torch.float32))
@@ -208,6 +220,19 @@ class StepGuard:
                 by_device.setdefault(t.device, []).append(t)
             return all(bool(torch.stack(ts).isfinite().all()) for ts in by_device.values())
         return bool(flag)
+
+    @staticmethod
+    def _all_finite_each(watched: Watched, tops: List[torch.Tensor], fused: Dict[torch.device, list]) -> bool:
+        """_all_finite without the kernel for CPU gradients: measure() each of them."""
+        for p, _, _ in watched:
+            g = p.grad
+            if g is not None and g.__class__ is torch.Tensor and g.device.type == "cpu":
+                r = measure(g)
+                if r.__class__ is not str:
+                    tops.append(r[1])
+        for grads in fused.values():
+            tops.extend(torch._foreach_norm(grads, _INF, dtype=torch.float32))
+        return not tops or bool(torch.stack([t.to("cpu") for t in tops]).isfinite().all())
 
     @staticmethod
     def _locate(watched: Watched, batch: int) -> Record:

@@ -252,6 +252,9 @@ class Watcher:
         tls = self._tls
         graph_task = torch._C._current_graph_task_id
         compiling = torch.compiler.is_compiling
+        grad_enabled = torch.is_grad_enabled
+        set_grad = torch._C._set_grad_enabled
+        check_module = self.config.check == "module"
 
         def hook(module, args, kwargs, output):
             if compiling():  # traced into a graph: an op runs this hook at run time
@@ -261,21 +264,28 @@ class Watcher:
             if self._replaying:
                 return
             st = tls.st
+            if not st.active and st.depth > 1:  # an inner call of an unsampled batch: nothing to do
+                st.depth -= 1
+                return
             outside_backward = graph_task() == -1  # inside: checkpoint recomputation, not a batch
             try:
                 if st.active and info.recorded and outside_backward:
                     rec = st.rec
                     try:
-                        with torch.no_grad():
+                        grad = grad_enabled()
+                        set_grad(False)  # (torch.no_grad() without its three Python calls)
+                        try:
                             if info.is_root and self._weight_infos:
                                 for winfo, _ in self._weight_infos:
                                     recorder.weights_frame(rec, winfo)
                             record(recorder, rec, info, args, kwargs, output)
-                        if self._grad_acts and torch.is_grad_enabled():
+                        finally:
+                            set_grad(grad)
+                        if grad and self._grad_acts:
                             self._backward.hook_activations(info, args, output)
                     except Exception as exc:  # a frame we cannot take must not stop training
                         self._hook_failed(info, exc)
-                    if self.config.check == "module":
+                    if check_module:
                         rec.readback()
                         self._check(rec, len(rec.frames) - 1)
                     elif len(rec.stats) > _MAX_PENDING:

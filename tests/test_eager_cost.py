@@ -1,0 +1,180 @@
+"""The eager hot path's cheaper measurement (issue 17): CPU statistics as host floats from
+the compiled kernel, one kernel call per frame, the step guard's gradients in one call, and the
+ParamIndex compare. Values must be exactly those of the per-tensor path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tensorwatch_otel import NonFiniteDetected, watch
+from tensorwatch_otel.core import cpu_kernel, stats
+from tensorwatch_otel.core.stats import HostBatch, measure, measure_host
+from _collect import Collect
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_kernel.KERNEL.wait()
+    if k is None:
+        pytest.skip("no compiled CPU kernel on this machine")
+    return k
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_16_bit_pattern_comes_back_as_its_exact_value(kernel, dtype):
+    """The kernel's conversion to double (subnormals, inf, NaN) against torch's, for all 65536
+    bit patterns, each a tensor of its own in one batched call."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    values = bits.view(dtype).reshape(-1, 1).clone()
+    hb = HostBatch()
+    rows = list(values.unbind())
+    assert all(hb.add(r) for r in rows)
+    out = hb.measure()
+    want = values.abs().double().reshape(-1).tolist()
+    got_min, got_max = out[0::2], out[1::2]
+    assert all(_same(a, w) and _same(b, w) for a, b, w in zip(got_min, got_max, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_host_floats_equal_the_tensor_path(kernel, dtype):
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(1000, generator=g).to(dtype), torch.randn(70000, generator=g).to(dtype),
+             torch.tensor([0.0, -1e-30, 7.0]).to(dtype), torch.tensor([1.0, -math.inf, 2.0]).to(dtype),
+             torch.tensor([1.0, math.nan, -math.inf]).to(dtype)]
+    for x in cases:
+        want = [float(v) for v in stats._abs_minmax_torch_cpu(x)]
+        got = measure_host(x)
+        assert all(v.__class__ is float for v in got)
+        assert all(_same(a, b) for a, b in zip(got, want)), (x, got, want)
+    # what the kernel cannot take as it is still goes through measure (tensors, or a note)
+    odd = [torch.randn(4, 4).t(), torch.arange(5), torch.empty(0), torch.zeros(3, device="meta")]
+    for x in odd:
+        assert HostBatch().add(x) is False
+        r = measure_host(x)
+        assert r.__class__ is str or all(isinstance(v, torch.Tensor) for v in r)
+
+
+class Scaler(nn.Module):
+    """The parent modifies its child's output in place after the child returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.seen = y.detach().clone()
+        y.mul_(1000.0)  # after lin returned: lin's frame must show y as it was then
+        return y
+
+
+def test_an_output_modified_in_place_later_is_reported_as_it_was_at_return(kernel):
+    torch.manual_seed(0)
+    model = Scaler()
+    sink = Collect()
+    with torch.no_grad(), watch(model, sinks=[sink]):
+        out = model(torch.randn(3, 4))
+    frames = {f.module: {t.name: (t.abs_min, t.abs_max) for t in f.tensors} for f in sink.batches[0].frames}
+    a = model.seen.abs()
+    assert frames["lin"]["output"] == (a.min().item(), a.max().item())
+    b = out.abs()
+    assert frames[""]["output"] == (b.min().item(), b.max().item())
+    assert frames[""]["output"] != frames["lin"]["output"]
+
+
+class Twice(nn.Module):
+    """One tensor as two inputs, and an input that is also the output (an in-place op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.relu(x)
+
+
+def test_one_frame_holds_each_value_at_its_place(kernel):
+    """Weights, inputs and outputs of one frame come from one kernel call and land at their own
+    places; values equal the per-tensor path's; a detection still names the tensor and kind."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Twice(), nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    sink = Collect()
+    with watch(model, sinks=[sink]):
+        model(x)
+    f = {fr.module: {t.name: (t.abs_min, t.abs_max) for t in fr.tensors} for fr in sink.batches[0].frames}
+
+    def amm(t):
+        a = t.detach().abs()
+        return a.min().item(), a.max().item()
+
+    assert f["0"]["weight"] == amm(model[0].weight) and f["0"]["bias"] == amm(model[0].bias)
+    assert f["2"]["weight"] == amm(model[2].weight)
+    h = model[1](model[0](x))
+    assert f["1"]["output"] == f["1"]["input[0]"] == amm(h) == f["2"]["input[0]"]
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteDetected) as ei, watch(model, sinks=[Collect()]):
+        model(x)
+    assert (ei.value.event.module, ei.value.event.tensor, ei.value.event.kind) == ("2", "weight", "inf")
+
+
+def test_the_guard_reads_every_cpu_gradient_in_one_kernel_call(kernel, monkeypatch):
+    calls = []
+    real = HostBatch.measure
+
+    def counted(self):
+        calls.append(len(self.ns))
+        return real(self)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, sinks=[Collect()]):
+        model(torch.randn(2, 4)).square().mean().backward()
+        monkeypatch.setattr(HostBatch, "measure", counted)
+        opt.step()
+        assert calls == [12]  # every weight and bias gradient, one call
+        monkeypatch.setattr(HostBatch, "measure", real)
+        opt.zero_grad()
+        model(torch.randn(2, 4)).square().mean().backward()
+        model[3].bias.grad[1] = float("nan")
+        with pytest.raises(NonFiniteDetected) as ei:
+            opt.step()
+    assert (ei.value.event.module, ei.value.event.tensor) == ("3", "bias.grad")
+
+
+def test_a_frame_the_kernel_fails_on_leaves_no_unread_places(kernel, monkeypatch, caplog):
+    """A failing kernel call drops that frame (counted, logged once); the batch is still read."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def broken(self):
+        raise RuntimeError("kernel says no")
+
+    sink = Collect()
+    with watch(model, sinks=[sink]) as w:
+        monkeypatch.setattr(HostBatch, "measure", broken)
+        model(torch.randn(2, 4))
+        monkeypatch.undo()
+        model(torch.randn(2, 4))
+    assert w._failed_hooks == 3 and w.detections == 0
+    assert [len(b.frames) for b in sink.batches] == [0, 3] or [len(b.frames) for b in sink.batches] == [3]
+    assert all(t.abs_max is not None for f in sink.batches[-1].frames for t in f.tensors)
+
+
+def test_measure_still_returns_device_style_pairs(kernel):
+    """The per-tensor API other parts use is unchanged: 0-d tensors."""
+    mn, mx = measure(torch.tensor([-3.0, 2.0]))
+    assert isinstance(mn, torch.Tensor) and (mn.item(), mx.item()) == (2.0, 3.0)
+    lo, hi = kernel(torch.tensor([-3.0, 2.0]))
+    assert (lo.item(), hi.item()) == (2.0, 3.0)
