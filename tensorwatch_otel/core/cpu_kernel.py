@@ -135,10 +135,34 @@ void tw_abs_minmax_many(const void* const* ptrs, const int64_t* ns, const int8_t
         int64_t n = ns[i];
         int t = n >= parallel_min ? nt : 1;
         switch (codes[i]) {
-        case 0: { uint64_t r[2]; tw_abs_minmax_f64(ptrs[i], n, r, t); out[2*i] = d_f64(r[0]); out[2*i+1] = d_f64(r[1]); break; }
-        case 1: { uint32_t r[2]; tw_abs_minmax_f32(ptrs[i], n, r, t); out[2*i] = d_f32(r[0]); out[2*i+1] = d_f32(r[1]); break; }
-        case 2: { uint16_t r[2]; tw_abs_minmax_f16(ptrs[i], n, r, t); out[2*i] = d_f16(r[0]); out[2*i+1] = d_f16(r[1]); break; }
-        default: { uint16_t r[2]; tw_abs_minmax_bf16(ptrs[i], n, r, t); out[2*i] = d_bf16(r[0]); out[2*i+1] = d_bf16(r[1]); break; }
+        case 0: {
+            uint64_t r[2];
+            tw_abs_minmax_f64(ptrs[i], n, r, t);
+            out[2*i] = d_f64(r[0]);
+            out[2*i+1] = d_f64(r[1]);
+            break;
+        }
+        case 1: {
+            uint32_t r[2];
+            tw_abs_minmax_f32(ptrs[i], n, r, t);
+            out[2*i] = d_f32(r[0]);
+            out[2*i+1] = d_f32(r[1]);
+            break;
+        }
+        case 2: {
+            uint16_t r[2];
+            tw_abs_minmax_f16(ptrs[i], n, r, t);
+            out[2*i] = d_f16(r[0]);
+            out[2*i+1] = d_f16(r[1]);
+            break;
+        }
+        default: {
+            uint16_t r[2];
+            tw_abs_minmax_bf16(ptrs[i], n, r, t);
+            out[2*i] = d_bf16(r[0]);
+            out[2*i+1] = d_bf16(r[1]);
+            break;
+        }
         }
     }
 }

@@ -154,7 +154,7 @@ class FrameRecorder:
         stats = rec.stats
         params_seen, acts_seen = self.params_seen, self.acts_seen
         if values is None:  # the kernel went away meanwhile (tests): measure each as before
-            for pos, t, is_param, version, ptr in pending:
+            for pos, t, is_param, _version, _ptr in pending:
                 r = measure(t) if is_param.__class__ is not int else (stats[is_param], stats[is_param + 1])
                 if r.__class__ is str:  # (never for a tensor the kernel took)
                     r = (float("nan"), float("nan"))

@@ -222,14 +222,15 @@ class StepGuard:
         return bool(flag)
 
     @staticmethod
-    def _all_finite_each(watched: Watched, tops: List[torch.Tensor], fused: Dict[torch.device, list]) -> bool:
+    def _all_finite_each(watched: Watched, tops: List[torch.Tensor],
+                         fused: Dict[torch.device, List[torch.Tensor]]) -> bool:
         """_all_finite without the kernel for CPU gradients: measure() each of them."""
         for p, _, _ in watched:
             g = p.grad
             if g is not None and g.__class__ is torch.Tensor and g.device.type == "cpu":
                 r = measure(g)
                 if r.__class__ is not str:
-                    tops.append(r[1])
+                    tops.append(r[1])  # type: ignore[arg-type]  # abs max
         for grads in fused.values():
             tops.extend(torch._foreach_norm(grads, _INF, dtype=torch.float32))
         return not tops or bool(torch.stack([t.to("cpu") for t in tops]).isfinite().all())
