@@ -210,6 +210,13 @@ def test_values_on_and_next_to_every_threshold(dtype):
         for j, t in enumerate(ALL_TARGETS):
             if j in plan.direct:
                 assert (rec.underflow[j], rec.overflow[j]) == oracle(around(dtype, edges), t), (name, t)
+        for e in {b + d for b in edges for d in (-1, 0, 1) if 0 < b + d < M._INF_BITS[dtype]}:
+            # a tensor whose smallest or largest non-zero pattern is the edge itself
+            for pats in ([e], [e, e + 1 if e + 1 < M._INF_BITS[dtype] else e], [1, e], [0, e]):
+                x = torch.tensor(pats, dtype=M._INT[dtype]).view(dtype)
+                rec = shares_of(measure, x, ALL_TARGETS, hist=False)
+                for j in plan.direct:
+                    assert (rec.underflow[j], rec.overflow[j]) == oracle(x, ALL_TARGETS[j]), (name, pats)
         for amax in (1.0, 3.0, 0.7, 448.0 * 3, 1e-3):
             a_bits = int(torch.tensor([amax], dtype=dtype).view(M._INT[dtype])[0])
             for j in plan.scaled:
@@ -221,6 +228,35 @@ def test_values_on_and_next_to_every_threshold(dtype):
                 want = oracle(x, ALL_TARGETS[j])
                 assert 0 < want[0] < 1 or guess < torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
                 assert (rec.underflow[j], rec.overflow[j]) == want, (name, dtype, amax, ALL_TARGETS[j])
+
+
+@pytest.mark.parametrize("dtype", INPUTS, ids=str)
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
+def test_many_blocks_some_crossing_a_threshold(dtype, bad):
+    """The kernel counts a range only in the blocks (2048 elements) whose non-zero patterns
+    reach it: tiny, huge and zero values in a few blocks of a large tensor, threads on; abs
+    min/max and shares stay exact (an inf/nan block: the non-zero finite count by compares)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300_000, generator=g, dtype=torch.float64)
+    x[: 100_000].clamp_(min=0)  # zeros in every block of the first third
+    x[5 * 2048 + 3] = 2.0 ** -30  # below fp16's flush threshold
+    x[40 * 2048 + 9] = -3e-9  # below fp8's scaled ones
+    x[41 * 2048 + 1] = 1e-6
+    x[70 * 2048 + 100] = 3e5 if dtype is not torch.float16 else 6e4
+    x[100 * 2048 + 7] = -4e5 if dtype is not torch.float16 else -6.5e4
+    if bad is not None:
+        x[120 * 2048 + 11] = bad
+    x = x.to(dtype)
+    finite = x[torch.isfinite(x)]
+    for name, measure in kernel_paths():
+        rec = shares_of(measure, x, ALL_TARGETS, hist=False)
+        if bad is None:
+            assert rec.host == [float(x.abs().min()), float(x.abs().max())], name
+        for j, t in enumerate(ALL_TARGETS):
+            if bad is not None and t.startswith("float8"):
+                assert math.isnan(rec.underflow[j]) and math.isnan(rec.overflow[j]), (name, t)
+            else:
+                assert (rec.underflow[j], rec.overflow[j]) == oracle(finite, t), (name, dtype, t)
 
 
 def test_torch_path_with_the_environment(monkeypatch):

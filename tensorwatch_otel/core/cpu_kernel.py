@@ -44,6 +44,7 @@ _PARALLEL_MIN = 1 << 16  # elements below which waking a second thread costs mor
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #define KERNEL(NAME, T, MASK, INF)                                                        \
 void NAME(const T* x, int64_t n, T* out, int nt) {                                        \
     T lo = (T)~(T)0, hi = 0;                                                              \
@@ -119,13 +120,18 @@ MAGNITUDE(tw_abs_minmax_mag_f16, uint16_t, 0x7FFFu, 0x7C00u, 10, 41)
 MAGNITUDE(tw_abs_minmax_mag_bf16, uint16_t, 0x7FFFu, 0x7F80u, 7, 262)
 
 /* abs min/max and exact threshold counts in one call (target_dtypes; core/magnitude.py).
-   rg: nr pairs (a, w) of patterns: cnt[r] = #{elements whose sign-cleared pattern m has
-   (T)(m - a) < w}, i.e. a <= m < a + w (range 0 is the non-zero finite elements, 1 <= m < inf).
+   rg: nr pairs (a, w) of sign-cleared patterns, a >= 1: cnt[r] = #{elements whose pattern m
+   has a <= m < a + w}. Range 0 is always the non-zero finite elements (1, inf - 1).
    sc: ns pairs (Y, fmax) of scaled (8-bit) targets: once the abs max is known,
    cnt[nr + j] = #{1 <= m <= U}, U the largest pattern whose value v has
-   (float)(v * (fmax / amax)) <= Y (the scaled value a cast flushes to zero), found by bisection;
-   a second read of x. Per block of TW_CB elements (in L1): the extremes in one loop, then one
-   branch-free compare-and-add loop per range (block counters of T's width: vectorised). */
+   (float)(v * (fmax / amax)) <= Y (the scaled value a cast flushes to zero), found by bisection.
+   Per block of TW_CB elements one loop takes the largest pattern, the smallest non-zero one (as
+   m - 1, zeros wrapping to the top) and the zeros; a range is counted in the block (still in
+   L1, a branch-free compare-and-add) only when it overlaps the block's non-zero patterns
+   [smallest, largest] - rarely, for thresholds at the ends of the range - and range 0 is the
+   block's length less its zeros unless the block holds inf/nan. A scaled target's range is
+   counted after the read, in the blocks whose smallest non-zero pattern (kept per block) is at
+   or below U: a second read of those blocks only. */
 #define TW_CB 2048
 #define TW_MAXR 64
 static inline double tw_dec_f64(uint64_t u) { double d; __builtin_memcpy(&d, &u, 8); return d; }
@@ -136,44 +142,58 @@ static inline double tw_dec_f16(uint16_t u) {
     if (!e) return m * 0x1p-24;
     return tw_dec_f32(((e + 112) << 23) | (m << 13));
 }
-#define TW_RANGES(T, MASK, XB, LEN, RG, NR, C)                                            \
-    for (int r = 0; r < NR; r++) {                                                        \
-        const T a = RG[2 * r], w = RG[2 * r + 1];                                         \
-        T k = 0;                                                                          \
-        for (int i = 0; i < LEN; i++) k += (T)((T)(XB[i] & MASK) - a) < w;                \
-        C[r] += k;                                                                        \
-    }
+#define TW_RANGE(T, MASK, XB, LEN, A, W, C)                                               \
+    do {                                                                                  \
+        const T a_ = (A), w_ = (W);                                                       \
+        T k_ = 0;                                                                         \
+        for (int i = 0; i < LEN; i++) k_ += (T)((T)(XB[i] & MASK) - a_) < w_;             \
+        C += k_;                                                                          \
+    } while (0)
 #define COUNTS(NAME, T, MASK, INF, DEC)                                                   \
 void NAME(const T* x, int64_t n, T* out, const T* rg, int nr, const double* sc, int ns,   \
           int64_t* cnt, int nt) {                                                         \
-    T lo = (T)~(T)0, hi = 0;                                                              \
+    T lo1 = (T)~(T)0, hi = 0;                                                             \
+    int64_t zeros = 0;                                                                    \
+    int64_t nblocks = (n + TW_CB - 1) / TW_CB;                                            \
+    T* bmin = ns > 0 ? (T*)malloc(nblocks * sizeof(T)) : 0; /* per block: min non-zero - 1 */ \
     for (int r = 0; r < nr + ns; r++) cnt[r] = 0;                                         \
-    _Pragma("omp parallel reduction(min:lo) reduction(max:hi) num_threads(nt) if(nt > 1)") \
+    _Pragma("omp parallel reduction(min:lo1) reduction(max:hi) reduction(+:zeros) num_threads(nt) if(nt > 1)") \
     {                                                                                     \
         int64_t c[TW_MAXR];                                                               \
         for (int r = 0; r < nr; r++) c[r] = 0;                                            \
         _Pragma("omp for schedule(static) nowait")                                        \
-        for (int64_t b0 = 0; b0 < n; b0 += TW_CB) {                                       \
-            const T* xb = x + b0;                                                         \
-            int len = n - b0 < TW_CB ? (int)(n - b0) : TW_CB;                             \
-            T l = lo, g = hi;                                                             \
+        for (int64_t bi = 0; bi < nblocks; bi++) {                                        \
+            const T* xb = x + bi * TW_CB;                                                 \
+            int len = n - bi * TW_CB < TW_CB ? (int)(n - bi * TW_CB) : TW_CB;             \
+            T l = (T)~(T)0, g = 0, z = 0;                                                 \
             for (int i = 0; i < len; i++) {                                               \
                 T m = xb[i] & MASK;                                                       \
-                l = m < l ? m : l;                                                        \
+                T m1 = (T)(m - 1);                                                        \
+                l = m1 < l ? m1 : l;                                                      \
                 g = m > g ? m : g;                                                        \
+                z += m == 0;                                                              \
             }                                                                             \
-            lo = l;                                                                       \
-            hi = g;                                                                       \
-            TW_RANGES(T, MASK, xb, len, rg, nr, c)                                        \
+            if (bmin) bmin[bi] = l;                                                       \
+            lo1 = l < lo1 ? l : lo1;                                                      \
+            hi = g > hi ? g : hi;                                                         \
+            zeros += z;                                                                   \
+            if (g < INF) c[0] += len - z;                                                 \
+            else TW_RANGE(T, MASK, xb, len, rg[0], rg[1], c[0]);                          \
+            for (int r = 1; r < nr; r++) { /* the block's non-zero patterns: [l + 1, g] */ \
+                T a = rg[2 * r], w = rg[2 * r + 1];                                       \
+                if (w == 0 || g < a || (T)(l + 1) > (T)(a + (T)(w - 1)) || l == (T)~(T)0) continue; \
+                TW_RANGE(T, MASK, xb, len, a, w, c[r]);                                   \
+            }                                                                             \
         }                                                                                 \
         _Pragma("omp critical")                                                           \
         for (int r = 0; r < nr; r++) cnt[r] += c[r];                                      \
     }                                                                                     \
-    if (hi > INF) lo = hi;                                                                \
+    T lo = zeros ? 0 : (T)(lo1 + 1);                                                      \
+    if (hi > INF) lo = hi; /* NaN anywhere: NaN in both */                                \
     out[0] = lo;                                                                          \
     out[1] = hi;                                                                          \
-    if (ns <= 0 || hi == 0 || hi >= INF) return; /* no scale: the host says NaN */        \
-    T su[2 * TW_MAXR];                                                                    \
+    if (ns <= 0 || hi == 0 || hi >= INF) { free(bmin); return; } /* no scale: the host says NaN */ \
+    T su[TW_MAXR];                                                                        \
     double amax = DEC(hi);                                                                \
     for (int j = 0; j < ns; j++) {                                                        \
         const double r = sc[2 * j + 1] / amax;                                            \
@@ -185,22 +205,24 @@ void NAME(const T* x, int64_t n, T* out, const T* rg, int nr, const double* sc, 
             T mid = a + (T)((T)(b - a) / 2);                                              \
             if ((float)(DEC(mid) * r) <= y) a = mid; else b = mid;                        \
         }                                                                                 \
-        su[2 * j] = 1;                                                                    \
-        su[2 * j + 1] = a; /* 1 <= m <= a */                                              \
+        su[j] = a; /* 1 <= m <= a */                                                      \
     }                                                                                     \
     _Pragma("omp parallel num_threads(nt) if(nt > 1)")                                    \
     {                                                                                     \
         int64_t c[TW_MAXR];                                                               \
         for (int r = 0; r < ns; r++) c[r] = 0;                                            \
         _Pragma("omp for schedule(static) nowait")                                        \
-        for (int64_t b0 = 0; b0 < n; b0 += TW_CB) {                                       \
-            const T* xb = x + b0;                                                         \
-            int len = n - b0 < TW_CB ? (int)(n - b0) : TW_CB;                             \
-            TW_RANGES(T, MASK, xb, len, su, ns, c)                                        \
+        for (int64_t bi = 0; bi < nblocks; bi++) {                                        \
+            const T* xb = x + bi * TW_CB;                                                 \
+            int len = n - bi * TW_CB < TW_CB ? (int)(n - bi * TW_CB) : TW_CB;             \
+            for (int r = 0; r < ns; r++)                                                  \
+                if (!bmin || bmin[bi] < su[r]) /* smallest non-zero <= U */               \
+                    TW_RANGE(T, MASK, xb, len, 1, su[r], c[r]);                           \
         }                                                                                 \
         _Pragma("omp critical")                                                           \
         for (int r = 0; r < ns; r++) cnt[nr + r] += c[r];                                 \
     }                                                                                     \
+    free(bmin);                                                                           \
 }
 COUNTS(tw_abs_minmax_cnt_f64, uint64_t, 0x7FFFFFFFFFFFFFFFull, 0x7FF0000000000000ull, tw_dec_f64)
 COUNTS(tw_abs_minmax_cnt_f32, uint32_t, 0x7FFFFFFFu, 0x7F800000u, tw_dec_f32)
