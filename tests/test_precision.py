@@ -443,8 +443,8 @@ def test_span_frame_events_carry_the_shares():
     assert len(attrs["tensorwatch.underflow.float16"]) == len(names)
 
 
-def test_torch_histogram_makes_no_host_sync():
-    """The torch-ops histogram (the CUDA path) reads nothing back: no .item(), no bincount."""
+def test_torch_histogram_and_counts_make_no_host_sync():
+    """The torch-ops counts and histogram (the CUDA path) read nothing back: no .item(), no bincount."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -458,9 +458,13 @@ def test_torch_histogram_makes_no_host_sync():
             return func(*args, **(kwargs or {}))
 
     x = near_thresholds(torch.bfloat16)
+    plan = M.plan_for(ALL_TARGETS)
+    plan.ranges(torch.bfloat16)  # the thresholds: found once per dtype pair, with torch's casts
     with Count():
         row = M.histogram_torch(x)
+        counts = M.counts_torch(x, x.abs().max(), plan)
     assert Count.syncs == 0 and row.numel() == M.row_width(torch.bfloat16)
+    assert counts.shape == (plan.width,)
     assert not any("bincount" in op or "histc" in op for op in Count.ops)
 
 

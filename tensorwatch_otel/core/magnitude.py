@@ -1,24 +1,32 @@
-"""Precision headroom (target_dtypes): a power-of-two histogram of |x| per measured tensor, taken
-in the read that gives its abs min/max, and the underflow/overflow shares derived from it.
+"""Precision headroom (target_dtypes): per measured tensor, exact counts of the elements a cast to
+each target dtype would flush to zero or push past its range, taken in the call that gives the
+tensor's abs min/max; and, on a cadence of watched batches, a power-of-two histogram of |x|.
+
+Shares, for each target dtype T (largest finite value `fmax`), as fractions of the tensor's
+non-zero finite elements (0.0 when it has none), from exact counts:
+- 8-bit (and smaller) floats are cast with per-tensor current scaling: y = float32(|x| * (fmax /
+  amax)), the product in float64 (amax: this batch's abs max of the tensor). underflow: y <= Y_T,
+  Y_T the largest float32 torch's cast to T makes 0 (half T's smallest subnormal: round to
+  nearest even sends it to 0). overflow: 0 by construction (the scaled abs max is fmax, up to
+  rounding, which a cast rounds back to fmax). Both NaN when amax is inf/nan (no scale).
+- wider floats are cast directly. underflow: the elements whose cast to T is 0 (|x| <= tiny/2);
+  overflow: |x| > fmax.
+Every threshold is a bit pattern of the input dtype D (Plan): with the sign bit cleared, integer
+order is magnitude order, so each count is a range compare on the patterns (inf/nan, above the
+inf pattern, and zeros, below 1, fall outside every range). A direct threshold is found once per
+(D, T) by bisection over D's patterns with torch's own cast; a scaled one needs the abs max, so
+the kernel bisects it after the read (the same float64 product and float32 rounding as above),
+and the torch ops compare the scaled values themselves. The counts are exact for every element:
+a share equals the share of elements `x.to(T)` (direct) or `(x.double() * (fmax / amax)).float()
+.to(T)` (scaled) makes 0, resp. with |x| > fmax.
 
 The histogram (a "row") of a tensor of dtype D has `row_width(D)` counters: row[0] counts exact
 zeros; row[s], 1 <= s <= NB, counts finite |x| in (2**(s - 1 + OFF), 2**(s + OFF)] (upper-inclusive:
 the OpenTelemetry exponential histogram's scale-0 bucket s - 1 + OFF, OFF = `row_offset(D)`, the
-bucket of D's smallest subnormal); row[NB + 1] counts inf/nan (left out of every share). The CPU
-kernel (core/cpu_kernel.py) fills it in the same read as the abs min/max; elsewhere the torch ops
-below do, with no host sync.
-
-Shares, for each target dtype T (largest finite value `fmax`, smallest subnormal `tiny`):
-- 8-bit (and smaller) floats are cast with per-tensor current scaling: x * fmax / amax (amax: this
-  batch's abs max of the tensor). underflow: |x| * fmax / amax <= tiny / 2 (round to nearest even:
-  a value exactly half of `tiny` becomes 0). overflow: 0 by construction (the scaled abs max is
-  fmax, up to rounding, which a cast rounds back to fmax). Both NaN when amax is inf/nan (no scale).
-- wider floats are cast directly. underflow: |x| <= tiny / 2 (a power of two: a bucket edge, so the
-  count is exact); overflow: |x| > fmax.
-Each share is a fraction of the tensor's non-zero finite elements (0.0 when it has none). A count
-against a threshold inside a bucket takes the buckets below it exactly and the threshold's bucket
-in part, log-linearly (the share of the octave below the threshold): exact when that bucket is
-empty or the threshold is its upper edge, otherwise off by at most that bucket's share.
+bucket of D's smallest subnormal); row[NB + 1] counts inf/nan. It is taken only on the first
+watched batch and every HISTOGRAM_EVERY-th after (counting it costs ~15x the abs min/max: one
+increment per element); the shares never come from it. The CPU kernel (core/cpu_kernel.py) does
+both; elsewhere the torch ops below, with no host sync.
 """
 
 from __future__ import annotations
@@ -237,6 +245,14 @@ class Plan:
         self.scaled_args = torch.tensor([v for j, y in zip(self.scaled, self.flush_y) for v in (y, params[j][1])]
                                         or [0.0], dtype=torch.float64)
         self._ranges: Dict[torch.dtype, Tuple[List[Tuple[int, int]], torch.Tensor]] = {}
+        self.kernel_args: Dict[torch.dtype, tuple] = {}
+
+    def args(self, dtype: torch.dtype) -> tuple:
+        """The counts kernel's arguments after the tensor for `dtype` (cached in kernel_args)."""
+        _, rg = self.ranges(dtype)
+        a = self.kernel_args[dtype] = (rg.data_ptr(), rg.numel() // 2, self.scaled_args.data_ptr(),
+                                       len(self.scaled), self.width)
+        return a
 
     def ranges(self, dtype: torch.dtype) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
         """(the (a, w) ranges of `dtype`, the same as a flat tensor of its pattern width)."""
@@ -302,9 +318,8 @@ def measure_counts(t: torch.Tensor, plan: Plan, histogram: bool) -> Union[Quad, 
                 kernel = KERNEL.get()
                 fn = getattr(kernel, "counts", None)
                 if fn is not None:
-                    _, rg = plan.ranges(v.dtype)
-                    mn, mx, row = fn(v, rg.data_ptr(), rg.numel() // 2, plan.scaled_args.data_ptr(),
-                                     len(plan.scaled), plan.width)
+                    args = plan.kernel_args.get(v.dtype) or plan.args(v.dtype)
+                    mn, mx, row = fn(v, *args)
                     return mn, mx, row, (kernel.magnitude(v)[2] if histogram else None)
             mn, mx = stats._abs_minmax_torch_cpu(v)
             return mn, mx, counts_torch(v, mx, plan), (histogram_torch(v) if histogram else None)

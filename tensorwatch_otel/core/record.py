@@ -146,18 +146,27 @@ class Record:
             amax = torch.tensor([values[2 * i + 1] for i in idx], dtype=torch.float64)
             u, o = _mag.shares(mat, amax, plan)
             u, o = u.view(-1).tolist(), o.view(-1).tolist()
-            for r, i in enumerate(idx):
-                under[i * nt:(i + 1) * nt] = u[r * nt:(r + 1) * nt]
-                over[i * nt:(i + 1) * nt] = o[r * nt:(r + 1) * nt]
+            if len(idx) == len(counts):  # every tensor had float values: the rows in order
+                under, over = u, o
+            else:
+                for r, i in enumerate(idx):
+                    under[i * nt:(i + 1) * nt] = u[r * nt:(r + 1) * nt]
+                    over[i * nt:(i + 1) * nt] = o[r * nt:(r + 1) * nt]
         # the histogram rows (histogram batches): rows of one width (the usual case: one float
         # dtype) are one matrix, no per-row slicing
         hist = flat[width * len(idx):]
+        rows: List[Optional[tuple]] = [None] * len(mags)
+        if hist.numel() == 0:  # not a histogram batch
+            self._rows += rows
+            self._floats += [c is not None for c in counts]
+            self.underflow += under
+            self.overflow += over
+            return
         widths = [None if m is None else m.shape[0] for m in mags]
         groups: Dict[int, list] = {}
         for i, w in enumerate(widths):
             if w is not None:
                 groups.setdefault(w, []).append(i)
-        rows: List[Optional[tuple]] = [None] * len(mags)
         if len(groups) == 1:
             (w, gi), = groups.items()
             mats = {w: hist[:w * len(gi)].view(len(gi), w)}
