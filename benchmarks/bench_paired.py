@@ -21,7 +21,7 @@ Variants:
     prometheus        watch + PrometheusMetrics(port=0) scraped every --scrape-interval s
                       (the always-on default set-up)
     module            check="module" (a readback per module call)
-    fp8               target_dtypes=["float8_e4m3fn"] (precision headroom: the |x| histogram)
+    fp8               target_dtypes=["float8_e4m3fn"] (precision headroom: exact counts)
     fp8_fp16_bf16     target_dtypes=["float8_e4m3fn", "float16", "bfloat16"]
     null              the unwatched step again: its spread around 1.0 is the machine's noise,
                       the resolution of every other figure

@@ -44,19 +44,26 @@ def oracle(x: torch.Tensor, target: str):
 
 
 def kernel_paths():
-    """The one-read CPU kernel and the torch ops (the CUDA path and the CPU fallback)."""
+    """The one-call CPU kernel and the torch ops (the CUDA path and the CPU fallback)."""
     kernel = KERNEL.wait(120)
-    paths = [("torch", lambda t: (*M.stats._abs_minmax_torch_cpu(t), M.histogram_torch(t)))]
+
+    def torch_ops(t, plan, hist):
+        mn, mx = M.stats._abs_minmax_torch_cpu(t)
+        return mn, mx, M.counts_torch(t, mx, plan), M.histogram_torch(t) if hist else None
+
+    paths = [("torch", torch_ops)]
     if kernel is not None:
-        paths.append(("kernel", kernel.magnitude))
+        assert kernel.counts is not None
+        paths.append(("kernel", M.measure_counts))
     return paths
 
 
-def shares_of(measure, x: torch.Tensor, targets=TARGETS):
+def shares_of(measure, x: torch.Tensor, targets=TARGETS, hist=True):
     rec = Record(0, targets=tuple(targets))
-    mn, mx, row = measure(x)
+    mn, mx, counts, row = measure(x, rec.plan, hist)
     rec.stats += [mn, mx]
     rec.dtypes.append(x.dtype)
+    rec.counts.append(counts)
     rec.mags.append(row)
     rec.readback()
     return rec
@@ -137,10 +144,11 @@ def test_all_zero_and_integer_tensors():
         assert rec.underflow == [0.0] * 4 and rec.overflow == [0.0] * 4
         assert rec.magnitude(0) == Magnitude(100, 0, ())
     rec = Record(0, targets=TARGETS)
-    r = M.measure_magnitude(torch.arange(10))
-    assert r[2] is None
+    r = M.measure_counts(torch.arange(10), rec.plan, True)
+    assert r[2] is None and r[3] is None
     rec.stats += [r[0], r[1]]
     rec.dtypes.append(torch.int64)
+    rec.counts.append(None)
     rec.mags.append(None)
     rec.readback()
     assert len(rec.underflow) == 4 and all(math.isnan(v) for v in rec.underflow + rec.overflow)
@@ -149,44 +157,116 @@ def test_all_zero_and_integer_tensors():
 
 def test_fp8_input_measured_as_float32():
     x = torch.tensor([1.0, 2.0 ** -9, 448.0]).to(torch.float8_e4m3fn)
-    r = M.measure_magnitude(x)
-    assert r[2].numel() == M.row_width(torch.float32)
+    plan = M.plan_for(("float16",))
+    r = M.measure_counts(x, plan, True)
+    assert r[3].numel() == M.row_width(torch.float32)
+    assert r[2].tolist() == [3, 0, 0]
+
+
+ALL_TARGETS = tuple(M.valid_targets())
+
+
+def random_magnitudes(dtype, n=200_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-30, 14) if dtype is torch.float16 else (-45, 18)  # finite in the input dtype
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(lo, hi, (n,), generator=g).double())
+    return x.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", INPUTS, ids=str)
-def test_random_tensor_within_the_threshold_bucket(dtype):
-    """Random magnitudes over 60 octaves: each share is within the share of the one bucket holding
-    its threshold (the documented precision)."""
-    g = torch.Generator().manual_seed(0)
-    lo, hi = (-30, 14) if dtype is torch.float16 else (-45, 18)  # finite in the input dtype
-    x = torch.randn(200_000, generator=g, dtype=torch.float64) * torch.exp2(
-        torch.randint(lo, hi, (200_000,), generator=g).double())
+def test_random_tensor_shares_equal_the_casts_exactly(dtype):
+    """Random magnitudes over 60 octaves: each share is exactly the cast's (the counts are)."""
+    x = random_magnitudes(dtype)
+    x[7] = 0.0
+    for name, measure in kernel_paths():
+        rec = shares_of(measure, x, ALL_TARGETS, hist=False)
+        for j, t in enumerate(ALL_TARGETS):
+            want_u, want_o = oracle(x, t)
+            assert (rec.underflow[j], rec.overflow[j]) == (want_u, want_o), (name, dtype, t)
+        assert rec.magnitude(0) is None
+
+
+def around(dtype: torch.dtype, bits, amax_bits=None) -> torch.Tensor:
+    """The values of `dtype` one pattern either side of each threshold pattern (and on it), both
+    signs, with the abs max pattern `amax_bits`."""
+    pats = sorted({b + d for b in bits for d in (-2, -1, 0, 1, 2) if 0 < b + d < M._INF_BITS[dtype]})
+    if amax_bits is not None:
+        pats = [p for p in pats if p <= amax_bits] + [amax_bits]
+    v = torch.tensor(pats, dtype=M._INT[dtype]).view(dtype)
+    return torch.cat([v, -v])
+
+
+@pytest.mark.parametrize("dtype", INPUTS, ids=str)
+def test_values_on_and_next_to_every_threshold(dtype):
+    """Exact at the edges: the patterns next to each direct threshold, and next to each scaled
+    threshold for several abs maxima (the thresholds move with amax)."""
+    plan = M.plan_for(ALL_TARGETS)
+    pairs, _ = plan.ranges(dtype)
+    edges = [b for a, w in pairs[1:] for b in (a, a + w - 1)]
+    for name, measure in kernel_paths():
+        rec = shares_of(measure, around(dtype, edges), ALL_TARGETS, hist=False)
+        for j, t in enumerate(ALL_TARGETS):
+            if j in plan.direct:
+                assert (rec.underflow[j], rec.overflow[j]) == oracle(around(dtype, edges), t), (name, t)
+        for e in {b + d for b in edges for d in (-1, 0, 1) if 0 < b + d < M._INF_BITS[dtype]}:
+            # a tensor whose smallest or largest non-zero pattern is the edge itself
+            for pats in ([e], [e, e + 1 if e + 1 < M._INF_BITS[dtype] else e], [1, e], [0, e]):
+                x = torch.tensor(pats, dtype=M._INT[dtype]).view(dtype)
+                rec = shares_of(measure, x, ALL_TARGETS, hist=False)
+                for j in plan.direct:
+                    assert (rec.underflow[j], rec.overflow[j]) == oracle(x, ALL_TARGETS[j]), (name, pats)
+        for amax in (1.0, 3.0, 0.7, 448.0 * 3, 1e-3):
+            a_bits = int(torch.tensor([amax], dtype=dtype).view(M._INT[dtype])[0])
+            for j in plan.scaled:
+                fmax, y = plan.fmax[j], plan.flush_y[plan.scaled.index(j)]
+                guess = float(torch.tensor([amax], dtype=dtype).double()[0]) * y / fmax
+                g_bits = int(torch.tensor([guess], dtype=dtype).view(M._INT[dtype])[0])
+                x = around(dtype, [g_bits], a_bits)
+                rec = shares_of(measure, x, ALL_TARGETS, hist=False)
+                want = oracle(x, ALL_TARGETS[j])
+                assert 0 < want[0] < 1 or guess < torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+                assert (rec.underflow[j], rec.overflow[j]) == want, (name, dtype, amax, ALL_TARGETS[j])
+
+
+@pytest.mark.parametrize("dtype", INPUTS, ids=str)
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
+def test_many_blocks_some_crossing_a_threshold(dtype, bad):
+    """The kernel counts a range only in the blocks (2048 elements) whose non-zero patterns
+    reach it: tiny, huge and zero values in a few blocks of a large tensor, threads on; abs
+    min/max and shares stay exact (an inf/nan block: the non-zero finite count by compares)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300_000, generator=g, dtype=torch.float64)
+    x[: 100_000].clamp_(min=0)  # zeros in every block of the first third
+    x[5 * 2048 + 3] = 2.0 ** -30  # below fp16's flush threshold
+    x[40 * 2048 + 9] = -3e-9  # below fp8's scaled ones
+    x[41 * 2048 + 1] = 1e-6
+    x[70 * 2048 + 100] = 3e5 if dtype is not torch.float16 else 6e4
+    x[100 * 2048 + 7] = -4e5 if dtype is not torch.float16 else -6.5e4
+    if bad is not None:
+        x[120 * 2048 + 11] = bad
     x = x.to(dtype)
     finite = x[torch.isfinite(x)]
-    a = finite.double().abs()
-    nz = int((a > 0).sum())
     for name, measure in kernel_paths():
-        rec = shares_of(measure, x)
-        amax = rec.host[1]
-        for j, t in enumerate(TARGETS):
-            want_u, want_o = oracle(finite, t)
-            fi = torch.finfo(getattr(torch, t))
-            tu = fi.smallest_normal * fi.eps / 2 * (amax / fi.max if getattr(torch, t).itemsize <= 1 else 1)
-            for got, want, thr in ((rec.underflow[j], want_u, tu), (rec.overflow[j], want_o, fi.max)):
-                b = math.ceil(math.log2(thr)) - 1
-                in_bucket = int(((a > 2.0 ** b) & (a <= 2.0 ** (b + 1))).sum()) / nz
-                assert abs(got - want) <= in_bucket + 1e-12, (name, dtype, t, got, want, in_bucket)
+        rec = shares_of(measure, x, ALL_TARGETS, hist=False)
+        if bad is None:
+            assert rec.host == [float(x.abs().min()), float(x.abs().max())], name
+        for j, t in enumerate(ALL_TARGETS):
+            if bad is not None and t.startswith("float8"):
+                assert math.isnan(rec.underflow[j]) and math.isnan(rec.overflow[j]), (name, t)
+            else:
+                assert (rec.underflow[j], rec.overflow[j]) == oracle(finite, t), (name, dtype, t)
 
 
 def test_torch_path_with_the_environment(monkeypatch):
-    """TENSORWATCH_CPU_KERNEL=torch: the torch-ops path, through measure_magnitude."""
+    """TENSORWATCH_CPU_KERNEL=torch: the torch-ops path, through measure_counts."""
     KERNEL.reset(None, done=True)
     try:
-        x = near_thresholds(torch.float32)
-        x = x[torch.isfinite(x)]
-        rec = shares_of(M.measure_magnitude, x)
+        x = random_magnitudes(torch.float32, 10_000)
+        rec = shares_of(M.measure_counts, x)
         for j, t in enumerate(TARGETS):
-            assert rec.underflow[j] == pytest.approx(oracle(x, t)[0], abs=1e-12)
+            assert (rec.underflow[j], rec.overflow[j]) == oracle(x, t)
+        assert sum(rec.magnitude(0).counts) == 10_000
     finally:
         KERNEL.reset()
 
@@ -269,8 +349,27 @@ def test_cached_weights_keep_their_histogram():
         lin(torch.ones(4))
         lin(torch.ones(4))
     w0, w1 = (next(t for t in b.frames[0].tensors if t.name == "weight") for b in sink.batches)
-    assert w0.magnitude == w1.magnitude and sum(w0.magnitude.counts) == 16
+    assert sum(w0.magnitude.counts) == 16 and w1.magnitude is None  # batch 1: no histogram
     assert w0.underflow == w1.underflow
+
+
+def test_magnitude_on_the_cadence_batches_only():
+    """The histogram on the first watched batch and every HISTOGRAM_EVERY-th watched batch after
+    (counted in watched batches: every_n_batches=2 watches 0, 2, 4...); exact shares on all."""
+    sink = Collect()
+    model = Scale(known_tensor())
+    n = 2 * M.HISTOGRAM_EVERY + 2
+    with watch(model, sinks=[sink], target_dtypes=["float16", "float8_e4m3fn"], every_n_batches=2):
+        for _ in range(2 * n):
+            model(torch.ones(()))
+    outs = {b.batch_number: b.frames[0].tensors[-1] for b in sink.batches}
+    assert sorted(outs) == list(range(0, 2 * n, 2))
+    with_hist = [b for b, t in outs.items() if t.magnitude is not None]
+    assert with_hist == [0, 2 * M.HISTOGRAM_EVERY, 4 * M.HISTOGRAM_EVERY]
+    assert outs[0].magnitude.zeros == 1 and sum(outs[0].magnitude.counts) == 12
+    for t in outs.values():
+        assert (t.underflow["float16"], t.overflow["float16"]) == (3 / 12, 2 / 12)
+        assert (t.underflow["float8_e4m3fn"], t.overflow["float8_e4m3fn"]) == (4 / 12, 0.0)
 
 
 # ---------------------------------------------------------------------------- where they show
@@ -343,8 +442,8 @@ def test_span_frame_events_carry_the_shares():
     assert len(attrs["tensorwatch.underflow.float16"]) == len(names)
 
 
-def test_torch_histogram_makes_no_host_sync():
-    """The torch-ops histogram (the CUDA path) reads nothing back: no .item(), no bincount."""
+def test_torch_histogram_and_counts_make_no_host_sync():
+    """The torch-ops counts and histogram (the CUDA path) read nothing back: no .item(), no bincount."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -358,9 +457,13 @@ def test_torch_histogram_makes_no_host_sync():
             return func(*args, **(kwargs or {}))
 
     x = near_thresholds(torch.bfloat16)
+    plan = M.plan_for(ALL_TARGETS)
+    plan.ranges(torch.bfloat16)  # the thresholds: found once per dtype pair, with torch's casts
     with Count():
         row = M.histogram_torch(x)
+        counts = M.counts_torch(x, x.abs().max(), plan)
     assert Count.syncs == 0 and row.numel() == M.row_width(torch.bfloat16)
+    assert counts.shape == (plan.width,)
     assert not any("bincount" in op or "histc" in op for op in Count.ops)
 
 

@@ -44,6 +44,7 @@ _PARALLEL_MIN = 1 << 16  # elements below which waking a second thread costs mor
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #define KERNEL(NAME, T, MASK, INF)                                                        \
 void NAME(const T* x, int64_t n, T* out, int nt) {                                        \
     T lo = (T)~(T)0, hi = 0;                                                              \
@@ -166,6 +167,116 @@ void tw_abs_minmax_many(const void* const* ptrs, const int64_t* ns, const int8_t
         }
     }
 }
+
+/* abs min/max and exact threshold counts in one call (target_dtypes; core/magnitude.py).
+   rg: nr pairs (a, w) of sign-cleared patterns, a >= 1: cnt[r] = #{elements whose pattern m
+   has a <= m < a + w}. Range 0 is always the non-zero finite elements (1, inf - 1).
+   sc: ns pairs (Y, fmax) of scaled (8-bit) targets: once the abs max is known,
+   cnt[nr + j] = #{1 <= m <= U}, U the largest pattern whose value v has
+   (float)(v * (fmax / amax)) <= Y (the scaled value a cast flushes to zero), found by bisection.
+   Per block of TW_CB elements one loop takes the largest pattern, the smallest non-zero one (as
+   m - 1, zeros wrapping to the top) and the zeros; a range is counted in the block (still in
+   L1, a branch-free compare-and-add) only when it overlaps the block's non-zero patterns
+   [smallest, largest] - rarely, for thresholds at the ends of the range - and range 0 is the
+   block's length less its zeros unless the block holds inf/nan. A scaled target's range is
+   counted after the read, in the blocks whose smallest non-zero pattern (kept per block) is at
+   or below U: a second read of those blocks only. */
+#define TW_CB 2048
+#define TW_MAXR 64
+static inline double tw_dec_f64(uint64_t u) { double d; __builtin_memcpy(&d, &u, 8); return d; }
+static inline double tw_dec_f32(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
+static inline double tw_dec_bf16(uint16_t u) { return tw_dec_f32((uint32_t)u << 16); }
+static inline double tw_dec_f16(uint16_t u) {
+    uint32_t e = (u >> 10) & 31, m = u & 1023;
+    if (!e) return m * 0x1p-24;
+    return tw_dec_f32(((e + 112) << 23) | (m << 13));
+}
+#define TW_RANGE(T, MASK, XB, LEN, A, W, C)                                               \
+    do {                                                                                  \
+        const T a_ = (A), w_ = (W);                                                       \
+        T k_ = 0;                                                                         \
+        for (int i = 0; i < LEN; i++) k_ += (T)((T)(XB[i] & MASK) - a_) < w_;             \
+        C += k_;                                                                          \
+    } while (0)
+#define COUNTS(NAME, T, MASK, INF, DEC)                                                   \
+void NAME(const T* x, int64_t n, T* out, const T* rg, int nr, const double* sc, int ns,   \
+          int64_t* cnt, int nt) {                                                         \
+    T lo1 = (T)~(T)0, hi = 0;                                                             \
+    int64_t zeros = 0;                                                                    \
+    int64_t nblocks = (n + TW_CB - 1) / TW_CB;                                            \
+    T* bmin = ns > 0 ? (T*)malloc(nblocks * sizeof(T)) : 0; /* per block: min non-zero - 1 */ \
+    for (int r = 0; r < nr + ns; r++) cnt[r] = 0;                                         \
+    _Pragma("omp parallel reduction(min:lo1) reduction(max:hi) reduction(+:zeros) num_threads(nt) if(nt > 1)") \
+    {                                                                                     \
+        int64_t c[TW_MAXR];                                                               \
+        for (int r = 0; r < nr; r++) c[r] = 0;                                            \
+        _Pragma("omp for schedule(static) nowait")                                        \
+        for (int64_t bi = 0; bi < nblocks; bi++) {                                        \
+            const T* xb = x + bi * TW_CB;                                                 \
+            int len = n - bi * TW_CB < TW_CB ? (int)(n - bi * TW_CB) : TW_CB;             \
+            T l = (T)~(T)0, g = 0, z = 0;                                                 \
+            for (int i = 0; i < len; i++) {                                               \
+                T m = xb[i] & MASK;                                                       \
+                T m1 = (T)(m - 1);                                                        \
+                l = m1 < l ? m1 : l;                                                      \
+                g = m > g ? m : g;                                                        \
+                z += m == 0;                                                              \
+            }                                                                             \
+            if (bmin) bmin[bi] = l;                                                       \
+            lo1 = l < lo1 ? l : lo1;                                                      \
+            hi = g > hi ? g : hi;                                                         \
+            zeros += z;                                                                   \
+            if (g < INF) c[0] += len - z;                                                 \
+            else TW_RANGE(T, MASK, xb, len, rg[0], rg[1], c[0]);                          \
+            for (int r = 1; r < nr; r++) { /* the block's non-zero patterns: [l + 1, g] */ \
+                T a = rg[2 * r], w = rg[2 * r + 1];                                       \
+                if (w == 0 || g < a || (T)(l + 1) > (T)(a + (T)(w - 1)) || l == (T)~(T)0) continue; \
+                TW_RANGE(T, MASK, xb, len, a, w, c[r]);                                   \
+            }                                                                             \
+        }                                                                                 \
+        _Pragma("omp critical")                                                           \
+        for (int r = 0; r < nr; r++) cnt[r] += c[r];                                      \
+    }                                                                                     \
+    T lo = zeros ? 0 : (T)(lo1 + 1);                                                      \
+    if (hi > INF) lo = hi; /* NaN anywhere: NaN in both */                                \
+    out[0] = lo;                                                                          \
+    out[1] = hi;                                                                          \
+    if (ns <= 0 || hi == 0 || hi >= INF) { free(bmin); return; } /* no scale: the host says NaN */ \
+    T su[TW_MAXR];                                                                        \
+    double amax = DEC(hi);                                                                \
+    for (int j = 0; j < ns; j++) {                                                        \
+        const double r = sc[2 * j + 1] / amax;                                            \
+        const float y = (float)sc[2 * j];                                                 \
+        T a = 0, b = hi; /* (float)(DEC(a) * r) <= y, and not at b (unless b is) */        \
+        if ((float)(DEC(b) * r) <= y) a = b;                                              \
+        else if (!((float)(DEC(a) * r) <= y)) b = a; /* r inf: nothing is flushed */      \
+        while ((T)(b - a) > 1) {                                                          \
+            T mid = a + (T)((T)(b - a) / 2);                                              \
+            if ((float)(DEC(mid) * r) <= y) a = mid; else b = mid;                        \
+        }                                                                                 \
+        su[j] = a; /* 1 <= m <= a */                                                      \
+    }                                                                                     \
+    _Pragma("omp parallel num_threads(nt) if(nt > 1)")                                    \
+    {                                                                                     \
+        int64_t c[TW_MAXR];                                                               \
+        for (int r = 0; r < ns; r++) c[r] = 0;                                            \
+        _Pragma("omp for schedule(static) nowait")                                        \
+        for (int64_t bi = 0; bi < nblocks; bi++) {                                        \
+            const T* xb = x + bi * TW_CB;                                                 \
+            int len = n - bi * TW_CB < TW_CB ? (int)(n - bi * TW_CB) : TW_CB;             \
+            for (int r = 0; r < ns; r++)                                                  \
+                if (!bmin || bmin[bi] < su[r]) /* smallest non-zero <= U */               \
+                    TW_RANGE(T, MASK, xb, len, 1, su[r], c[r]);                           \
+        }                                                                                 \
+        _Pragma("omp critical")                                                           \
+        for (int r = 0; r < ns; r++) cnt[nr + r] += c[r];                                 \
+    }                                                                                     \
+    free(bmin);                                                                           \
+}
+COUNTS(tw_abs_minmax_cnt_f64, uint64_t, 0x7FFFFFFFFFFFFFFFull, 0x7FF0000000000000ull, tw_dec_f64)
+COUNTS(tw_abs_minmax_cnt_f32, uint32_t, 0x7FFFFFFFu, 0x7F800000u, tw_dec_f32)
+COUNTS(tw_abs_minmax_cnt_f16, uint16_t, 0x7FFFu, 0x7C00u, tw_dec_f16)
+COUNTS(tw_abs_minmax_cnt_bf16, uint16_t, 0x7FFFu, 0x7F80u, tw_dec_bf16)
 """
 
 _SYMBOLS = {torch.float64: "tw_abs_minmax_f64", torch.float32: "tw_abs_minmax_f32",
@@ -289,6 +400,7 @@ def build(cc: Optional[str] = None) -> Optional[Kernel]:
         return None
     kernel = _bind(lib, parallel=openmp is not None)
     kernel.magnitude = _bind_magnitude(lib, parallel=openmp is not None)  # type: ignore[attr-defined]
+    kernel.counts = _bind_counts(lib, parallel=openmp is not None)  # type: ignore[attr-defined]
     return kernel
 
 
@@ -382,6 +494,44 @@ def _bind_magnitude(lib: ctypes.CDLL, parallel: bool) -> MagnitudeKernel:
         fns[dt](v.data_ptr(), n, ptr, hptr, threads() if parallel and n >= _PARALLEL_MIN else 1)
         return lo, hi, hist
     return abs_min_max_magnitude
+
+
+_CNT_SYMBOLS = {torch.float64: "tw_abs_minmax_cnt_f64", torch.float32: "tw_abs_minmax_cnt_f32",
+                torch.float16: "tw_abs_minmax_cnt_f16", torch.bfloat16: "tw_abs_minmax_cnt_bf16"}
+MAX_RANGES = 64  # TW_MAXR: ranges, and scaled targets, one call counts at most
+
+CountsKernel = Callable[[torch.Tensor, int, int, int, int, int], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _bind_counts(lib: ctypes.CDLL, parallel: bool) -> CountsKernel:
+    """(tensor, ranges address, ranges, scaled address, scaled, width) -> (abs_min, abs_max,
+    counts): the exact threshold counts of core/magnitude.py (`width` = ranges + scaled int64
+    counters) in the same call as the extremes."""
+    fns: Dict[torch.dtype, object] = {}
+    for dt, symbol in _CNT_SYMBOLS.items():
+        fn = getattr(lib, symbol)
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+        fn.restype = None
+        fns[dt] = fn
+    threads = torch.get_num_threads
+    local = threading.local()
+
+    def abs_min_max_counts(v: torch.Tensor, rg: int, nr: int, sc: int, ns: int, width: int):
+        """`v`: a contiguous CPU tensor of a float dtype, numel > 0; nr, ns <= MAX_RANGES."""
+        dt = v.dtype
+        pools = getattr(local, "pools", None)
+        if pools is None:
+            pools = local.pools = {}
+        key = (dt, width)
+        pool = pools.get(key)
+        if not pool:
+            pool = pools[key] = _result_triples(dt, width)
+        lo, hi, ptr, row, rptr = pool.pop()
+        n = v.numel()
+        fns[dt](v.data_ptr(), n, ptr, rg, nr, sc, ns, rptr, threads() if parallel and n >= _PARALLEL_MIN else 1)
+        return lo, hi, row
+    return abs_min_max_counts
 
 
 def _result_triples(dtype: torch.dtype, width: int) -> List[tuple]:

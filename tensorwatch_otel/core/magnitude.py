@@ -1,24 +1,32 @@
-"""Precision headroom (target_dtypes): a power-of-two histogram of |x| per measured tensor, taken
-in the read that gives its abs min/max, and the underflow/overflow shares derived from it.
+"""Precision headroom (target_dtypes): per measured tensor, exact counts of the elements a cast to
+each target dtype would flush to zero or push past its range, taken in the call that gives the
+tensor's abs min/max; and, on a cadence of watched batches, a power-of-two histogram of |x|.
+
+Shares, for each target dtype T (largest finite value `fmax`), as fractions of the tensor's
+non-zero finite elements (0.0 when it has none), from exact counts:
+- 8-bit (and smaller) floats are cast with per-tensor current scaling: y = float32(|x| * (fmax /
+  amax)), the product in float64 (amax: this batch's abs max of the tensor). underflow: y <= Y_T,
+  Y_T the largest float32 torch's cast to T makes 0 (half T's smallest subnormal: round to
+  nearest even sends it to 0). overflow: 0 by construction (the scaled abs max is fmax, up to
+  rounding, which a cast rounds back to fmax). Both NaN when amax is inf/nan (no scale).
+- wider floats are cast directly. underflow: the elements whose cast to T is 0 (|x| <= tiny/2);
+  overflow: |x| > fmax.
+Every threshold is a bit pattern of the input dtype D (Plan): with the sign bit cleared, integer
+order is magnitude order, so each count is a range compare on the patterns (inf/nan, above the
+inf pattern, and zeros, below 1, fall outside every range). A direct threshold is found once per
+(D, T) by bisection over D's patterns with torch's own cast; a scaled one needs the abs max, so
+the kernel bisects it after the read (the same float64 product and float32 rounding as above),
+and the torch ops compare the scaled values themselves. The counts are exact for every element:
+a share equals the share of elements `x.to(T)` (direct) or `(x.double() * (fmax / amax)).float()
+.to(T)` (scaled) makes 0, resp. with |x| > fmax.
 
 The histogram (a "row") of a tensor of dtype D has `row_width(D)` counters: row[0] counts exact
 zeros; row[s], 1 <= s <= NB, counts finite |x| in (2**(s - 1 + OFF), 2**(s + OFF)] (upper-inclusive:
 the OpenTelemetry exponential histogram's scale-0 bucket s - 1 + OFF, OFF = `row_offset(D)`, the
-bucket of D's smallest subnormal); row[NB + 1] counts inf/nan (left out of every share). The CPU
-kernel (core/cpu_kernel.py) fills it in the same read as the abs min/max; elsewhere the torch ops
-below do, with no host sync.
-
-Shares, for each target dtype T (largest finite value `fmax`, smallest subnormal `tiny`):
-- 8-bit (and smaller) floats are cast with per-tensor current scaling: x * fmax / amax (amax: this
-  batch's abs max of the tensor). underflow: |x| * fmax / amax <= tiny / 2 (round to nearest even:
-  a value exactly half of `tiny` becomes 0). overflow: 0 by construction (the scaled abs max is
-  fmax, up to rounding, which a cast rounds back to fmax). Both NaN when amax is inf/nan (no scale).
-- wider floats are cast directly. underflow: |x| <= tiny / 2 (a power of two: a bucket edge, so the
-  count is exact); overflow: |x| > fmax.
-Each share is a fraction of the tensor's non-zero finite elements (0.0 when it has none). A count
-against a threshold inside a bucket takes the buckets below it exactly and the threshold's bucket
-in part, log-linearly (the share of the octave below the threshold): exact when that bucket is
-empty or the threshold is its upper edge, otherwise off by at most that bucket's share.
+bucket of D's smallest subnormal); row[NB + 1] counts inf/nan. It is taken only on the first
+watched batch and every HISTOGRAM_EVERY-th after (counting it costs ~15x the abs min/max: one
+increment per element); the shares never come from it. The CPU kernel (core/cpu_kernel.py) does
+both; elsewhere the torch ops below, with no host sync.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import stats
-from .cpu_kernel import KERNEL
+from .cpu_kernel import KERNEL, MAX_RANGES
 from .env import ConfigError
 from .events import Magnitude
 
@@ -154,14 +162,152 @@ def target_params(names: Sequence[str]) -> List[Tuple[float, float, bool]]:
     return out
 
 
+# ---------------------------------------------------------------------------- thresholds
+HISTOGRAM_EVERY = 16  # the Magnitude histogram on the first watched batch and every 16th after
+
+_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+        torch.float64: torch.int64}
+_INF_BITS = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80,
+             torch.float64: 0x7FF0000000000000}
+
+
+def _value(bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The one-element tensor of `dtype` whose bit pattern is `bits`."""
+    return torch.tensor([bits], dtype=_INT[dtype]).view(dtype)
+
+
+def _last(pred, hi: int) -> int:
+    """The largest pattern u in [0, hi] with pred(u), pred monotone (true, then false) and
+    pred(0) true."""
+    lo = 0
+    if pred(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+_FLUSH: Dict[Tuple[torch.dtype, torch.dtype], int] = {}
+_BELOW: Dict[Tuple[torch.dtype, str], int] = {}
+
+
+def flush_bits(src: torch.dtype, dst: torch.dtype) -> int:
+    """The largest sign-cleared pattern of `src` whose value torch's cast to `dst` makes zero:
+    found with torch's own casts (round to nearest even, whatever path the cast takes), so the
+    count below it is exactly the elements that cast flushes."""
+    key = (src, dst)
+    u = _FLUSH.get(key)
+    if u is None:
+        u = _FLUSH[key] = _last(lambda b: bool(_value(b, src).to(dst)[0] == 0), _INF_BITS[src] - 1)
+    return u
+
+
+def _at_most_bits(src: torch.dtype, limit: float) -> int:
+    """The largest finite sign-cleared pattern of `src` whose value is <= `limit`."""
+    key = (src, repr(limit))
+    u = _BELOW.get(key)
+    if u is None:
+        u = _BELOW[key] = _last(lambda b: float(_value(b, src).double()[0]) <= limit, _INF_BITS[src] - 1)
+    return u
+
+
+class Plan:
+    """The exact counts one measured tensor gives for a tuple of target dtypes: a row of int64
+    counters, the same layout for every input dtype. Column 0: the non-zero finite elements;
+    then per direct-cast target its underflow and overflow; then per scaled (8-bit) target its
+    underflow. Per input dtype D the direct ones are ranges of D's sign-cleared bit patterns
+    (a, w): a <= m < a + w (underflow: 1 <= m <= flush_bits(D, T); overflow: |x| > fmax up to
+    inf); a scaled target's range needs this tensor's abs max: (Y, fmax), Y the largest float32
+    a cast to T makes zero (the bound on x * fmax / amax, as float32)."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names = tuple(names)
+        params = target_params(self.names)
+        self.direct = [j for j, p in enumerate(params) if not p[2]]
+        self.scaled = [j for j, p in enumerate(params) if p[2]]
+        assert 1 + 2 * len(self.direct) <= MAX_RANGES and len(self.scaled) <= MAX_RANGES  # 8 valid targets
+        self.width = 1 + 2 * len(self.direct) + len(self.scaled)
+        self.under_col = [0] * len(params)
+        self.over_col: List[Optional[int]] = [None] * len(params)
+        for i, j in enumerate(self.direct):
+            self.under_col[j], self.over_col[j] = 1 + 2 * i, 2 + 2 * i
+        for i, j in enumerate(self.scaled):
+            self.under_col[j] = 1 + 2 * len(self.direct) + i
+        self.is_scaled = [p[2] for p in params]
+        self.fmax = [p[1] for p in params]
+        self.flush_y = [float(_value(flush_bits(torch.float32, getattr(torch, self.names[j])), torch.float32)[0])
+                        for j in self.scaled]
+        # scaled: (Y, fmax) pairs, float64, for the kernel
+        self.scaled_args = torch.tensor([v for j, y in zip(self.scaled, self.flush_y) for v in (y, params[j][1])]
+                                        or [0.0], dtype=torch.float64)
+        self._ranges: Dict[torch.dtype, Tuple[List[Tuple[int, int]], torch.Tensor]] = {}
+        self.kernel_args: Dict[torch.dtype, tuple] = {}
+
+    def args(self, dtype: torch.dtype) -> tuple:
+        """The counts kernel's arguments after the tensor for `dtype` (cached in kernel_args)."""
+        _, rg = self.ranges(dtype)
+        a = self.kernel_args[dtype] = (rg.data_ptr(), rg.numel() // 2, self.scaled_args.data_ptr(),
+                                       len(self.scaled), self.width)
+        return a
+
+    def ranges(self, dtype: torch.dtype) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
+        """(the (a, w) ranges of `dtype`, the same as a flat tensor of its pattern width)."""
+        r = self._ranges.get(dtype)
+        if r is None:
+            inf = _INF_BITS[dtype]
+            pairs = [(1, inf - 1)]
+            for j in self.direct:
+                target = getattr(torch, self.names[j])
+                u = flush_bits(dtype, target)
+                o = _at_most_bits(dtype, self.fmax[j])
+                pairs += [(1, u), (o + 1, inf - 1 - o)]
+            flat = torch.tensor([v for p in pairs for v in p], dtype=_INT[dtype])
+            r = self._ranges[dtype] = (pairs, flat)
+        return r
+
+
+_PLANS: Dict[Tuple[str, ...], Plan] = {}
+
+
+def plan_for(names: Tuple[str, ...]) -> Plan:
+    p = _PLANS.get(names)
+    if p is None:
+        p = _PLANS[names] = Plan(names)
+    return p
+
+
 # ---------------------------------------------------------------------------- measuring
-Triple = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+def counts_torch(v: torch.Tensor, amax: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The counts row of a float tensor (float32/16, bfloat16, float64) with torch ops on its
+    device, no host sync: compares on its sign-cleared bit patterns (direct targets) and on
+    float32(|x| * (fmax / amax)) (scaled targets: the same float64 product as the kernel's)."""
+    dt = v.dtype
+    w = v.detach().reshape(-1)
+    bits = w.view(_INT[dt]) & (_INF_BITS[dt] | (_INF_BITS[dt] - 1))
+    pairs, _ = plan.ranges(dt)
+    ok = (bits >= 1) & (bits < _INF_BITS[dt])
+    cols = [ok.sum()]
+    for a, n in pairs[1:]:
+        cols.append(((bits >= a) & (bits < a + n)).sum() if n > 0 else ok.new_zeros((), dtype=torch.int64))
+    if plan.scaled:
+        a = w.abs().double()
+        amax = amax.double()
+        for j, y in zip(plan.scaled, plan.flush_y):
+            cols.append((ok & ((a * (plan.fmax[j] / amax)).float() <= y)).sum())
+    return torch.stack(cols)
 
 
-def measure_magnitude(t: torch.Tensor) -> Union[Triple, str]:
-    """`stats.measure(t)` plus the tensor's histogram row (None for tensors without float
-    values: integer, bool, a wrapper's inner tensors), or a NOTE_* string. One read on CPU with
-    the compiled kernel."""
+Quad = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
+def measure_counts(t: torch.Tensor, plan: Plan, histogram: bool) -> Union[Quad, str]:
+    """`stats.measure(t)` plus the tensor's counts row and, when `histogram`, its histogram row
+    (both None for tensors without float values: integer, bool, a wrapper's inner tensors), or
+    a NOTE_* string. One call on CPU with the compiled kernel (a second for the histogram)."""
     if type(t) in stats._PLAIN and t.layout is torch.strided and not t.is_meta and t.numel() > 0 \
             and t.dtype in _FLOATS and not t.is_quantized:
         v = t
@@ -170,69 +316,41 @@ def measure_magnitude(t: torch.Tensor) -> Union[Triple, str]:
                 v = stats._in_memory_order(v)
             if v.is_contiguous():
                 kernel = KERNEL.get()
-                both = getattr(kernel, "magnitude", None)
-                if both is not None:
-                    return both(v)
+                fn = getattr(kernel, "counts", None)
+                if fn is not None:
+                    args = plan.kernel_args.get(v.dtype) or plan.args(v.dtype)
+                    mn, mx, row = fn(v, *args)
+                    return mn, mx, row, (kernel.magnitude(v)[2] if histogram else None)
             mn, mx = stats._abs_minmax_torch_cpu(v)
-            return mn, mx, histogram_torch(v)
+            return mn, mx, counts_torch(v, mx, plan), (histogram_torch(v) if histogram else None)
         r = stats.measure(t)
         if isinstance(r, str):
             return r
-        return r[0], r[1], histogram_torch(t)
+        return r[0], r[1], counts_torch(t, r[1], plan), (histogram_torch(t) if histogram else None)
     r = stats.measure(t)
     if isinstance(r, str):
         return r
     v = stats._values(t)
-    hist = histogram_torch(v) if isinstance(v, torch.Tensor) and v.dtype in _FLOATS else None
-    return r[0], r[1], hist
+    if isinstance(v, torch.Tensor) and v.dtype in _FLOATS:
+        return r[0], r[1], counts_torch(v, r[1], plan), (histogram_torch(v) if histogram else None)
+    return r[0], r[1], None, None
 
 
 # ---------------------------------------------------------------------------- shares
-def _counts_at_or_below(body: torch.Tensor, cum: torch.Tensor, off: int, t: torch.Tensor) -> torch.Tensor:
-    """Count of |x| <= 2**t per row (t: (n, T) float64, log2 of the thresholds): buckets below
-    exactly, the threshold's own bucket log-linearly."""
-    nb = body.shape[1]
-    i = torch.ceil(t) - 1  # the bucket (2**i, 2**(i+1)] holding the threshold
-    frac = (t - i).clamp(0, 1)
-    col = i - off
-    inside = (col >= 0) & (col < nb)
-    c = torch.nan_to_num(col, nan=0.0).clamp(0, nb - 1).to(torch.int64)
-    below = torch.where(c >= 1, cum.gather(1, (c - 1).clamp(min=0)), torch.zeros_like(frac))
-    part = below + frac * body.gather(1, c)
-    total = cum[:, -1:].expand_as(part)
-    return torch.where(inside, part, torch.where(col >= nb, total, torch.zeros_like(part)))
-
-
-def shares(rows: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor,
-           targets: Sequence[Tuple[float, float, bool]]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(underflow, overflow), each (n, len(targets)) float64, for n rows (float64, CPU) of
-    tensors of `dtype` whose abs maxima are `amax` (n, float64)."""
-    nb, off = _GEOMETRY[dtype][1], _GEOMETRY[dtype][2]
-    body = rows[:, 1:nb + 1]
-    cum = body.cumsum(1)
-    total = cum[:, -1:]
-    n = rows.shape[0]
-    log_amax = torch.log2(amax).unsqueeze(1)  # inf/nan amax: NaN shares for scaled targets
-    t_under, t_over, scaled = [], [], []
-    for half_tiny, fmax, sc in targets:
-        lf = math.log2(fmax)
-        t_under.append(half_tiny - lf if sc else half_tiny)
-        t_over.append(lf)
-        scaled.append(sc)
-    sc = torch.tensor(scaled, dtype=torch.bool).unsqueeze(0).expand(n, -1)
-    tu = torch.tensor(t_under, dtype=torch.float64).unsqueeze(0).expand(n, -1)
-    tu = torch.where(sc, tu + log_amax, tu)
-    to = torch.tensor(t_over, dtype=torch.float64).unsqueeze(0).expand(n, -1)
-    under = _counts_at_or_below(body, cum, off, tu)
-    over = total - _counts_at_or_below(body, cum, off, to)
+def shares(mat: torch.Tensor, amax: torch.Tensor, plan: Plan) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(underflow, overflow), each (n, len(targets)) float64, from n counts rows (float64, CPU)
+    of tensors whose abs maxima are `amax` (n, float64): exact counts over the non-zero finite
+    elements (0.0 when there are none); a scaled target's NaN when amax is inf/nan (no scale)."""
+    n = mat.shape[0]
+    total = mat[:, :1]
     denom = total.clamp(min=1)
-    u, o = under / denom, over / denom
-    u = torch.where(total > 0, u, torch.zeros_like(u))
-    o = torch.where(total > 0, o, torch.zeros_like(o))
-    bad = sc & ~torch.isfinite(log_amax).expand(n, -1) & (total > 0)
+    u = mat[:, plan.under_col] / denom
+    over_cols = [c if c is not None else 0 for c in plan.over_col]
+    o = torch.where(torch.tensor([c is None for c in plan.over_col]), torch.zeros(()), mat[:, over_cols] / denom)
+    sc = torch.tensor(plan.is_scaled, dtype=torch.bool).unsqueeze(0).expand(n, -1)
+    bad = sc & ~torch.isfinite(amax).unsqueeze(1) & (total > 0)
     nan = torch.full_like(u, math.nan)
-    o = torch.where(sc, torch.zeros_like(o), o)
-    return torch.where(bad, nan, u.clamp(0, 1)), torch.where(bad, nan, o.clamp(0, 1))
+    return torch.where(bad, nan, u), torch.where(bad, nan, o)
 
 
 def magnitude_of(row: torch.Tensor, dtype: torch.dtype) -> Magnitude:

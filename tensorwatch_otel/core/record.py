@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from . import magnitude as _mag
 from .events import Frame, Magnitude, TensorStat
 from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
@@ -41,7 +42,7 @@ class Record:
     or a (name, note) pair for a value without statistics."""
 
     __slots__ = ("batch_number", "stats", "dtypes", "frames", "host", "phase", "detected", "header",
-                 "targets", "mags", "underflow", "overflow", "_rows")
+                 "targets", "mags", "counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats")
 
     def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
                  targets: Tuple[str, ...] = ()):
@@ -54,14 +55,20 @@ class Record:
         self.phase = phase
         self.detected = False  # one detection per record (check="module" checks every frame)
         self.header = header and phase == "forward"  # its first frame starts a batch in the report
-        # target_dtypes (core/magnitude.py): per measured tensor k its histogram row on the device
-        # (None: no float values), and after readback() the shares [k * len(targets) + j] (NaN
-        # where none applies) and the host rows (for magnitude(k))
+        # target_dtypes (core/magnitude.py): per measured tensor k its counts row on the device
+        # (None: no float values) and, on histogram batches (`histogram`, decided by the
+        # recorder at the first measurement), its histogram row (else None); after readback()
+        # the shares [k * len(targets) + j] (NaN where none applies) and the host histogram
+        # rows (for magnitude(k))
         self.targets = targets
+        self.plan = _mag.plan_for(targets) if targets else None
+        self.histogram: Optional[bool] = None
         self.mags: List[Optional[torch.Tensor]] = []
+        self.counts: List[Optional[torch.Tensor]] = []
         self.underflow: List[float] = []
         self.overflow: List[float] = []
         self._rows: List[Optional[tuple]] = []  # per k: (host matrix, its row, dtype) or None
+        self._floats: List[bool] = []  # per k: the tensor had float values (shares apply)
 
     def readback(self, extra: Optional[torch.Tensor] = None) -> Optional[float]:
         """Bring the not yet read stats to the host: one transfer. `extra`, a 0-d tensor (the
@@ -97,16 +104,17 @@ class Record:
         return None
 
     def _readback_magnitudes(self, extra: Optional[torch.Tensor]) -> Optional[float]:
-        """readback() with target_dtypes: the histogram rows travel in the same transfer as
-        the stats (all as float64: stats and counts below 2**53 exactly), then the shares."""
+        """readback() with target_dtypes: the counts rows (and histogram rows) travel in the
+        same transfer as the stats (all as float64: stats and counts below 2**53 exactly), then
+        the shares."""
         have = len(self.host)
         pending = self.stats[have:]
         k0, k1 = have // 2, len(self.stats) // 2
-        mags = self.mags[k0:k1]
+        counts, mags = self.counts[k0:k1], self.mags[k0:k1]
         parts = list(pending) + ([extra] if extra is not None else [])
         if not parts:
             return None
-        rows = [m for m in mags if m is not None]
+        rows = [c for c in counts if c is not None] + [m for m in mags if m is not None]
         try:
             head = torch.stack(parts).to(torch.float64)
             flat = torch.cat([head, torch.cat(rows).to(torch.float64)]) if rows else head
@@ -121,55 +129,70 @@ class Record:
             result = values.pop()
         self.host += values
         try:
-            self._shares(k0, mags, flat[n:], values)
+            self._shares(k0, counts, mags, flat[n:], values)
         except Exception as exc:  # the shares must not stop training: NaN, said once
             global _shares_failed
             if not _shares_failed:
                 _shares_failed = True
                 log.error("tensorwatch_otel: could not derive the underflow/overflow shares (%s: %s); "
                           "they are NaN, training goes on", type(exc).__name__, exc)
-            missing = len(mags) - (len(self._rows) - k0)
-            self._rows += [None] * missing
-            nan = [math.nan] * (len(mags) * len(self.targets))
+            self._rows += [None] * (len(counts) - (len(self._rows) - k0))
+            self._floats += [False] * (len(counts) - (len(self._floats) - k0))  # no fields
+            nan = [math.nan] * (len(counts) * len(self.targets))
             self.underflow[k0 * len(self.targets):] = nan
             self.overflow[k0 * len(self.targets):] = list(nan)
         return result
 
-    def _shares(self, k0: int, mags: list, counts: torch.Tensor, values: List[float]) -> None:
-        from .magnitude import ROW_DTYPE, shares, target_params
+    def _shares(self, k0: int, counts: list, mags: list, flat: torch.Tensor, values: List[float]) -> None:
+        from .magnitude import ROW_DTYPE
 
+        plan = self.plan
         nt = len(self.targets)
+        idx = [i for i, c in enumerate(counts) if c is not None]
+        width = plan.width
+        mat = flat[:width * len(idx)].view(len(idx), width)
+        under = [math.nan] * (len(counts) * nt) if len(idx) < len(counts) else [0.0] * (len(counts) * nt)
+        over = list(under)
+        if idx:
+            amax = torch.tensor([values[2 * i + 1] for i in idx], dtype=torch.float64)
+            u, o = _mag.shares(mat, amax, plan)
+            u, o = u.view(-1).tolist(), o.view(-1).tolist()
+            if len(idx) == len(counts):  # every tensor had float values: the rows in order
+                under, over = u, o
+            else:
+                for r, i in enumerate(idx):
+                    under[i * nt:(i + 1) * nt] = u[r * nt:(r + 1) * nt]
+                    over[i * nt:(i + 1) * nt] = o[r * nt:(r + 1) * nt]
+        # the histogram rows (histogram batches): rows of one width (the usual case: one float
+        # dtype) are one matrix, no per-row slicing
+        hist = flat[width * len(idx):]
+        rows: List[Optional[tuple]] = [None] * len(mags)
+        if hist.numel() == 0:  # not a histogram batch
+            self._rows += rows
+            self._floats += [c is not None for c in counts]
+            self.underflow += under
+            self.overflow += over
+            return
         widths = [None if m is None else m.shape[0] for m in mags]
-        present = [w for w in widths if w is not None]
-        # rows of one width (the usual case: one float dtype) are one matrix, no per-row slicing
         groups: Dict[int, list] = {}
         for i, w in enumerate(widths):
             if w is not None:
                 groups.setdefault(w, []).append(i)
         if len(groups) == 1:
-            (w, idx), = groups.items()
-            mats = {w: counts[:w * len(idx)].view(len(idx), w)}
+            (w, gi), = groups.items()
+            mats = {w: hist[:w * len(gi)].view(len(gi), w)}
         else:
             starts, pos = [], 0
             for w in widths:
                 starts.append(pos)
                 pos += w or 0
-            mats = {w: torch.stack([counts[starts[i]:starts[i] + w] for i in idx]) for w, idx in groups.items()}
-        rows: List[Optional[tuple]] = [None] * len(mags)
-        under = [math.nan] * (len(mags) * nt) if len(present) < len(mags) else [0.0] * (len(mags) * nt)
-        over = list(under)
-        params = target_params(self.targets)
-        for w, idx in groups.items():
+            mats = {w: torch.stack([hist[starts[i]:starts[i] + w] for i in gi]) for w, gi in groups.items()}
+        for w, gi in groups.items():
             dt = ROW_DTYPE[w]  # the measured values' dtype (an fp8 tensor is read as float32)
-            mat = mats[w]
-            amax = torch.tensor([values[2 * i + 1] for i in idx], dtype=torch.float64)
-            u, o = shares(mat, dt, amax, params)
-            u, o = u.view(-1).tolist(), o.view(-1).tolist()
-            for r, i in enumerate(idx):
-                rows[i] = (mat, r, dt)
-                under[i * nt:(i + 1) * nt] = u[r * nt:(r + 1) * nt]
-                over[i * nt:(i + 1) * nt] = o[r * nt:(r + 1) * nt]
+            for r, i in enumerate(gi):
+                rows[i] = (mats[w], r, dt)
         self._rows += rows
+        self._floats += [c is not None for c in counts]
         self.underflow += under
         self.overflow += over
 
@@ -184,7 +207,7 @@ class Record:
 
     def _precision(self, k: int) -> tuple:
         """(underflow, overflow, magnitude) of measured tensor k for its TensorStat."""
-        if not self.targets or k >= len(self._rows) or self._rows[k] is None:
+        if not self.targets or k >= len(self._floats) or not self._floats[k]:
             return None, None, None
         nt = len(self.targets)
         u, o = self.underflow[k * nt:(k + 1) * nt], self.overflow[k * nt:(k + 1) * nt]

@@ -20,7 +20,7 @@ from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from .record import ModuleInfo, Record
 from .cpu_kernel import KERNEL
-from .magnitude import measure_magnitude
+from .magnitude import HISTOGRAM_EVERY, measure_counts
 from .stats import HostBatch, measure_host as measure, nonfinite_kind_of
 
 MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded
@@ -65,10 +65,11 @@ class FrameRecorder:
         self.params_cap = 2 * sum(1 for _ in model.parameters()) + 64
         self.acts_seen: Dict[int, tuple] = {}  # id -> (weakref, version, (mn, mx), dtype)
         self.acts_last: Dict[int, tuple] = {}  # the last finished batch's, for a detection's kind
-        # target_dtypes: id(abs-min tensor) -> (that tensor, its histogram row): the row of a
-        # measurement the caches above reuse (core/magnitude.py)
+        # target_dtypes: id(abs-min tensor) -> (that tensor, its counts row, its histogram row):
+        # the rows of a measurement the caches above reuse (core/magnitude.py)
         self.mags_seen: Dict[int, tuple] = {}
         self._fb = _FrameBatch()  # the calling thread's frame in progress
+        self._hist_batch = (-1, False, 0)  # (batch number, histogram batch?, watched batches seen)
 
     def invalidate_weights(self) -> None:
         self.params_seen.clear()
@@ -331,29 +332,44 @@ class FrameRecorder:
         items.append(name)
 
     # ------------------------------------------------------------------ target_dtypes
-    # param() and tensor() with a histogram row per measured tensor (rec.mags), read with the
-    # abs min/max (core/magnitude.py); the same caches, a cached measurement reused only with
-    # its row.
+    # param() and tensor() with a counts row per measured tensor (rec.counts), read with the
+    # abs min/max, and on histogram batches a histogram row (rec.mags) (core/magnitude.py); the
+    # same caches, a cached measurement reused only with its rows.
+    def _histogram(self, rec: Record) -> bool:
+        """Whether `rec`'s batch takes the Magnitude histograms: the first watched batch, then
+        every HISTOGRAM_EVERY-th watched batch (decided once per batch number)."""
+        b, hist, seen = self._hist_batch
+        if b != rec.batch_number:
+            hist = seen % HISTOGRAM_EVERY == 0
+            self._hist_batch = (rec.batch_number, hist, seen + 1)
+        rec.histogram = hist
+        return hist
+
     def _reuse(self, rec: Record, r: tuple, dtype: torch.dtype, name: str, items: list) -> bool:
         m = self.mags_seen.get(id(r[0]))
         if m is None or m[0] is not r[0]:
             return False
         rec.stats += r
         rec.dtypes.append(dtype)
-        rec.mags.append(m[1])
+        rec.counts.append(m[1])
+        rec.mags.append(m[2])
         items.append(name)
         return True
 
     def _measure(self, rec: Record, t: torch.Tensor, name: str, items: list):
-        r = measure_magnitude(t)
+        hist = rec.histogram
+        if hist is None:
+            hist = self._histogram(rec)
+        r = measure_counts(t, rec.plan, hist)
         if r.__class__ is str:
             items.append((name, r))
             return None
         pair = (r[0], r[1])
-        self.mags_seen[id(r[0])] = (r[0], r[2])
+        self.mags_seen[id(r[0])] = (r[0], r[2], r[3])
         rec.stats += pair
         rec.dtypes.append(t.dtype)
-        rec.mags.append(r[2])
+        rec.counts.append(r[2])
+        rec.mags.append(r[3])
         items.append(name)
         return pair
 
