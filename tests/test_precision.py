@@ -78,7 +78,8 @@ def near_thresholds(dtype: torch.dtype) -> torch.Tensor:
             2.0 ** -30, float("inf"), float("nan"), -float("inf")]
     vals += [fi.smallest_normal * fi.eps * 4, fi.smallest_normal / 4]  # the input's own subnormals
     if fi.max > 1e6:
-        vals += [2.0 ** 17, 3e5, 2.0 ** 140 if fi.max > 1e40 else 2.0 ** 100, 2.0 ** -140 if fi.max > 1e40 else 2.0 ** -100]
+        wide = fi.max > 1e40
+        vals += [2.0 ** 17, 3e5, 2.0 ** 140 if wide else 2.0 ** 100, 2.0 ** -140 if wide else 2.0 ** -100]
     x = torch.tensor(vals, dtype=torch.float64).to(dtype)
     return x
 
@@ -139,7 +140,7 @@ def test_histogram_buckets_are_upper_inclusive_powers_of_two(dtype):
 
 
 def test_all_zero_and_integer_tensors():
-    for name, measure in kernel_paths():
+    for _name, measure in kernel_paths():
         rec = shares_of(measure, torch.zeros(100))
         assert rec.underflow == [0.0] * 4 and rec.overflow == [0.0] * 4
         assert rec.magnitude(0) == Magnitude(100, 0, ())

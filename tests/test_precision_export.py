@@ -458,3 +458,28 @@ def test_otel_share_points_stay_under_max_series(otel, caplog):
     assert len(under) == 4
     assert not any(dp.attributes.get("otel.metric.overflow") for dp in under)
     assert len([r for r in caplog.records if "exceed max_series" in r.getMessage()]) == 1
+
+
+def test_histogram_batches_are_the_ones_sampled_between_collections(otel):
+    # the watcher counts the magnitude histogram on watched batches 0, 16, 32...: a collection
+    # after batches without one still exports the latest batch that had one
+    from tensorwatch_otel import watch
+
+    model = torch.nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.0, 1.5, 3.0, 0.75]] * 4))
+    sink = otel.sink()
+    with watch(model, sinks=[sink], target_dtypes=["float16"]):
+        for _ in range(3):  # batch 0 has a histogram, batches 1 and 2 none
+            model(torch.ones(2, 4))
+        m = otel.metric("tensorwatch.tensor.magnitude")
+        assert m is not None, "no histogram exported after batches without one"
+        w = _points(m)[("(root)", "weight", None)]
+        # weight: four zeros, 1.5 and 3 in (1, 2] / (2, 4] four times each, 0.75 in (0.5, 1]
+        assert (w.zero_count, w.positive.offset, list(w.positive.bucket_counts)) == (4, -1, [4, 4, 4])
+        for _ in range(13):  # batches 3..15: none
+            model(torch.ones(2, 4))
+        otel.metric("tensorwatch.tensor.magnitude")
+        model(torch.ones(2, 4))  # batch 16: the next histogram
+        w = _points(otel.metric("tensorwatch.tensor.magnitude"))[("(root)", "weight", None)]
+        assert w.zero_count == 8 and list(w.positive.bucket_counts) == [8, 8, 8]

@@ -161,11 +161,14 @@ class Window:
                 mins, maxs, index, inv_top = mins[:n], maxs[:n], index[:n], inv_top[:n]
             ratio = maxs * inv_top
             shares = self._record_shares(source, len(layout.index), len(index))
-            if self.magnitudes is not None and shares[0] and callable(getattr(source, "magnitude", None)):
+            # (the watcher counts the histogram on a cadence of batches: `histogram` False says
+            # this one has none, so the latest batch that has one stays the one sampled)
+            if self.magnitudes is not None and shares[0] and callable(getattr(source, "magnitude", None)) \
+                    and getattr(source, "histogram", None) is not False:
                 self.magnitudes.add_record(source, layout.index, len(index), self._clock_ns())
         else:
             mins, maxs, ratio, index, layout, shares, mags = self._rows(stats)
-            if self.magnitudes is not None and mags:
+            if self.magnitudes is not None and mags and any(m is not None for m in mags):
                 self.magnitudes.add_values(mags, index, self._clock_ns())
         ratio = torch.where(ratio >= 0, ratio, _UNSEEN)  # NaN (and no dtype max) take no part
         with self._lock:
