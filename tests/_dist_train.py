@@ -136,7 +136,8 @@ def main() -> int:
                   node_file=fleet._node.path if fleet._node else None,
                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), node=int(os.environ.get("GROUP_RANK", "0")))
     result["param_names"] = [n for n, _ in net.named_parameters()]
-    result["param_scans"] = watcher._index.scans  # walks of the model: at watch(), then when parameters were replaced
+    # walks of the model: at watch(), then when parameters were replaced
+    result["param_scans"] = watcher._hooks.index.scans
     result["module_classes"] = sorted({type(m).__name__ for m in net.modules()})
     write_observed(args.out, rank, result)
     if "error" in result:

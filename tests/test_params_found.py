@@ -123,12 +123,12 @@ def test_steady_state_finds_nothing_to_rescan():
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
-        scans = w._index.scans
+        scans = w._hooks.index.scans
         for _ in range(3):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
-        assert w._index.scans == scans
+        assert w._hooks.index.scans == scans
 
 
 @pytest.mark.parametrize("gradients", [False, True])
@@ -177,22 +177,26 @@ def test_functional_call_lends_tensors_without_a_rescan():
     model = Net()
     sink = Collect()
     with watch(model, sinks=[sink]) as w:
-        scans = w._index.scans
+        scans = w._hooks.index.scans
         for _ in range(3):
             lent = {n: p * 2 for n, p in model.named_parameters()}  # plain tensors, not Parameters
             torch.func.functional_call(model, lent, (torch.randn(4, 8),)).sum().backward()
-        assert w._index.scans == scans and w.batch_number == 3
+        assert w._hooks.index.scans == scans and w.batch_number == 3
         model(torch.randn(4, 8)).sum().backward()
-        assert w._index.scans == scans
+        assert w._hooks.index.scans == scans
 
 
 def test_a_rescan_that_fails_logs_once_and_training_goes_on(monkeypatch, caplog):
-    import tensorwatch_otel.core.watcher as watcher_mod
+    from tensorwatch_otel.core.attach import HookSet
 
-    def broken(w, first=False):
+    placed = HookSet.rescan
+
+    def broken(hooks, first=False):
+        if first:  # watch() places the hooks; the rescans after it fail
+            return placed(hooks, first=True)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(watcher_mod, "rescan", broken)
+    monkeypatch.setattr(HookSet, "rescan", broken)
     model, opt, sink, w = _replaced("to_empty")
     with w, caplog.at_level(logging.ERROR, logger="tensorwatch_otel.core.watcher"):
         for _ in range(3):

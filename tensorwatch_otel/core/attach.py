@@ -8,7 +8,11 @@ Parameters and submodules replaced after watch() (`to_empty()` from the meta dev
 `load_state_dict(assign=True)`, FSDP2's `fully_shard`, `model.head = nn.Linear(...)`) are found
 again: the ParamIndex remembers what each module held, a cheap identity check at each outermost
 call and each optimizer step sees a change, and `rescan` moves the owners, the gradient hooks
-and the forward hooks to what the model holds now."""
+and the forward hooks to what the model holds now.
+
+The HookSet owns all of it: every handle placed, the module -> hooks map, the gradient hooks,
+the ParamIndex, the step tracker. The watcher builds it with the callables the hooks run and
+reads it through its methods and read-only properties only."""
 
 from __future__ import annotations
 
@@ -16,18 +20,18 @@ import fnmatch
 import logging
 import weakref
 from itertools import chain
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import compiled, naming
 from .config import WatchConfig
-from .optim_state import OptimizerStateReader
 from .record import ModuleInfo
-from .steps import StepGuard, StepTracker
+from .steps import StepTracker
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .watcher import Watcher
+    from .compiled import _PostHook, _PreHook, _Watcher
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,10 @@ _SAY_NEW_MODULES = 8  # swapped-in module paths named in the log line
 
 def _NONE() -> None:  # the slot of a parameter or submodule registered as None
     return None
+
+
+# (module._parameters or module._modules, key, what it held)
+_SlotEntry = Tuple[Dict[str, Any], str, Callable[[], object]]
 
 
 def _included(cfg: WatchConfig, path: str) -> bool:
@@ -56,12 +64,13 @@ class ParamIndex:
         self.owners: Dict[int, Tuple[ModuleInfo, str]] = {}  # id(param) -> (watched module, name)
         self.generation = 0  # bumped when what the model holds changed
         self.scans = 0
-        self._refs: Dict[int, weakref.ref] = {}  # id(param) -> the parameter, for every parameter of the model
+        # id(param) -> the parameter, for every parameter of the model
+        self._refs: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         # (module._parameters or module._modules, key, what it held): compared at each check
-        self._slots: List[Tuple[dict, str, Callable[[], object]]] = []
-        self._fast: Optional[Tuple[List[dict], List[str], List[int]]] = None  # see current()
+        self._slots: List[_SlotEntry] = []
+        self._fast: Optional[Tuple[List[Dict[str, Any]], List[str], List[int]]] = None  # see current()
         self._died = False
-        self._keep_cbs: List[weakref.ref] = []
+        self._keep_cbs: List["weakref.ref[Any]"] = []
 
     def current(self) -> bool:
         """True when every module still holds the parameters and submodules last seen (an
@@ -79,15 +88,15 @@ class ParamIndex:
                 return self._only_lent()
         return True
 
-    def _died_cb(self, _ref) -> None:
+    def _died_cb(self, _ref: "weakref.ref[Any]") -> None:
         self._died = True  # an object last seen is gone: its id may be reused, compare slowly
 
-    def _fast_check(self, slots: List[Tuple[dict, str, Callable[[], object]]]) -> None:
+    def _fast_check(self, slots: List[_SlotEntry]) -> None:
         """The dicts of `slots` (each whole, in order), their keys and the ids of what they hold,
         for current()'s C-speed compare; weakref callbacks set _died when one of them is freed."""
         self._died = False
         self._keep_cbs = []
-        dicts: List[dict] = []
+        dicts: List[Dict[str, Any]] = []
         seen: Set[int] = set()
         for d, _, _ in slots:
             if id(d) not in seen:
@@ -129,7 +138,7 @@ class ParamIndex:
         return ref is not None and ref() is p
 
     def replace(self, owners: Dict[int, Tuple[ModuleInfo, str]], params: List[torch.Tensor],
-                slots: List[Tuple[dict, str, Callable[[], object]]]) -> bool:
+                slots: List[_SlotEntry]) -> bool:
         """What the model holds now; True when its parameters differ from the last seen."""
         refs = {id(p): weakref.ref(p) for p in params}
         changed = refs.keys() != self._refs.keys() or any(r() is not refs[i]() for i, r in self._refs.items()) \
@@ -152,133 +161,198 @@ class _Hooked:
 
     def __init__(self, info: ModuleInfo):
         self.info = info
-        self.handles: list = []
+        self.handles: List[Any] = []
 
 
-def place_hooks(w: "Watcher") -> None:
-    cfg = w.config
-    inner = naming.unwrap_root(w.model)
-    if inner is not w.model:
-        w._compiled = any(type(m).__name__ == "OptimizedModule" for m in w.model.modules())
-    compiled.hook_guards()  # before any graph sees the hooks
-    w._index = ParamIndex()
-    w._hooked = weakref.WeakKeyDictionary()
-    w._param_hooks = {}
-    rescan(w, first=True)
-    # gradients=True localizes bad gradients in the backward: the step guard would add nothing
-    w._steps.use(StepGuard(w._index) if cfg.guard_steps and not cfg.gradients else None,
-                 OptimizerStateReader(w._index) if cfg.optimizer_state else None)
-    w._step_hooks = StepTracker(w._index, w._params_current, w._steps.before_step, w._steps.after_step)
-    w._handles.extend(w._step_hooks.handles)
+_Handle = Any  # a RemovableHandle or a compiled.SlotHandle: has .remove()
+# id(param) -> (the parameter, its watched module, its gradient hook's handle)
+_ParamHook = Tuple["weakref.ref[torch.Tensor]", ModuleInfo, RemovableHandle]
 
 
-def rescan(w: "Watcher", first: bool = False) -> None:
-    """Walk the model as it is now: hooks on modules not hooked yet (all of them at watch()),
-    gradient hooks moved to the parameters the modules hold now, hooks of modules no longer in
-    the model removed, and the ParamIndex told."""
-    cfg = w.config
-    root = w.model
-    inner = naming.unwrap_root(root)
-    wrapped = inner is not root
-    prefix = next((p for p, m in root.named_modules() if m is inner), "") if wrapped else ""
-    hooked: "weakref.WeakKeyDictionary[torch.nn.Module, _Hooked]" = w._hooked
-    old_param_hooks: Dict[int, tuple] = w._param_hooks
-    param_hooks: Dict[int, tuple] = {}
-    owners: Dict[int, Tuple[ModuleInfo, str]] = {}
-    params: List[torch.Tensor] = []
-    slots: List[Tuple[dict, str, Callable[[], object]]] = []
-    weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
-    found: Set[int] = set()
-    new_paths: List[str] = []
-    seen = set()
-    for path, module in root.named_modules():
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        for k, p in module._parameters.items():
-            if p is not None:
-                params.append(p)
-            slots.append((module._parameters, k, _NONE if p is None else weakref.ref(p)))
-        for k, c in module._modules.items():
-            slots.append((module._modules, k, _NONE if c is None else weakref.ref(c)))
-        is_root = module is root
-        if not is_root:
-            if wrapped and (module is inner or not path.startswith(prefix + ".")):
+class HookSet:
+    """The watcher's hooks on one model, and what they are placed from.
+
+    Built with what the hooks run: `slot_owner` (handed to core/compiled.py's op slots only:
+    their hooks run while it is attached), `pre_hook` (every module's forward pre-hook),
+    `make_hook(info, slot)` (a module's forward hook), `capture_hook` (the root's input capture,
+    or None), `param_hook(info, name)` (a parameter's gradient hook, with `gradients=True`),
+    `params_current` / `before_step` / `after_step` (the step tracker's), and `batch_number`
+    (for log lines). `place()` hooks the model, `rescan()` moves the hooks to what it holds
+    now, `current()` says whether it still holds what was last seen, `remove()` takes every
+    hook off."""
+
+    def __init__(self, model: torch.nn.Module, config: WatchConfig, *, slot_owner: "_Watcher",
+                 pre_hook: "_PreHook", make_hook: Callable[[ModuleInfo, int], "_PostHook"],
+                 capture_hook: Optional[Callable[..., Any]],
+                 param_hook: Callable[[ModuleInfo, str], Callable[[torch.Tensor], None]],
+                 params_current: Callable[[], None], before_step: Callable[..., Any],
+                 after_step: Callable[..., Any], batch_number: Callable[[], int]) -> None:
+        self._model = model
+        self._config = config
+        self._slot_owner = slot_owner
+        self._pre_hook = pre_hook
+        self._make_hook = make_hook
+        self._capture_hook = capture_hook
+        self._param_hook = param_hook
+        self._params_current = params_current
+        self._before_step = before_step
+        self._after_step = after_step
+        self._batch_number = batch_number
+        self._index = ParamIndex()
+        # the index's own check, not a method of ours: one call per outermost call, as before
+        self.current: Callable[[], bool] = self._index.current
+        self._hooked: "weakref.WeakKeyDictionary[torch.nn.Module, _Hooked]" = weakref.WeakKeyDictionary()
+        self._param_hooks: Dict[int, _ParamHook] = {}
+        self._handles: List[_Handle] = []
+        self._step_hooks: Optional[StepTracker] = None
+        self._compiled = False
+        self._said_params_replaced = False
+
+    @property
+    def index(self) -> ParamIndex:
+        """The model's parameters and their owners, as last seen."""
+        return self._index
+
+    @property
+    def compiled(self) -> bool:
+        """The model holds a torch.compile'd module (an OptimizedModule) under a wrapper."""
+        return self._compiled
+
+    @property
+    def hooked(self) -> int:
+        """Modules with hooks."""
+        return len(self._hooked)
+
+    @property
+    def gradient_hooks(self) -> int:
+        """Parameters with a gradient hook."""
+        return len(self._param_hooks)
+
+    def place(self) -> None:
+        """Hooks on every included module, gradient hooks, and the optimizer step hooks."""
+        inner = naming.unwrap_root(self._model)
+        if inner is not self._model:
+            self._compiled = any(type(m).__name__ == "OptimizedModule" for m in self._model.modules())
+        compiled.hook_guards()  # before any graph sees the hooks
+        self.rescan(first=True)
+        self._step_hooks = StepTracker(self._index, self._params_current, self._before_step, self._after_step)
+        self._handles.extend(self._step_hooks.handles)
+
+    def remove(self) -> None:
+        """Every hook placed, removed. Idempotent."""
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+    def rescan(self, first: bool = False) -> None:
+        """Walk the model as it is now: hooks on modules not hooked yet (all of them at watch()),
+        gradient hooks moved to the parameters the modules hold now, hooks of modules no longer
+        in the model removed, and the ParamIndex told."""
+        cfg = self._config
+        root = self._model
+        inner = naming.unwrap_root(root)
+        wrapped = inner is not root
+        prefix = next((p for p, m in root.named_modules() if m is inner), "") if wrapped else ""
+        hooked = self._hooked
+        old_param_hooks = self._param_hooks
+        param_hooks: Dict[int, _ParamHook] = {}
+        owners: Dict[int, Tuple[ModuleInfo, str]] = {}
+        params: List[torch.Tensor] = []
+        slots: List[_SlotEntry] = []
+        found: Set[int] = set()
+        new_paths: List[str] = []
+        seen: Set[int] = set()
+        upath = ""
+        for path, module in root.named_modules():
+            if id(module) in seen:
                 continue
-            if type(module).__name__ in naming.INNER_WRAPPERS:
-                continue
-            upath = naming.user_path(path[len(prefix) + 1:] if wrapped else path)
-            if not _included(cfg, upath):
-                continue
-        found.add(id(module))
-        h = hooked.get(module)
-        if h is None:
-            if is_root:
-                # the wrapper is what the user calls; it stands for the user's model
-                info = ModuleInfo("", module, True, _included(cfg, ""), cls=naming.module_class_name(inner),
-                                  params=inner._parameters)
-            else:
-                info = ModuleInfo(upath, module, False, True)
-            h = hooked[module] = _Hooked(info)
-            _hook_module(w, h, module, is_root)
-            if not first:
-                new_paths.append(f"{info.path or '(root)'} ({info.cls})")
+            seen.add(id(module))
+            for k, p in module._parameters.items():
+                if p is not None:
+                    params.append(p)
+                slots.append((module._parameters, k, _NONE if p is None else weakref.ref(p)))
+            for k, c in module._modules.items():
+                slots.append((module._modules, k, _NONE if c is None else weakref.ref(c)))
+            is_root = module is root
+            if not is_root:
+                if wrapped and (module is inner or not path.startswith(prefix + ".")):
+                    continue
+                if type(module).__name__ in naming.INNER_WRAPPERS:
+                    continue
+                upath = naming.user_path(path[len(prefix) + 1:] if wrapped else path)
+                if not _included(cfg, upath):
+                    continue
+            found.add(id(module))
+            h = hooked.get(module)
+            if h is None:
+                if is_root:
+                    # the wrapper is what the user calls; it stands for the user's model
+                    info = ModuleInfo("", module, True, _included(cfg, ""), cls=naming.module_class_name(inner),
+                                      params=inner._parameters)
+                else:
+                    info = ModuleInfo(upath, module, False, True)
+                h = hooked[module] = _Hooked(info)
+                self._hook_module(h, module, is_root)
+                if not first:
+                    new_paths.append(f"{info.path or '(root)'} ({info.cls})")
+            info = h.info
+            for pname, p in module.named_parameters(recurse=False):
+                owners.setdefault(id(p), (info, pname))
+            if cfg.gradients and info.recorded:
+                for name, p in module.named_parameters(recurse=False):
+                    if p.requires_grad and id(p) not in param_hooks:
+                        kept = old_param_hooks.get(id(p))
+                        if kept is not None and kept[0]() is p and kept[1] is info:
+                            param_hooks[id(p)] = kept
+                            continue
+                        handle = p.register_post_accumulate_grad_hook(self._param_hook(info, name + ".grad"))
+                        param_hooks[id(p)] = (weakref.ref(p), info, handle)
+                        self._handles.append(handle)
+        for pid, kept in old_param_hooks.items():
+            if param_hooks.get(pid) is not kept:
+                kept[2].remove()  # a parameter the model no longer holds: its gradients are not ours
+        for module in [m for m in hooked.keys() if id(m) not in found]:
+            for handle in hooked.pop(module).handles:
+                handle.remove()  # swapped out of the model: calling it is no batch of ours
+        self._param_hooks = param_hooks
+        changed = self._index.replace(owners, params, slots)
+        if first:
+            return
+        batch = self._batch_number()
+        if new_paths:
+            log.info("tensorwatch_otel: modules were replaced or added after watch(): %s%s; watched from batch %d on",
+                     ", ".join(new_paths[:_SAY_NEW_MODULES]),
+                     f" and {len(new_paths) - _SAY_NEW_MODULES} more" if len(new_paths) > _SAY_NEW_MODULES else "",
+                     batch)
+        elif changed and not self._said_params_replaced:
+            self._said_params_replaced = True
+            log.info("tensorwatch_otel: the model's parameters were replaced after watch() (to_empty(), "
+                     "load_state_dict(assign=True), fully_shard, ...): found again at batch %d%s", batch,
+                     "; their gradients are watched" if cfg.gradients else "")
+
+    def _hook_module(self, h: _Hooked, module: torch.nn.Module, is_root: bool) -> None:
         info = h.info
-        for pname, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), (info, pname))
-        if cfg.gradients and info.recorded:
-            for name, p in module.named_parameters(recurse=False):
-                if p.requires_grad and id(p) not in param_hooks:
-                    kept = old_param_hooks.get(id(p))
-                    if kept is not None and kept[0]() is p and kept[1] is info:
-                        param_hooks[id(p)] = kept
-                        continue
-                    handle = p.register_post_accumulate_grad_hook(w._backward.param_hook(info, name + ".grad"))
-                    param_hooks[id(p)] = (weakref.ref(p), info, handle)
-                    w._handles.append(handle)
-    for pid, kept in old_param_hooks.items():
-        if param_hooks.get(pid) is not kept:
-            kept[2].remove()  # a parameter the model no longer holds: its gradients are not ours
-    for module in [m for m in hooked.keys() if id(m) not in found]:
-        for handle in hooked.pop(module).handles:
-            handle.remove()  # swapped out of the model: calling it is no batch of ours
-    w._param_hooks = param_hooks
-    w._weight_infos = weight_infos
-    changed = w._index.replace(owners, params, slots)
-    if first:
-        return
-    batch = w.batch_number
-    if new_paths:
-        log.info("tensorwatch_otel: modules were replaced or added after watch(): %s%s; watched from batch %d on",
-                 ", ".join(new_paths[:_SAY_NEW_MODULES]),
-                 f" and {len(new_paths) - _SAY_NEW_MODULES} more" if len(new_paths) > _SAY_NEW_MODULES else "", batch)
-    elif changed and not w._said_params_replaced:
-        w._said_params_replaced = True
-        log.info("tensorwatch_otel: the model's parameters were replaced after watch() (to_empty(), "
-                 "load_state_dict(assign=True), fully_shard, ...): found again at batch %d%s", batch,
-                 "; their gradients are watched" if cfg.gradients else "")
+        if is_root and self._capture_hook is not None:
+            h.handles.append(module.register_forward_pre_hook(self._capture_hook, with_kwargs=True))
+        # traced into a compiled graph, each hook becomes an op that runs it at run time (core/compiled.py)
+        slot = compiled.new_slot(self._slot_owner, module, self._pre_hook)
+        hook = self._make_hook(info, slot)
+        compiled.set_post(slot, hook)
+        h.handles.append(module.register_forward_pre_hook(compiled.pre_hook(slot, self._pre_hook, is_root)))
+        h.handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
+        h.handles.append(compiled.SlotHandle(slot))
+        self._handles.extend(h.handles)
 
-
-def _hook_module(w: "Watcher", h: _Hooked, module: torch.nn.Module, is_root: bool) -> None:
-    info = h.info
-    if is_root and w._capture is not None:
-        h.handles.append(module.register_forward_pre_hook(w._capture_hook, with_kwargs=True))
-    # traced into a compiled graph, each hook becomes an op that runs it at run time (core/compiled.py)
-    slot = compiled.new_slot(w, module, w._pre_hook)
-    hook = w._make_hook(info, slot)
-    compiled.set_post(slot, hook)
-    h.handles.append(module.register_forward_pre_hook(compiled.pre_hook(slot, w._pre_hook, is_root)))
-    h.handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
-    h.handles.append(compiled.SlotHandle(slot))
-    w._handles.extend(h.handles)
-
-
-def say_compiled(w: "Watcher") -> None:
-    """What a watcher of a torch.compile'd module records, said once at INFO."""
-    log.info(
-        "tensorwatch_otel: %s runs under torch.compile: the watcher's hooks are traced into its "
-        "graph (one op per hook, run between the compiled kernels), so every module is recorded "
-        "as in eager mode%s",
-        naming.module_class_name(naming.unwrap_root(w.model)),
-        ("; gradients: the parameters'" + (" and the compiled call's inputs' and output's" if w._compiled else "")
-         + ", not the activations' inside the graph") if w.config.gradients else "")
+    def say_if_compiled(self) -> None:
+        """What a watcher of a torch.compile'd module records, said once at INFO (when it is one,
+        or was compiled in place by model.compile())."""
+        if not self._compiled and getattr(self._model, "_compiled_call_impl", None) is None:
+            return
+        log.info(
+            "tensorwatch_otel: %s runs under torch.compile: the watcher's hooks are traced into its "
+            "graph (one op per hook, run between the compiled kernels), so every module is recorded "
+            "as in eager mode%s",
+            naming.module_class_name(naming.unwrap_root(self._model)),
+            ("; gradients: the parameters'"
+             + (" and the compiled call's inputs' and output's" if self._compiled else "")
+             + ", not the activations' inside the graph") if self._config.gradients else "")

@@ -216,20 +216,6 @@ class FrameRecorder:
         value(rec, output, "output", items, 0)
         rec.frames.append((info, items, start))
 
-    def weights_frame(self, rec: Record, info: ModuleInfo) -> None:
-        """A frame of a module's own weights only (a module whose call cannot be hooked)."""
-        items: list = []
-        start = len(rec.dtypes)
-        marks = (len(rec.stats), start, len(rec.frames))
-        self._batch_start()
-        try:
-            self.params(rec, info, items)
-            self._batch_end(rec)
-        except BaseException:
-            self._abandon(rec, marks)
-            raise
-        rec.frames.append((info, items, start))
-
     def params(self, rec: Record, info: ModuleInfo, items: list) -> None:
         for name, p in info.params.items():
             if p is not None:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -31,9 +31,11 @@ from .record import History, ModuleInfo, Record
 from .recorder import FrameRecorder
 from .backward import BackwardRecorder
 from .detection import DetectionPipeline
-from .attach import place_hooks, rescan, say_compiled
+from .attach import HookSet
 from .compiled import traced_post
 from .step_monitor import StepHost, StepMonitor
+from .steps import StepGuard
+from .optim_state import OptimizerStateReader
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,6 @@ class Watcher:
         self._batches = 0  # batches begun, by every thread: the next batch's number
         self._fanout = SinkFanout(sinks, strict=config.strict)
         self._owned = list(owned_sinks)
-        self._handles: list = []
         self._lock = threading.Lock()
         self._attached = False
         self._tls = _PerThread(config.max_frames)  # each thread's batch in progress
@@ -125,14 +126,12 @@ class Watcher:
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._last_batch()),
                                           self._steps.backward_done, self._hook_failed)
-        self._step_hooks = None  # the StepTracker (core/attach.py)
-        self._compiled = False
-        self._weight_infos: List[Tuple[ModuleInfo, torch.nn.Module]] = []
-        # the model's parameters and their owners, found again when replaced (core/attach.py)
-        self._index = None
-        self._hooked = None  # module -> its hooks (weak keys)
-        self._param_hooks: Dict[int, tuple] = {}  # id(param) -> (weakref, info, gradient hook handle)
-        self._said_params_replaced = False
+        # every hook and handle, the model's parameters and their owners (core/attach.py)
+        self._hooks = HookSet(model, config, slot_owner=self, pre_hook=self._pre_hook, make_hook=self._make_hook,
+                              capture_hook=self._capture_hook if self._capture is not None else None,
+                              param_hook=self._backward.param_hook, params_current=self._params_current,
+                              before_step=self._steps.before_step, after_step=self._steps.after_step,
+                              batch_number=lambda: self.batch_number)
         self._rescan_failed = False
         self._grad_acts = config.gradients
         self._failed_hooks = 0
@@ -141,11 +140,15 @@ class Watcher:
 
     # ---------------------------------------------------------------- lifetime
     def _attach(self) -> None:
-        place_hooks(self)
+        hooks = self._hooks
+        hooks.place()
+        cfg = self.config
+        # gradients=True localizes bad gradients in the backward: the step guard would add nothing
+        self._steps.use(StepGuard(hooks.index) if cfg.guard_steps and not cfg.gradients else None,
+                        OptimizerStateReader(hooks.index) if cfg.optimizer_state else None)
         self._attached = True
         ACTIVE.add(self)
-        if self._compiled or getattr(self.model, "_compiled_call_impl", None) is not None:
-            say_compiled(self)  # torch.compile'd (or model.compile() in place): hooks run as ops
+        hooks.say_if_compiled()  # torch.compile'd (or model.compile() in place): hooks run as ops
 
     def detach(self) -> None:
         """Remove every hook, flush the sinks and close those the watcher created. Idempotent."""
@@ -153,9 +156,7 @@ class Watcher:
             if not self._attached:
                 return
             self._attached = False
-            handles, self._handles = self._handles, []
-        for h in handles:
-            h.remove()
+        self._hooks.remove()
         ACTIVE.discard(self)
         self._steps.at_detach()
         self._fanout.flush(self.config.flush_timeout_s)
@@ -275,9 +276,6 @@ class Watcher:
                         grad = grad_enabled()
                         set_grad(False)  # (torch.no_grad() without its three Python calls)
                         try:
-                            if info.is_root and self._weight_infos:
-                                for winfo, _ in self._weight_infos:
-                                    recorder.weights_frame(rec, winfo)
                             record(recorder, rec, info, args, kwargs, output)
                         finally:
                             set_grad(grad)
@@ -340,10 +338,10 @@ class Watcher:
     def _params_current(self) -> None:
         """Parameters or submodules replaced since the last look (to_empty(), load_state_dict(
         assign=True), fully_shard, a module swap) are found again: owners, hooks, step guard."""
-        if self._rescan_failed or not self._attached or torch.compiler.is_compiling() or self._index.current():
+        if self._rescan_failed or not self._attached or torch.compiler.is_compiling() or self._hooks.current():
             return
         try:
-            rescan(self)
+            self._hooks.rescan()
         except Exception as exc:  # finding them again must not stop training: said once
             self._rescan_failed = True
             log.error("tensorwatch_otel: could not find the model's replaced parameters or modules again "
