@@ -322,7 +322,7 @@ def _compile(cc: str, folder: str, openmp: Optional[str]) -> str:
     raise RuntimeError("; ".join(errors))
 
 
-_running: "set[subprocess.Popen]" = set()  # compiler processes in flight (killed at exit)
+_running: "set[subprocess.Popen[str]]" = set()  # compiler processes in flight (killed at exit)
 _running_lock = threading.Lock()
 _exiting = False  # set at interpreter exit: no compiler starts after it
 
@@ -351,7 +351,7 @@ def _run(cmd: List[str]) -> Tuple[int, str]:
             _running.discard(proc)
 
 
-def _kill_group(proc: "subprocess.Popen") -> None:
+def _kill_group(proc: "subprocess.Popen[str]") -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the session's group id is the leader's pid
     except (ProcessLookupError, PermissionError):
@@ -405,7 +405,7 @@ def build(cc: Optional[str] = None) -> Optional[Kernel]:
 
 
 def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
-    fns: Dict[torch.dtype, object] = {}
+    fns: Dict[torch.dtype, Callable[[int, int, int, int], None]] = {}
     for dt, symbol in _SYMBOLS.items():
         fn = getattr(lib, symbol)
         fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int)
@@ -471,7 +471,7 @@ def _bind_magnitude(lib: ctypes.CDLL, parallel: bool) -> MagnitudeKernel:
     layout, the same as its torch-ops twin)."""
     from .magnitude import row_width
 
-    fns: Dict[torch.dtype, object] = {}
+    fns: Dict[torch.dtype, Callable[[int, int, int, int, int], None]] = {}
     for dt, symbol in _MAG_SYMBOLS.items():
         fn = getattr(lib, symbol)
         fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
@@ -507,7 +507,7 @@ def _bind_counts(lib: ctypes.CDLL, parallel: bool) -> CountsKernel:
     """(tensor, ranges address, ranges, scaled address, scaled, width) -> (abs_min, abs_max,
     counts): the exact threshold counts of core/magnitude.py (`width` = ranges + scaled int64
     counters) in the same call as the extremes."""
-    fns: Dict[torch.dtype, object] = {}
+    fns: Dict[torch.dtype, Callable[[int, int, int, int, int, int, int, int, int], None]] = {}
     for dt, symbol in _CNT_SYMBOLS.items():
         fn = getattr(lib, symbol)
         fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -517,7 +517,8 @@ def _bind_counts(lib: ctypes.CDLL, parallel: bool) -> CountsKernel:
     threads = torch.get_num_threads
     local = threading.local()
 
-    def abs_min_max_counts(v: torch.Tensor, rg: int, nr: int, sc: int, ns: int, width: int):
+    def abs_min_max_counts(v: torch.Tensor, rg: int, nr: int, sc: int, ns: int,
+                           width: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`v`: a contiguous CPU tensor of a float dtype, numel > 0; nr, ns <= MAX_RANGES."""
         dt = v.dtype
         pools = getattr(local, "pools", None)
@@ -534,7 +535,7 @@ def _bind_counts(lib: ctypes.CDLL, parallel: bool) -> CountsKernel:
     return abs_min_max_counts
 
 
-def _result_triples(dtype: torch.dtype, width: int) -> List[tuple]:
+def _result_triples(dtype: torch.dtype, width: int) -> List[Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, int]]:
     """Like _result_pairs, with a histogram row (int64, `width` counters) each."""
     pairs = _result_pairs(dtype)
     rows = torch.empty((_SLAB, width), dtype=torch.int64)
@@ -543,7 +544,7 @@ def _result_triples(dtype: torch.dtype, width: int) -> List[tuple]:
     return [(lo, hi, ptr, views[i], base + i * step) for i, (lo, hi, ptr) in enumerate(pairs)]
 
 
-def _result_pairs(dtype: torch.dtype) -> List[tuple]:
+def _result_pairs(dtype: torch.dtype) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
     """_SLAB (abs_min, abs_max, address) results: 0-d views of one fresh allocation, each pair
     handed out once (a record keeps its pairs), the kernel writing both through the address.
     One allocation and one unbind for _SLAB tensors cost a fifth of a fresh pair each time."""
@@ -557,7 +558,7 @@ class _Loader:
     """The kernel, built on a thread of its own at the first request; None (the torch ops)
     until it is loaded, and for good when it cannot be built."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done = False
         self._kernel: Optional[Kernel] = None

@@ -32,7 +32,7 @@ both; elsewhere the torch ops below, with no host sync.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -90,7 +90,8 @@ def histogram_torch(v: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- target dtypes
-def _parse_one(option: str, name) -> str:
+def _parse_one(option: str, name: object) -> str:
+    dt: object
     if isinstance(name, torch.dtype):
         dt = name
     elif isinstance(name, str):
@@ -106,12 +107,13 @@ def _parse_one(option: str, name) -> str:
     return str(dt).replace("torch.", "")
 
 
-def parse_targets(option: str, value) -> Tuple[str, ...]:
+def parse_targets(option: str, value: Union[None, str, torch.dtype, Iterable[object]]) -> Tuple[str, ...]:
     """Normalized dtype names (`torch.half` -> "float16"), in order, without repeats; a
     ConfigError naming `option` (the argument or the variable) for a name that is not a torch
     floating dtype torch can describe (torch.finfo) with a zero to flush to."""
     if value is None:
         return ()
+    items: List[object]
     if isinstance(value, (str, torch.dtype)):
         items = [value] if isinstance(value, torch.dtype) else [p for p in value.split(",") if p.strip()]
     else:
@@ -153,11 +155,12 @@ _TARGETS: Dict[str, Tuple[float, float, bool]] = {}
 
 
 def target_params(names: Sequence[str]) -> List[Tuple[float, float, bool]]:
-    out = []
+    out: List[Tuple[float, float, bool]] = []
     for n in names:
         p = _TARGETS.get(n)
         if p is None:
-            p = _TARGETS[n] = _target(getattr(torch, n))
+            # a valid target (parse_targets): not None; once per name
+            p = _TARGETS[n] = cast(Tuple[float, float, bool], _target(getattr(torch, n)))
         out.append(p)
     return out
 
@@ -176,7 +179,7 @@ def _value(bits: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([bits], dtype=_INT[dtype]).view(dtype)
 
 
-def _last(pred, hi: int) -> int:
+def _last(pred: Callable[[int], bool], hi: int) -> int:
     """The largest pattern u in [0, hi] with pred(u), pred monotone (true, then false) and
     pred(0) true."""
     lo = 0
@@ -245,9 +248,9 @@ class Plan:
         self.scaled_args = torch.tensor([v for j, y in zip(self.scaled, self.flush_y) for v in (y, params[j][1])]
                                         or [0.0], dtype=torch.float64)
         self._ranges: Dict[torch.dtype, Tuple[List[Tuple[int, int]], torch.Tensor]] = {}
-        self.kernel_args: Dict[torch.dtype, tuple] = {}
+        self.kernel_args: Dict[torch.dtype, Tuple[int, int, int, int, int]] = {}
 
-    def args(self, dtype: torch.dtype) -> tuple:
+    def args(self, dtype: torch.dtype) -> Tuple[int, int, int, int, int]:
         """The counts kernel's arguments after the tensor for `dtype` (cached in kernel_args)."""
         _, rg = self.ranges(dtype)
         a = self.kernel_args[dtype] = (rg.data_ptr(), rg.numel() // 2, self.scaled_args.data_ptr(),
@@ -294,10 +297,10 @@ def counts_torch(v: torch.Tensor, amax: torch.Tensor, plan: Plan) -> torch.Tenso
     for a, n in pairs[1:]:
         cols.append(((bits >= a) & (bits < a + n)).sum() if n > 0 else ok.new_zeros((), dtype=torch.int64))
     if plan.scaled:
-        a = w.abs().double()
+        mag = w.abs().double()
         amax = amax.double()
         for j, y in zip(plan.scaled, plan.flush_y):
-            cols.append((ok & ((a * (plan.fmax[j] / amax)).float() <= y)).sum())
+            cols.append((ok & ((mag * (plan.fmax[j] / amax)).float() <= y)).sum())
     return torch.stack(cols)
 
 
@@ -320,7 +323,7 @@ def measure_counts(t: torch.Tensor, plan: Plan, histogram: bool) -> Union[Quad, 
                 if fn is not None:
                     args = plan.kernel_args.get(v.dtype) or plan.args(v.dtype)
                     mn, mx, row = fn(v, *args)
-                    return mn, mx, row, (kernel.magnitude(v)[2] if histogram else None)
+                    return mn, mx, row, (kernel.magnitude(v)[2] if histogram else None)  # type: ignore[union-attr]  # loaded: has counts, so magnitude too
             mn, mx = stats._abs_minmax_torch_cpu(v)
             return mn, mx, counts_torch(v, mx, plan), (histogram_torch(v) if histogram else None)
         r = stats.measure(t)
@@ -330,9 +333,9 @@ def measure_counts(t: torch.Tensor, plan: Plan, histogram: bool) -> Union[Quad, 
     r = stats.measure(t)
     if isinstance(r, str):
         return r
-    v = stats._values(t)
-    if isinstance(v, torch.Tensor) and v.dtype in _FLOATS:
-        return r[0], r[1], counts_torch(v, r[1], plan), (histogram_torch(v) if histogram else None)
+    vals = stats._values(t)
+    if isinstance(vals, torch.Tensor) and vals.dtype in _FLOATS:
+        return r[0], r[1], counts_torch(vals, r[1], plan), (histogram_torch(vals) if histogram else None)
     return r[0], r[1], None, None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 
@@ -19,6 +19,11 @@ from .stats import DTYPE_MAX, dtype_name
 log = logging.getLogger(__name__)
 _shares_failed = False  # logged once per process
 
+# Record.frames items: a measured tensor's name, or (name, note) for a value without statistics
+Item = Union[str, Tuple[str, str]]
+# Record._rows: (host matrix, its row, dtype) of a measured tensor's histogram
+Row = Tuple[torch.Tensor, int, torch.dtype]
+
 
 class ModuleInfo:
     """What a hook knows of its module: path, class name, the live parameter dict."""
@@ -26,7 +31,7 @@ class ModuleInfo:
     __slots__ = ("path", "cls", "params", "kw_names", "is_root", "recorded")
 
     def __init__(self, path: str, module: torch.nn.Module, is_root: bool, recorded: bool,
-                 cls: Optional[str] = None, params: Optional[dict] = None):
+                 cls: Optional[str] = None, params: Optional[Dict[str, Optional[torch.nn.Parameter]]] = None):
         self.path = path
         self.cls = cls or module_class_name(module)
         # live dict: a replaced parameter is seen at once
@@ -50,7 +55,7 @@ class Record:
         # abs_min, abs_max, abs_min, ...: 0-d device tensors, or floats already on the host (CPU)
         self.stats: List[Union[torch.Tensor, float]] = []
         self.dtypes: List[torch.dtype] = []  # one per measured tensor
-        self.frames: List[tuple] = []  # (info, items, first tensor index)
+        self.frames: List[Tuple[ModuleInfo, List[Item], int]] = []  # (info, items, first tensor index)
         self.host: List[float] = []
         self.phase = phase
         self.detected = False  # one detection per record (check="module" checks every frame)
@@ -67,7 +72,7 @@ class Record:
         self.counts: List[Optional[torch.Tensor]] = []
         self.underflow: List[float] = []
         self.overflow: List[float] = []
-        self._rows: List[Optional[tuple]] = []  # per k: (host matrix, its row, dtype) or None
+        self._rows: List[Optional[Row]] = []  # per k: (host matrix, its row, dtype) or None
         self._floats: List[bool] = []  # per k: the tensor had float values (shares apply)
 
     def readback(self, extra: Optional[torch.Tensor] = None) -> Optional[float]:
@@ -83,9 +88,10 @@ class Record:
         if not pending:
             return None
         # CPU statistics read by the compiled kernel are Python floats already (stats.measure_host)
-        tensors = [s for s in pending if s.__class__ is not float]
+        tensors: List[torch.Tensor] = [s for s in pending if s.__class__ is not float]  # type: ignore[misc]
+        values: List[float]
         if not tensors:
-            values = pending
+            values = pending  # type: ignore[assignment]  # floats only (no tensor among them)
         else:
             try:
                 stacked = torch.stack(tensors)
@@ -108,7 +114,8 @@ class Record:
         same transfer as the stats (all as float64: stats and counts below 2**53 exactly), then
         the shares."""
         have = len(self.host)
-        pending = self.stats[have:]
+        # with target_dtypes every statistic is a device tensor (magnitude.measure_counts)
+        pending = cast(List[torch.Tensor], self.stats[have:])
         k0, k1 = have // 2, len(self.stats) // 2
         counts, mags = self.counts[k0:k1], self.mags[k0:k1]
         parts = list(pending) + ([extra] if extra is not None else [])
@@ -143,10 +150,11 @@ class Record:
             self.overflow[k0 * len(self.targets):] = list(nan)
         return result
 
-    def _shares(self, k0: int, counts: list, mags: list, flat: torch.Tensor, values: List[float]) -> None:
+    def _shares(self, k0: int, counts: List[Optional[torch.Tensor]], mags: List[Optional[torch.Tensor]],
+                flat: torch.Tensor, values: List[float]) -> None:
         from .magnitude import ROW_DTYPE
 
-        plan = self.plan
+        plan = cast(_mag.Plan, self.plan)  # set whenever targets are
         nt = len(self.targets)
         idx = [i for i, c in enumerate(counts) if c is not None]
         width = plan.width
@@ -155,8 +163,8 @@ class Record:
         over = list(under)
         if idx:
             amax = torch.tensor([values[2 * i + 1] for i in idx], dtype=torch.float64)
-            u, o = _mag.shares(mat, amax, plan)
-            u, o = u.view(-1).tolist(), o.view(-1).tolist()
+            ut, ot = _mag.shares(mat, amax, plan)
+            u, o = ut.view(-1).tolist(), ot.view(-1).tolist()
             if len(idx) == len(counts):  # every tensor had float values: the rows in order
                 under, over = u, o
             else:
@@ -166,7 +174,7 @@ class Record:
         # the histogram rows (histogram batches): rows of one width (the usual case: one float
         # dtype) are one matrix, no per-row slicing
         hist = flat[width * len(idx):]
-        rows: List[Optional[tuple]] = [None] * len(mags)
+        rows: List[Optional[Row]] = [None] * len(mags)
         if hist.numel() == 0:  # not a histogram batch
             self._rows += rows
             self._floats += [c is not None for c in counts]
@@ -174,7 +182,7 @@ class Record:
             self.overflow += over
             return
         widths = [None if m is None else m.shape[0] for m in mags]
-        groups: Dict[int, list] = {}
+        groups: Dict[int, List[int]] = {}
         for i, w in enumerate(widths):
             if w is not None:
                 groups.setdefault(w, []).append(i)
@@ -202,10 +210,10 @@ class Record:
             return None
         from .magnitude import magnitude_of
 
-        mat, r, dt = self._rows[k]
+        mat, r, dt = self._rows[k]  # type: ignore[misc]  # not None: checked above
         return magnitude_of(mat[r], dt)
 
-    def _precision(self, k: int) -> tuple:
+    def _precision(self, k: int) -> Tuple[Optional[Dict[str, float]], Optional[Dict[str, float]], Optional[Magnitude]]:
         """(underflow, overflow, magnitude) of measured tensor k for its TensorStat."""
         if not self.targets or k >= len(self._floats) or not self._floats[k]:
             return None, None, None

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
-from .record import ModuleInfo, Record
+from .record import Item, ModuleInfo, Record
 from .cpu_kernel import KERNEL
 from .magnitude import HISTOGRAM_EVERY, measure_counts
 from .stats import HostBatch, measure_host as measure, nonfinite_kind_of
@@ -26,10 +26,14 @@ from .stats import HostBatch, measure_host as measure, nonfinite_kind_of
 MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded
 MAX_DEPTH = 6
 _PLAIN = (torch.nn.Parameter, torch.Tensor)  # data_ptr() is cheap and defined for these
-_UNREAD = (None, None)  # a tensor's places in Record.stats until its frame's kernel call fills them
+# a tensor's places in Record.stats until its frame's kernel call fills them (_batch_end)
+_UNREAD: Tuple[float, float] = (None, None)  # type: ignore[assignment]  # placeholders, never read
+
+# a measurement: two 0-d device tensors, or two floats on the host (the CPU kernel)
+StatPair = Union[Tuple[torch.Tensor, torch.Tensor], Tuple[float, float]]
 
 
-def _tensor_attributes(v) -> tuple:
+def _tensor_attributes(v: object) -> Tuple[str, ...]:
     """The public attributes of a plain object (a result with `.loss`, `.logits`) that are
     tensors: looked into as dataclass fields are. Only direct tensors: an object holding lists of
     them (a key/value cache) is not walked on every call. Modules and classes are not looked into."""
@@ -47,9 +51,13 @@ class _FrameBatch(threading.local):
     def __init__(self) -> None:
         self.host = HostBatch()
         # (stats position, tensor, True for a parameter / False / the position of its twin, version, data_ptr)
-        self.pending: List[tuple] = []
-        self.acts: Dict[int, tuple] = {}  # id -> (stats position, tensor, version) gathered this frame
+        self.pending: List[Tuple[int, torch.Tensor, Union[bool, int], int, int]] = []
+        # id -> (stats position, tensor, version) gathered this frame
+        self.acts: Dict[int, Tuple[int, torch.Tensor, int]] = {}
         self.on = False
+
+
+ActSeen = Tuple["weakref.ref[torch.Tensor]", int, StatPair, torch.dtype]
 
 
 class FrameRecorder:
@@ -57,17 +65,17 @@ class FrameRecorder:
     known unchanged; an activation seen as one module's output and the next one's input (the
     same object at the same version) is measured once."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
         # param -> (version, data_ptr, dtype, (mn, mx)); cleared by invalidate_weights()
-        self.params_seen: Dict[torch.Tensor, tuple] = {}
+        self.params_seen: Dict[torch.Tensor, Tuple[int, int, torch.dtype, StatPair]] = {}
         # Replaced parameters (functional_call, re-created weights) would stay alive as keys:
         # past this size the cache is dropped at a batch end and simply refilled.
         self.params_cap = 2 * sum(1 for _ in model.parameters()) + 64
-        self.acts_seen: Dict[int, tuple] = {}  # id -> (weakref, version, (mn, mx), dtype)
-        self.acts_last: Dict[int, tuple] = {}  # the last finished batch's, for a detection's kind
+        self.acts_seen: Dict[int, ActSeen] = {}  # id -> (weakref, version, (mn, mx), dtype)
+        self.acts_last: Dict[int, ActSeen] = {}  # the last finished batch's, for a detection's kind
         # target_dtypes: id(abs-min tensor) -> (that tensor, its counts row, its histogram row):
         # the rows of a measurement the caches above reuse (core/magnitude.py)
-        self.mags_seen: Dict[int, tuple] = {}
+        self.mags_seen: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
         self._fb = _FrameBatch()  # the calling thread's frame in progress
         self._hist_batch = (-1, False, 0)  # (batch number, histogram batch?, watched batches seen)
 
@@ -112,8 +120,9 @@ class FrameRecorder:
         return exact or kind
 
     @staticmethod
-    def _stat_tensor(rec: Record, fi: int, name: str) -> Optional[torch.Tensor]:
-        """The 0-d abs-min tensor recorded for tensor `name` of frame `fi`."""
+    def _stat_tensor(rec: Record, fi: int, name: str) -> Union[torch.Tensor, float, None]:
+        """The 0-d abs-min tensor recorded for tensor `name` of frame `fi` (a float when the CPU
+        kernel measured it)."""
         if not 0 <= fi < len(rec.frames):
             return None
         _, items, k = rec.frames[fi]
@@ -124,7 +133,7 @@ class FrameRecorder:
                 k += 1
         return None
 
-    def _measured(self, mn: torch.Tensor) -> Optional[torch.Tensor]:
+    def _measured(self, mn: Union[torch.Tensor, float]) -> Optional[torch.Tensor]:
         """The tensor whose measurement gave `mn`, when it is still alive."""
         for p, seen in self.params_seen.items():
             if seen[3][0] is mn:
@@ -159,7 +168,7 @@ class FrameRecorder:
                 r = measure(t) if is_param.__class__ is not int else (stats[is_param], stats[is_param + 1])
                 if r.__class__ is str:  # (never for a tensor the kernel took)
                     r = (float("nan"), float("nan"))
-                stats[pos], stats[pos + 1] = r
+                stats[pos], stats[pos + 1] = r  # type: ignore[str-unpack, call-overload]  # not a str (above)
             return
         j = 0
         for pos, t, is_param, version, ptr in pending:
@@ -179,7 +188,8 @@ class FrameRecorder:
                 except (TypeError, RuntimeError):  # no weakref (inference tensors): no reuse
                     pass
 
-    def frame(self, rec: Record, info: ModuleInfo, args, kwargs, output) -> None:
+    def frame(self, rec: Record, info: ModuleInfo, args: Tuple[object, ...], kwargs: Optional[Dict[str, object]],
+              output: object) -> None:
         """The full view: parameters, every positional and keyword input, any output value."""
         marks = (len(rec.stats), len(rec.dtypes), len(rec.frames))
         self._batch_start()
@@ -190,7 +200,7 @@ class FrameRecorder:
             self._abandon(rec, marks)
             raise
 
-    def _abandon(self, rec: Record, marks: tuple) -> None:
+    def _abandon(self, rec: Record, marks: Tuple[int, int, int]) -> None:
         """A frame that could not be taken leaves nothing in the record (no unread places)."""
         fb = self._fb
         fb.pending = []
@@ -199,8 +209,9 @@ class FrameRecorder:
         fb.on = False
         del rec.stats[marks[0]:], rec.dtypes[marks[1]:], rec.frames[marks[2]:]
 
-    def _frame(self, rec: Record, info: ModuleInfo, args, kwargs, output) -> None:
-        items: list = []
+    def _frame(self, rec: Record, info: ModuleInfo, args: Tuple[object, ...], kwargs: Optional[Dict[str, object]],
+               output: object) -> None:
+        items: List[Item] = []
         start = len(rec.dtypes)
         self.params(rec, info, items)
         value = self.value
@@ -216,12 +227,12 @@ class FrameRecorder:
         value(rec, output, "output", items, 0)
         rec.frames.append((info, items, start))
 
-    def params(self, rec: Record, info: ModuleInfo, items: list) -> None:
+    def params(self, rec: Record, info: ModuleInfo, items: List[Item]) -> None:
         for name, p in info.params.items():
             if p is not None:
                 self.param(rec, p, name, items)
 
-    def value(self, rec: Record, v, name: str, items: list, depth: int) -> None:
+    def value(self, rec: Record, v: object, name: str, items: List[Item], depth: int) -> None:
         """Any input/output value: tensors are measured, containers walked, others noted."""
         if isinstance(v, torch.Tensor):
             self.tensor(rec, v, name, items)
@@ -248,7 +259,7 @@ class FrameRecorder:
             else:
                 items.append((name, NOTE_NOT_TENSOR))
 
-    def param(self, rec: Record, p: torch.Tensor, name: str, items: list) -> None:
+    def param(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> None:
         # A weight is reused while nothing wrote it: the cache is dropped at every optimizer
         # step, and the key holds version, storage and dtype (`.half()`, `.to()`, `.data =`).
         if rec.targets:
@@ -272,12 +283,12 @@ class FrameRecorder:
         if r.__class__ is str:
             items.append((name, r))
             return
-        self.params_seen[p] = (version, ptr, p.dtype, r)
-        rec.stats += r
+        self.params_seen[p] = (version, ptr, p.dtype, r)  # type: ignore[assignment]  # r: not a str (above)
+        rec.stats += r  # type: ignore[arg-type]  # a pair
         rec.dtypes.append(p.dtype)
         items.append(name)
 
-    def tensor(self, rec: Record, t: torch.Tensor, name: str, items: list) -> None:
+    def tensor(self, rec: Record, t: torch.Tensor, name: str, items: List[Item]) -> None:
         # The weak reference guards against id() reuse after a tensor is freed.
         if rec.targets:
             return self._tensor_magnitude(rec, t, name, items)
@@ -310,10 +321,10 @@ class FrameRecorder:
             items.append((name, r))
             return
         try:
-            self.acts_seen[key] = (weakref.ref(t), t._version, r, t.dtype)
+            self.acts_seen[key] = (weakref.ref(t), t._version, r, t.dtype)  # type: ignore[assignment]  # not a str
         except (TypeError, RuntimeError):  # no weakref / no version (inference tensors): no reuse
             pass
-        rec.stats += r
+        rec.stats += r  # type: ignore[arg-type]  # a pair (not a str: returned above)
         rec.dtypes.append(t.dtype)
         items.append(name)
 
@@ -331,7 +342,7 @@ class FrameRecorder:
         rec.histogram = hist
         return hist
 
-    def _reuse(self, rec: Record, r: tuple, dtype: torch.dtype, name: str, items: list) -> bool:
+    def _reuse(self, rec: Record, r: StatPair, dtype: torch.dtype, name: str, items: List[Item]) -> bool:
         m = self.mags_seen.get(id(r[0]))
         if m is None or m[0] is not r[0]:
             return False
@@ -342,24 +353,26 @@ class FrameRecorder:
         items.append(name)
         return True
 
-    def _measure(self, rec: Record, t: torch.Tensor, name: str, items: list):
+    def _measure(self, rec: Record, t: torch.Tensor, name: str,
+                 items: List[Item]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         hist = rec.histogram
         if hist is None:
             hist = self._histogram(rec)
-        r = measure_counts(t, rec.plan, hist)
+        r = measure_counts(t, rec.plan, hist)  # type: ignore[arg-type]  # plan: set with targets
         if r.__class__ is str:
             items.append((name, r))
             return None
-        pair = (r[0], r[1])
-        self.mags_seen[id(r[0])] = (r[0], r[2], r[3])
+        # below, r is a Quad (a str returned above)
+        pair: Tuple[torch.Tensor, torch.Tensor] = (r[0], r[1])  # type: ignore[assignment]
+        self.mags_seen[id(r[0])] = (r[0], r[2], r[3])  # type: ignore[assignment]
         rec.stats += pair
         rec.dtypes.append(t.dtype)
-        rec.counts.append(r[2])
-        rec.mags.append(r[3])
+        rec.counts.append(r[2])  # type: ignore[arg-type]
+        rec.mags.append(r[3])  # type: ignore[arg-type]
         items.append(name)
         return pair
 
-    def _param_magnitude(self, rec: Record, p: torch.Tensor, name: str, items: list) -> None:
+    def _param_magnitude(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> None:
         seen = self.params_seen.get(p)
         version = p._version
         ptr = p.data_ptr() if p.__class__ in _PLAIN else id(p)
@@ -370,7 +383,7 @@ class FrameRecorder:
         if pair is not None:
             self.params_seen[p] = (version, ptr, p.dtype, pair)
 
-    def _tensor_magnitude(self, rec: Record, t: torch.Tensor, name: str, items: list) -> None:
+    def _tensor_magnitude(self, rec: Record, t: torch.Tensor, name: str, items: List[Item]) -> None:
         key = id(t)
         seen = self.acts_seen.get(key)
         if seen is not None and seen[0]() is t and seen[1] == t._version \

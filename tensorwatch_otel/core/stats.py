@@ -9,7 +9,7 @@ from __future__ import annotations
 import array
 import logging
 import threading
-from typing import Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -23,7 +23,7 @@ Pair = Tuple[torch.Tensor, torch.Tensor]  # (abs_min, abs_max) as 0-d device ten
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
                                          "float8_e8m0fnu") if hasattr(torch, n))
-_warned_types: set = set()
+_warned_types: Set[type] = set()
 # abs(-128) does not fit in int8 (it stays -128), and the wide unsigned types have no CPU abs or
 # aminmax kernels: widen these first. They are rare (ids and masks are int64 or bool).
 _WIDEN = {d: torch.int64 for d in (torch.int8, torch.int16, torch.int32)}
@@ -38,7 +38,7 @@ def _finfo_max(dtype: torch.dtype) -> Optional[float]:
 
 # largest finite value per dtype, for range_used (None for integer/bool dtypes)
 DTYPE_MAX = {d: _finfo_max(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64) + _FP8}
-DTYPE_NAME = {}
+DTYPE_NAME: Dict[torch.dtype, str] = {}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -48,13 +48,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _values(t: torch.Tensor) -> Union[torch.Tensor, str, list]:
+def _values(t: torch.Tensor) -> Union[torch.Tensor, str, List[torch.Tensor]]:
     """The tensor whose abs min/max describe `t`, or a NOTE_* when there are none (a wrapper
     subclass without a dequantize method: the list of its inner tensors)."""
     if type(t) not in _PLAIN:
-        t = _unwrap_subclass(t)
-        if isinstance(t, (str, list)):
-            return t
+        u = _unwrap_subclass(t)
+        if isinstance(u, (str, list)):
+            return u
+        t = u
     if t.is_meta:
         return NOTE_NO_DATA
     if t.layout is not torch.strided:
@@ -85,7 +86,7 @@ def _values(t: torch.Tensor) -> Union[torch.Tensor, str, list]:
 _DEQUANTIZE = ("dequantize", "get_original_weight", "to_original_precision")
 
 
-def _wrapper_values(t: torch.Tensor) -> Union[torch.Tensor, list, None]:
+def _wrapper_values(t: torch.Tensor) -> Union[torch.Tensor, List[torch.Tensor], None]:
     """The dequantized value of a wrapper subclass, else the list of its inner tensors; None
     when `t` is not a wrapper subclass (no `__tensor_flatten__`)."""
     tp = type(t)
@@ -101,15 +102,15 @@ def _wrapper_values(t: torch.Tensor) -> Union[torch.Tensor, list, None]:
             continue
         if isinstance(v, torch.Tensor) and type(v) in _PLAIN:
             return v
-    names = t.__tensor_flatten__()[0]
+    names = t.__tensor_flatten__()[0]  # type: ignore[attr-defined]  # a wrapper subclass (checked above)
     inner = [getattr(t, n, None) for n in names]
     return [x for x in inner if isinstance(x, torch.Tensor)]
 
 
-def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str, list]:
+def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str, List[torch.Tensor]]:
     """A plain tensor with the same values, for tensor subclasses (a wrapper's inner tensors as a
     list when it cannot be dequantized); NOTE_NO_DATA if there is none."""
-    to_local = getattr(t, "to_local", None)  # DTensor: the local shard
+    to_local: Optional[Callable[[], torch.Tensor]] = getattr(t, "to_local", None)  # DTensor: the local shard
     try:
         if callable(to_local):
             return to_local()
@@ -120,8 +121,8 @@ def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str, list]:
         if wrapped is not None:
             if isinstance(wrapped, list):
                 inner = [_values(x) for x in wrapped]
-                inner = [x for x in inner if not isinstance(x, str)]
-                flat = [y for x in inner for y in (x if isinstance(x, list) else (x,))]
+                found = [x for x in inner if not isinstance(x, str)]
+                flat = [y for x in found for y in (x if isinstance(x, list) else (x,))]
                 return flat or NOTE_NO_DATA
             return wrapped
         with torch._C.DisableTorchFunctionSubclass():
@@ -220,7 +221,7 @@ class HostBatch:
         self.codes.append(code)
         return True
 
-    def measure(self) -> Optional[array.array]:
+    def measure(self) -> Optional[array.array[float]]:
         """Abs min and abs max of every tensor added, as doubles (2 per tensor, in order), and
         the batch emptied; None when the kernel is not loaded (measure them with `measure`)."""
         k = len(self.ns)
@@ -248,7 +249,7 @@ def measure_host(t: torch.Tensor) -> Union[Pair, Tuple[float, float], str]:
     if t.__class__ in _PLAIN and t.dtype in _FLOATS and t.device.type == "cpu" and t.layout is torch.strided \
             and t.is_contiguous() and t.numel() > 0 and not t.is_meta:
         kernel = KERNEL.get()
-        host = getattr(kernel, "host", None)
+        host: Optional[Callable[[torch.Tensor], Tuple[float, float]]] = getattr(kernel, "host", None)
         if host is not None:
             return host(t)
     return measure(t)

@@ -16,7 +16,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -37,6 +38,10 @@ from .step_monitor import StepHost, StepMonitor
 from .steps import StepGuard
 from .optim_state import OptimizerStateReader
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .capture import BatchCapture
+    from .compiled import _PostHook
+
 log = logging.getLogger(__name__)
 
 _MAX_PENDING = 2_000_000  # stat slots held before an early read-back (no root forward seen)
@@ -51,20 +56,20 @@ class _BatchState:
 
     __slots__ = ("depth", "rec", "active", "held", "checked", "inputs", "history")
 
-    def __init__(self, max_frames: int):
+    def __init__(self, max_frames: int) -> None:
         self.depth = 0
         self.rec: Optional[Record] = None
         self.active = False
         self.held = 0
         self.checked = 0
-        self.inputs: Optional[tuple] = None
+        self.inputs: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None
         self.history = History(max_frames)
 
 
 class _PerThread(threading.local):
     """`.st`: the calling thread's _BatchState, made on its first access in that thread."""
 
-    def __init__(self, max_frames: int):
+    def __init__(self, max_frames: int) -> None:
         self.st = _BatchState(max_frames)
 
 
@@ -73,7 +78,7 @@ class BatchScope:
 
     __slots__ = ("_watcher", "_state")
 
-    def __init__(self, watcher: "Watcher"):
+    def __init__(self, watcher: "Watcher") -> None:
         self._watcher = watcher
         self._state: List[_BatchState] = []
 
@@ -81,7 +86,8 @@ class BatchScope:
         self._state.append(self._watcher._hold())
         return self._watcher
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> Literal[False]:
         self._watcher._release(self._state.pop(), exc_type is not None)
         return False
 
@@ -95,7 +101,7 @@ class Watcher:
 
     def __init__(self, model: torch.nn.Module, sinks: Sequence[Sink], config: WatchConfig,
                  owned_sinks: Sequence[Sink] = (), behaviour: Optional[Behaviour] = None,
-                 grad_scaler=None):
+                 grad_scaler: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -172,7 +178,7 @@ class Watcher:
     def __enter__(self) -> "Watcher":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             if exc[0] is None:
                 self._fleet.at_exit()  # multi-rank: a stop held for a later stop point is raised now
@@ -246,7 +252,7 @@ class Watcher:
         return batch % cfg.every_n_batches == 0 or batch in cfg.trace_batches
 
     # ---------------------------------------------------------------- hot path
-    def _make_hook(self, info: ModuleInfo, slot: int = 0):
+    def _make_hook(self, info: ModuleInfo, slot: int = 0) -> _PostHook:
         """`slot`: the hook's op slot (core/compiled.py), called in its place while dynamo traces."""
         record = self.behaviour.record
         recorder = self._recorder
@@ -257,7 +263,7 @@ class Watcher:
         set_grad = torch._C._set_grad_enabled
         check_module = self.config.check == "module"
 
-        def hook(module, args, kwargs, output):
+        def hook(module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
             if compiling():  # traced into a graph: an op runs this hook at run time
                 if slot:
                     traced_post(slot, args, kwargs, output)
@@ -271,7 +277,7 @@ class Watcher:
             outside_backward = graph_task() == -1  # inside: checkpoint recomputation, not a batch
             try:
                 if st.active and info.recorded and outside_backward:
-                    rec = st.rec
+                    rec: Record = st.rec  # type: ignore[assignment]  # active: a batch is open
                     try:
                         grad = grad_enabled()
                         set_grad(False)  # (torch.no_grad() without its three Python calls)
@@ -296,7 +302,7 @@ class Watcher:
                         self._end_call(st, info.is_root)
         return hook
 
-    def _pre_hook(self, module, args):
+    def _pre_hook(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...]) -> None:
         # registered through compiled.pre_hook, which runs it only outside dynamo's tracing
         if self._replaying:
             return
@@ -333,7 +339,8 @@ class Watcher:
             args, kwargs = st.inputs
             st.inputs = None
             if st.rec is not None:
-                self._capture.hold(st.rec.batch_number, args, kwargs)  # tensors by reference
+                # tensors by reference; inputs are held only with a capture (_capture_hook)
+                self._capture.hold(st.rec.batch_number, args, kwargs)  # type: ignore[union-attr]
 
     def _params_current(self) -> None:
         """Parameters or submodules replaced since the last look (to_empty(), load_state_dict(
@@ -347,7 +354,7 @@ class Watcher:
             log.error("tensorwatch_otel: could not find the model's replaced parameters or modules again "
                       "(%s: %s); training goes on, watching what was found at watch()", type(exc).__name__, exc)
 
-    def _capture_hook(self, module, args, kwargs):
+    def _capture_hook(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         # runs before the root's pre-hook, which numbers the batch and hands these on
         if not self._replaying and not torch.compiler.is_compiling():
             st = self._tls.st
@@ -370,7 +377,7 @@ class Watcher:
     # ---------------------------------------------------------------- batch end
     def _end_call(self, st: _BatchState, root: bool) -> None:
         """This thread's outermost watched call ended (its batch is `st.rec`)."""
-        rec = st.rec
+        rec: Record = st.rec  # type: ignore[assignment]  # not None: checked by the caller
         if st.held:
             self._check_call(st)  # inside batch(): the batch goes on
         elif root or self.behaviour.outermost_call_ends_batch or rec.batch_number in self.config.trace_batches:
@@ -389,7 +396,7 @@ class Watcher:
     def _check_call(self, st: _BatchState) -> None:
         """Inside batch(): check the frames the outermost call just added (one read-back), so a
         detection raises before a backward or step that would follow it in the same batch."""
-        rec = st.rec
+        rec: Record = st.rec  # type: ignore[assignment]  # not None: inside a call of this batch
         first, st.checked = st.checked, len(rec.frames)
         cfg = self.config
         if not st.active or first == st.checked or cfg.check != "batch" or not (
@@ -399,7 +406,7 @@ class Watcher:
         self._check(rec, first)
 
     def _end_batch(self, st: _BatchState) -> None:
-        rec = st.rec
+        rec: Record = st.rec  # type: ignore[assignment]  # not None: callers check it
         st.rec = None
         st.active = False
         st.checked = 0
@@ -425,7 +432,9 @@ class Watcher:
         traced = rec.batch_number in cfg.trace_batches
         rank = current_rank()
         if self._fanout.wants_batches:
-            self._fanout.on_batch(BatchStats(rec.batch_number, rank, time.time(), rec, grad_scale=scale,
+            # a Record is a _LazyFrames (materialize()): rows are made by the sink
+            self._fanout.on_batch(BatchStats(rec.batch_number, rank, time.time(), rec,  # type: ignore[arg-type]
+                                             grad_scale=scale,
                                              steps_skipped=self.steps_skipped))
         if traced:
             self._fanout.on_event(BatchTraceEvent(rec.batch_number, rank, rec.materialize(), time.time()))
@@ -436,7 +445,8 @@ class Watcher:
     def _phase_stats(self, rec: Record) -> None:
         """Gradients and optimizer state to the metric sinks, as series of their own."""
         if self._fanout.wants_batches:
-            self._fanout.on_batch(BatchStats(rec.batch_number, current_rank(), time.time(), rec, phase=rec.phase))
+            self._fanout.on_batch(BatchStats(rec.batch_number, current_rank(), time.time(),
+                                             rec, phase=rec.phase))  # type: ignore[arg-type]  # a _LazyFrames
 
     @property
     def steps_skipped(self) -> int:
@@ -453,9 +463,9 @@ class Watcher:
         return self._detect.replaying
 
     @property
-    def _capture(self):
+    def _capture(self) -> Optional[BatchCapture]:
         return self._detect.capture
 
-    def overflow_check(self, event) -> None:
+    def overflow_check(self, event: object) -> None:
         """Hand a detect_overflow() finding to the sinks (durable before returning)."""
         self._detect.overflow_check(event)
