@@ -130,40 +130,19 @@ static double d_f16(uint16_t b) {
     if (e == 31) return d_f64(m ? 0x7FF8000000000000ull : 0x7FF0000000000000ull);
     return d_f64(((e + 1008) << 52) | (m << 42)); /* exponent e - 15 + 1023 */
 }
+/* one dtype's branch: the kernel's two patterns into out[2i], out[2i + 1] as doubles */
+#define TW_MANY_CASE(LABEL, T, KERNEL_FN, DEC) \
+    LABEL: { T r[2]; KERNEL_FN(ptrs[i], n, r, t); out[2*i] = DEC(r[0]); out[2*i+1] = DEC(r[1]); break; }
 void tw_abs_minmax_many(const void* const* ptrs, const int64_t* ns, const int8_t* codes, int64_t k,
                         double* out, int nt, int64_t parallel_min) {
     for (int64_t i = 0; i < k; i++) {
         int64_t n = ns[i];
         int t = n >= parallel_min ? nt : 1;
         switch (codes[i]) {
-        case 0: {
-            uint64_t r[2];
-            tw_abs_minmax_f64(ptrs[i], n, r, t);
-            out[2*i] = d_f64(r[0]);
-            out[2*i+1] = d_f64(r[1]);
-            break;
-        }
-        case 1: {
-            uint32_t r[2];
-            tw_abs_minmax_f32(ptrs[i], n, r, t);
-            out[2*i] = d_f32(r[0]);
-            out[2*i+1] = d_f32(r[1]);
-            break;
-        }
-        case 2: {
-            uint16_t r[2];
-            tw_abs_minmax_f16(ptrs[i], n, r, t);
-            out[2*i] = d_f16(r[0]);
-            out[2*i+1] = d_f16(r[1]);
-            break;
-        }
-        default: {
-            uint16_t r[2];
-            tw_abs_minmax_bf16(ptrs[i], n, r, t);
-            out[2*i] = d_bf16(r[0]);
-            out[2*i+1] = d_bf16(r[1]);
-            break;
-        }
+        TW_MANY_CASE(case 0, uint64_t, tw_abs_minmax_f64, d_f64)
+        TW_MANY_CASE(case 1, uint32_t, tw_abs_minmax_f32, d_f32)
+        TW_MANY_CASE(case 2, uint16_t, tw_abs_minmax_f16, d_f16)
+        TW_MANY_CASE(default, uint16_t, tw_abs_minmax_bf16, d_bf16)
         }
     }
 }
