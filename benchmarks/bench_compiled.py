@@ -67,12 +67,12 @@ from typing import Callable, Dict, List, Optional
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _bracketed import median_interval, run_bracketed  # noqa: E402
+from _prenorm import Stack  # noqa: E402
 
 VARIANTS = ("null", "watched", "watched_sampled", "wrapped", "custom", "plain", "custom_sampled", "plain_sampled",
             "custom_kernel", "kernel_grad")
@@ -80,53 +80,7 @@ RECORDERS = ("custom", "plain", "custom_kernel", "kernel_grad")
 SAMPLE_EVERY = 10
 
 
-# --- the model ---------------------------------------------------------------------------------
-
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Mlp(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, heads)
-        self.ln2, self.mlp = nn.LayerNorm(d), Mlp(d)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class Stack(nn.Module):
-    def __init__(self, n_blocks: int, d: int, heads: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(n_blocks))
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, d)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
+# --- the model (benchmarks/_prenorm.py) and its input ---------------------------------------------
 
 def build(quick: bool, device: torch.device):
     """(model, input): the CPU shape, the GPT-2-medium shape on CUDA, a tiny one for --quick."""

@@ -7,63 +7,18 @@ and `gradients=True` work on compiled models."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from _collect import Collect
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from _prenorm import Stack  # noqa: E402  (the model benchmarks/bench_compiled.py times)
 from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
-
-
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Mlp(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, heads)
-        self.ln2, self.mlp = nn.LayerNorm(d), Mlp(d)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class Stack(nn.Module):
-    """A pre-norm transformer block stack (LayerNorm, attention through Linear layers, MLP,
-    residuals)."""
-
-    def __init__(self, n_blocks: int = 3, d: int = 16, heads: int = 2):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(n_blocks))
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, d)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 def _breaks() -> int:
