@@ -262,13 +262,14 @@ class Watcher:
         grad_enabled = torch.is_grad_enabled
         set_grad = torch._C._set_grad_enabled
         check_module = self.config.check == "module"
+        detect = self._detect
 
         def hook(module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
             if compiling():  # traced into a graph: an op runs this hook at run time
                 if slot:
                     traced_post(slot, args, kwargs, output)
                 return
-            if self._replaying:
+            if detect.replaying:
                 return
             st = tls.st
             if not st.active and st.depth > 1:  # an inner call of an unsampled batch: nothing to do
@@ -304,7 +305,7 @@ class Watcher:
 
     def _pre_hook(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...]) -> None:
         # registered through compiled.pre_hook, which runs it only outside dynamo's tracing
-        if self._replaying:
+        if self._detect.replaying:
             return
         st = self._tls.st
         if st.depth == 0:
