@@ -178,3 +178,66 @@ def test_measure_still_returns_device_style_pairs(kernel):
     assert isinstance(mn, torch.Tensor) and (mn.item(), mx.item()) == (2.0, 3.0)
     lo, hi = kernel(torch.tensor([-3.0, 2.0]))
     assert (lo.item(), hi.item()) == (2.0, 3.0)
+
+
+def test_the_guard_gathers_plain_cpu_gradients_without_a_python_call_each(kernel, monkeypatch):
+    """The guard's cost at thousands of parameters is its per-gradient Python: plain dense CPU
+    gradients are gathered in bulk (no HostBatch.add per gradient), and still one kernel call."""
+    adds = []
+    real_add = HostBatch.add
+
+    def counted(self, t):
+        adds.append(t)
+        return real_add(self, t)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(50)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, sinks=[Collect()]):
+        model(torch.randn(2, 4)).square().mean().backward()
+        monkeypatch.setattr(HostBatch, "add", counted)
+        opt.step()  # healthy: no detection
+        assert adds == []
+        opt.zero_grad()
+        model(torch.randn(2, 4)).square().mean().backward()
+        model[49].weight.grad[3, 3] = float("inf")  # the last gradient the bulk read covers
+        with pytest.raises(NonFiniteDetected) as ei:
+            opt.step()
+    assert (ei.value.event.module, ei.value.event.tensor) == ("49", "weight.grad")
+
+
+@pytest.mark.parametrize("odd", ["transposed", "empty", "sparse", "none"])
+def test_the_guard_still_reads_odd_gradients_among_plain_ones(kernel, odd):
+    """One gradient the bulk gather cannot take (not contiguous, empty, sparse, missing)
+    sends the guard down the per-gradient path: an inf anywhere is still found."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    if odd == "empty":
+        model[2].register_parameter("empty", nn.Parameter(torch.zeros(0)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, sinks=[Collect()]):
+        model(torch.randn(2, 4)).square().mean().backward()
+        g = model[2].weight.grad
+        if odd == "transposed":
+            model[2].weight.grad = g.t().contiguous().t()
+        elif odd == "sparse":
+            model[2].weight.grad = g.to_sparse()
+        elif odd == "none":
+            model[2].bias.grad = None
+        elif odd == "empty":
+            model[2].empty.grad = torch.zeros(0)
+        opt.step()  # healthy: no detection
+        opt.zero_grad()
+        model(torch.randn(2, 4)).square().mean().backward()
+        if odd == "transposed":
+            model[2].weight.grad = model[2].weight.grad.t().contiguous().t()
+        elif odd == "sparse":
+            model[2].weight.grad = model[2].weight.grad.to_sparse()
+        elif odd == "none":
+            model[2].bias.grad = None
+        elif odd == "empty":
+            model[2].empty.grad = torch.zeros(0)
+        model[6].bias.grad[0] = float("nan")
+        with pytest.raises(NonFiniteDetected) as ei:
+            opt.step()
+    assert (ei.value.event.module, ei.value.event.tensor) == ("6", "bias.grad")

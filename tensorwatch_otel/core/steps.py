@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
@@ -36,6 +37,8 @@ StepArgs = Tuple[Tuple[Any, ...], Dict[str, Any]]  # an optimizer step's (args, 
 SkipEvent = Union[SkippedStepEvent, SkipStreakEvent]
 
 log = logging.getLogger(__name__)
+_grad_of = operator.attrgetter("grad")
+_first = operator.itemgetter(0)
 
 
 class PendingGradients:
@@ -184,8 +187,12 @@ class StepGuard:
         tops: List[torch.Tensor] = []  # a 0-d tensor per gradient (or per device group): non-finite iff a bad value
         fused: Dict[torch.device, List[torch.Tensor]] = {}
         host = HostBatch()  # dense CPU gradients: one kernel call for all of them
+        grads = [g for g in map(_grad_of, map(_first, watched)) if g is not None]
+        # the common CPU case, gathered with no Python per gradient; else one by one below
+        # (a device in FUSED_DEVICES takes the fused path below)
+        gathered = "cpu" not in FUSED_DEVICES and host.add_all(grads)
         add = host.add
-        for p, _, _ in watched:
+        for p, _, _ in () if gathered else watched:
             g = p.grad
             if g is None:
                 continue
@@ -207,9 +214,9 @@ class StepGuard:
                 return StepGuard._all_finite_each(watched, tops, fused)
             if not math.isfinite(sum(values)):  # NaN or inf anywhere (abs values: no inf - inf)
                 return False
-        for grads in fused.values():
+        for group_grads in fused.values():
             # max |g| of every gradient in one launch (NaN propagates), as float32
-            tops.extend(torch._foreach_norm(grads, _INF, dtype=torch.float32))
+            tops.extend(torch._foreach_norm(group_grads, _INF, dtype=torch.float32))
         if not tops:
             return True
         try:
