@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 
 import tensorwatch_otel
 import tensorwatch_otel.core.recorder as watcher_mod
+from tensorwatch_otel.core.weights import WeightTable
 import tensorwatch_otel.core.watcher as watcher_core
 from tensorwatch_otel import (
     AbortAfterBatch,
@@ -29,8 +30,8 @@ from _collect import Collect
 
 
 def count_measured(monkeypatch, into: list) -> None:
-    """Every tensor the recorder measures goes into `into`: through `measure`, or gathered for
-    a frame's one kernel call (HostBatch.add accepting it)."""
+    """Every tensor the recorder measures goes into `into`: through `measure`, gathered for
+    a frame's one kernel call (HostBatch.add accepting it), or read with the weight table."""
     real = watcher_mod.measure
     monkeypatch.setattr(watcher_mod, "measure", lambda t: into.append(t) or real(t))
     real_add = watcher_mod.HostBatch.add
@@ -41,6 +42,15 @@ def count_measured(monkeypatch, into: list) -> None:
             into.append(t)
         return took
     monkeypatch.setattr(watcher_mod.HostBatch, "add", add)
+    real_state = WeightTable.state
+
+    def state(self):  # a read of the weight table measures every row
+        fresh = self._state is None
+        st = real_state(self)
+        if fresh and st is not None:
+            into.extend(self._tensors)
+        return st
+    monkeypatch.setattr(WeightTable, "state", state)
 
 def amm(t):
     """abs min and abs max computed independently of the watcher."""

@@ -22,6 +22,7 @@ from .record import Item, ModuleInfo, Record
 from .cpu_kernel import KERNEL
 from .magnitude import HISTOGRAM_EVERY, measure_counts
 from .stats import HostBatch, measure_host as measure, nonfinite_kind_of
+from .weights import WeightTable, takes
 
 MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded
 MAX_DEPTH = 6
@@ -77,19 +78,34 @@ class FrameRecorder:
         # the rows of a measurement the caches above reuse (core/magnitude.py)
         self.mags_seen: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
         self._fb = _FrameBatch()  # the calling thread's frame in progress
+        # small dense CPU weights: one kernel call per batch for all of them (core/weights.py)
+        self.weights = WeightTable()
+        self._declined: set[int] = set()  # ids of weights that cannot be rows
         self._hist_batch = (-1, False, 0)  # (batch number, histogram batch?, watched batches seen)
 
     def invalidate_weights(self) -> None:
         self.params_seen.clear()
         self.mags_seen.clear()
+        self.weights.invalidate()
+
+    def weights_replaced(self) -> None:
+        """The model's parameters were replaced: the weight table is made again from the frames,
+        and the cache lets the replaced ones go (it held them as keys until its cap)."""
+        self.weights.unknown()
+        self._declined.clear()
+        self.params_seen.clear()
+        self.mags_seen.clear()
 
     def end_batch(self) -> None:
+        self.weights.end_batch()
         self.acts_last, self.acts_seen = self.acts_seen, {}
         self.mags_seen.clear()
         if len(self.params_seen) > self.params_cap:
             self.params_seen.clear()
 
     def clear(self) -> None:
+        self.weights.drop()
+        self._declined.clear()
         self.params_seen.clear()
         self.acts_seen.clear()
         self.acts_last.clear()
@@ -111,6 +127,9 @@ class FrameRecorder:
         if mn is None:
             return kind
         t = self._measured(mn)
+        if t is None:  # a weight read with the weight table (core/weights.py): its module holds it
+            w = rec.frames[fi][0].params.get(stat.name) if 0 <= fi < len(rec.frames) else None
+            t = w if isinstance(w, torch.Tensor) else None
         if t is None:
             return kind
         try:
@@ -228,9 +247,33 @@ class FrameRecorder:
         rec.frames.append((info, items, start))
 
     def params(self, rec: Record, info: ModuleInfo, items: List[Item]) -> None:
+        table = None if rec.targets else self.weights.state()
+        if table is None:  # no kernel (or target_dtypes: counts per weight): one by one
+            for name, p in info.params.items():
+                if p is not None:
+                    self.param(rec, p, name, items)
+            return
+        # this batch's one read of the small CPU weights (core/weights.py): a weight still the
+        # row's tensor at the row's version, address and dtype takes its values from the row
+        rows, vals, versions, ptrs, dtypes = table
+        stats, rec_dtypes = rec.stats, rec.dtypes
         for name, p in info.params.items():
-            if p is not None:
-                self.param(rec, p, name, items)
+            if p is None:
+                continue
+            i = rows.get(id(p))
+            if i is not None:
+                if p._version == versions[i] and p.data_ptr() == ptrs[i] and p.dtype is dtypes[i]:
+                    stats.append(vals[2 * i])
+                    stats.append(vals[2 * i + 1])
+                    rec_dtypes.append(dtypes[i])
+                    items.append(name)
+                    continue
+            elif id(p) not in self._declined:
+                if takes(p):
+                    self.weights.offer(p)  # a row from the next read on
+                else:
+                    self._declined.add(id(p))  # (an id reused later only means the slower path)
+            self.param(rec, p, name, items)
 
     def value(self, rec: Record, v: object, name: str, items: List[Item], depth: int) -> None:
         """Any input/output value: tensors are measured, containers walked, others noted."""

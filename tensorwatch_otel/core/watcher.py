@@ -350,6 +350,7 @@ class Watcher:
             return
         try:
             self._hooks.rescan()
+            self._recorder.weights_replaced()
         except Exception as exc:  # finding them again must not stop training: said once
             self._rescan_failed = True
             log.error("tensorwatch_otel: could not find the model's replaced parameters or modules again "
