@@ -195,3 +195,43 @@ def test_an_inf_and_nan_weight_read_with_the_table_is_inf_nan():
     ev = ei.value.event
     assert (ev.module, ev.tensor, ev.kind) == ("1", "weight", "inf,nan")
     assert math.isnan(ev.frames[-1].tensors[0].abs_max)
+
+
+def test_a_chain_under_inference_mode_from_a_normal_input_is_recorded():
+    """One tensor in, one out: an inference-mode output has no version counter, so the frame is
+    taken the general way (no cache entry), with the same values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    x = torch.randn(2, 4)
+    sink = Collect()
+    with watch(model, sinks=[sink]) as w:
+        for _ in range(3):
+            with torch.inference_mode():
+                model(x)
+    assert w._failed_hooks == 0
+    frames = sink.batches[-1].frames
+    assert [f.module for f in frames] == ["0", "1", "2", "3", ""]
+    with torch.no_grad():
+        h = x
+        for i, lin in enumerate(model):
+            h = lin(h)
+            out = next(t for t in frames[i].tensors if t.name == "output")
+            assert (out.abs_min, out.abs_max) == amm(h)
+
+
+def test_a_model_made_under_inference_mode_is_recorded():
+    """Weights made under inference_mode have no version counter: measured at each call (no
+    cache, no row), never a failed frame."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    x = torch.randn(2, 4)
+    sink = Collect()
+    with watch(model, sinks=[sink]) as w:
+        for k in range(3):
+            with torch.inference_mode():
+                model[1].weight[0, 0] = float(k + 3)
+                model(x)
+            assert weights_of(sink.batches[-1])[("1", "weight")] == amm(model[1].weight)
+    assert w._failed_hooks == 0
+    assert [f.module for f in sink.batches[-1].frames] == ["0", "1", "2", ""]

@@ -19,7 +19,7 @@ import torch
 from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from .record import Item, ModuleInfo, Record
-from .cpu_kernel import KERNEL
+from .cpu_kernel import CODES, KERNEL
 from .magnitude import HISTOGRAM_EVERY, measure_counts
 from .stats import HostBatch, measure_host as measure, nonfinite_kind_of
 from .weights import WeightTable, takes
@@ -27,6 +27,8 @@ from .weights import WeightTable, takes
 MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded
 MAX_DEPTH = 6
 _PLAIN = (torch.nn.Parameter, torch.Tensor)  # data_ptr() is cheap and defined for these
+_TENSOR = torch.Tensor
+_INPUT0 = naming.input_name(0)
 # a tensor's places in Record.stats until its frame's kernel call fills them (_batch_end)
 _UNREAD: Tuple[float, float] = (None, None)  # type: ignore[assignment]  # placeholders, never read
 
@@ -210,6 +212,9 @@ class FrameRecorder:
     def frame(self, rec: Record, info: ModuleInfo, args: Tuple[object, ...], kwargs: Optional[Dict[str, object]],
               output: object) -> None:
         """The full view: parameters, every positional and keyword input, any output value."""
+        if output.__class__ is _TENSOR and len(args) == 1 and not kwargs and not rec.targets \
+                and args[0].__class__ is _TENSOR and self._one_in_one_out(rec, info, args[0], output):
+            return
         marks = (len(rec.stats), len(rec.dtypes), len(rec.frames))
         self._batch_start()
         try:
@@ -218,6 +223,59 @@ class FrameRecorder:
         except BaseException:
             self._abandon(rec, marks)
             raise
+
+    def _one_in_one_out(self, rec: Record, info: ModuleInfo, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """The commonest frame (a module of small CPU weights, one tensor in, one out) taken in a
+        few lines: the same record and caches as `_frame`, when its weights are all rows of this
+        batch's weight-table read, its input is the measured output of an earlier call (unchanged
+        since) and its output is a tensor the kernel reads as it is. False, with nothing written,
+        for any other frame (`_frame` takes it)."""
+        table = self.weights.state()
+        if table is None:
+            return False
+        rows, vals, versions, ptrs, dtypes = table
+        hits: List[Tuple[str, int]] = []
+        for name, p in info.params.items():
+            if p is None:
+                continue
+            i = rows.get(id(p))
+            if i is None or p._version != versions[i] or p.data_ptr() != ptrs[i] or p.dtype is not dtypes[i]:
+                return False
+            hits.append((name, i))
+        seen = self.acts_seen.get(id(x))
+        if seen is None or seen[0]() is not x or seen[1] != x._version or y is x or not y.is_cpu:
+            return False
+        dt = y.dtype
+        if dt not in CODES or y.layout is not torch.strided or not y.is_contiguous() or not y.numel():
+            return False
+        if y.is_inference():  # no version counter: no cache entry (`_frame` measures it)
+            return False
+        out = self.acts_seen.get(id(y))  # (an output passed up unchanged: measured once)
+        r: StatPair
+        if out is not None and out[0]() is y and out[1] == y._version:
+            r, dt = out[2], out[3]
+        else:
+            host = getattr(KERNEL.get(), "host", None)
+            if host is None:
+                return False
+            r = host(y)  # the output as it is at its module's return
+            self.acts_seen[id(y)] = (weakref.ref(y), y._version, r, dt)
+        items: List[Item] = []
+        stats, rec_dtypes = rec.stats, rec.dtypes
+        start = len(rec_dtypes)
+        for name, i in hits:
+            stats.append(vals[2 * i])
+            stats.append(vals[2 * i + 1])
+            rec_dtypes.append(dtypes[i])
+            items.append(name)
+        stats += seen[2]
+        rec_dtypes.append(seen[3])
+        stats += r
+        rec_dtypes.append(dt)
+        items.append(_INPUT0)
+        items.append("output")
+        rec.frames.append((info, items, start))
+        return True
 
     def _abandon(self, rec: Record, marks: Tuple[int, int, int]) -> None:
         """A frame that could not be taken leaves nothing in the record (no unread places)."""
@@ -305,6 +363,8 @@ class FrameRecorder:
     def param(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> None:
         # A weight is reused while nothing wrote it: the cache is dropped at every optimizer
         # step, and the key holds version, storage and dtype (`.half()`, `.to()`, `.data =`).
+        if p.is_inference():  # made under inference_mode: no version to cache it by
+            return self._uncached(rec, p, name, items)
         if rec.targets:
             return self._param_magnitude(rec, p, name, items)
         seen = self.params_seen.get(p)
@@ -331,6 +391,19 @@ class FrameRecorder:
         rec.dtypes.append(p.dtype)
         items.append(name)
 
+    def _uncached(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> None:
+        """A weight measured as it is, with no cache entry."""
+        if rec.targets:
+            self._measure(rec, p, name, items)
+            return
+        r = measure(p)
+        if r.__class__ is str:
+            items.append((name, r))
+            return
+        rec.stats += r  # type: ignore[arg-type]  # a pair
+        rec.dtypes.append(p.dtype)
+        items.append(name)
+
     def tensor(self, rec: Record, t: torch.Tensor, name: str, items: List[Item]) -> None:
         # The weak reference guards against id() reuse after a tensor is freed.
         if rec.targets:
@@ -343,7 +416,7 @@ class FrameRecorder:
             items.append(name)
             return
         fb = self._fb
-        if fb.on:
+        if fb.on and not t.is_inference():  # (an inference tensor has no version: measured alone)
             version = t._version
             twin = fb.acts.get(key)  # gathered already in this frame, unchanged since
             if twin is not None and twin[1] is t and twin[2] == version:

@@ -43,9 +43,9 @@ TableState = Tuple[Dict[int, int], "array.array[float]", List[int], List[int], L
 
 def takes(p: torch.Tensor) -> bool:
     """Whether `p` can be a row: a plain dense contiguous CPU tensor of a dtype the kernel reads,
-    1..SMALL elements."""
+    1..SMALL elements, with a version counter (not made under inference_mode)."""
     return p.__class__ in _PLAIN and p.is_cpu and p.layout is torch.strided and p.dtype in CODES \
-        and p.is_contiguous() and 0 < p.numel() <= SMALL
+        and p.is_contiguous() and 0 < p.numel() <= SMALL and not p.is_inference()
 
 
 class WeightTable:
