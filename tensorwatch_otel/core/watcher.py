@@ -12,12 +12,13 @@ thread's batch starts. The sinks are given to it (the port in core/ports.py): th
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import weakref
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -254,8 +255,11 @@ class Watcher:
     # ---------------------------------------------------------------- hot path
     def _make_hook(self, info: ModuleInfo, slot: int = 0) -> _PostHook:
         """`slot`: the hook's op slot (core/compiled.py), called in its place while dynamo traces."""
-        record = self.behaviour.record
         recorder = self._recorder
+        # the default behaviour records with the recorder's own frame(): one call less per frame
+        take: Callable[[Record, ModuleInfo, Tuple[Any, ...], Dict[str, Any], Any], None] = \
+            recorder.frame if type(self.behaviour).record is Behaviour.record \
+            else functools.partial(self.behaviour.record, recorder)
         tls = self._tls
         graph_task = torch._C._current_graph_task_id
         compiling = torch.compiler.is_compiling
@@ -283,7 +287,7 @@ class Watcher:
                         grad = grad_enabled()
                         set_grad(False)  # (torch.no_grad() without its three Python calls)
                         try:
-                            record(recorder, rec, info, args, kwargs, output)
+                            take(rec, info, args, kwargs, output)
                         finally:
                             set_grad(grad)
                         if grad and self._grad_acts:
