@@ -235,3 +235,42 @@ def test_a_model_made_under_inference_mode_is_recorded():
             assert weights_of(sink.batches[-1])[("1", "weight")] == amm(model[1].weight)
     assert w._failed_hooks == 0
     assert [f.module for f in sink.batches[-1].frames] == ["0", "1", "2", ""]
+
+
+class FreesItsWeight(nn.Module):
+    """As FSDP does with an unsharded weight: the storage is allocated and filled before the
+    module runs and freed (resized to 0 bytes) after the batch; the tensor object stays."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.full = self.lin.weight.detach().clone()
+
+    def refill(self, value):
+        w = self.lin.weight
+        with torch.no_grad():
+            w.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+            w.copy_(torch.full_like(self.full, value))
+
+    def free(self):
+        self.lin.weight.untyped_storage().resize_(0)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_weight_whose_storage_is_freed_between_batches_is_never_read_freed():
+    """The table's read comes at a batch's first frame, before later modules refill their
+    weights: a freed one must not be read there (a crash), and each frame shows its value."""
+    torch.manual_seed(0)
+    late = FreesItsWeight()
+    model = nn.Sequential(nn.Linear(4, 4), late)
+    late.register_forward_pre_hook(lambda m, a: m.refill(float(len(sink.batches) + 2)))
+    sink = Collect()
+    x = torch.randn(2, 4)
+    with watch(model, sinks=[sink]) as w, torch.no_grad():
+        for k in range(4):
+            model(x)
+            assert weights_of(sink.batches[-1])[("1.lin", "weight")] == (k + 2.0, k + 2.0)
+            late.free()
+    assert w._failed_hooks == 0

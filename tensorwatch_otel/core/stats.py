@@ -373,7 +373,7 @@ def _abs_minmax_torch_cpu(v: torch.Tensor) -> Pair:
     return torch.minimum(mn.view(dt), mx), mx  # and in abs min too (minimum propagates NaN)
 
 
-def _storage_freed(t: torch.Tensor) -> bool:
+def storage_freed(t: torch.Tensor) -> bool:
     """A plain tensor whose storage no longer holds its elements: FSDP2 frees an unsharded
     parameter's storage after its module ran, and reading it then would crash the process."""
     if type(t) not in _PLAIN or t.is_meta or t.layout is not torch.strided or t.numel() == 0:
@@ -389,7 +389,7 @@ def nonfinite_kind_of(t: torch.Tensor) -> Optional[str]:
     """'inf', 'nan', 'inf,nan' or '' for what `t` holds, read now in one transfer (for a
     detection only, never in the hot path); None when its values cannot be read. The abs
     min/max say NaN for a tensor holding NaN whether or not it also holds an infinity."""
-    if _storage_freed(t):
+    if storage_freed(t):
         return None
     v = _values(t)
     if isinstance(v, str):

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .cpu_kernel import CODES, KERNEL
+from .stats import storage_freed
 
 SMALL = 1 << 16  # elements of the largest row
 ELEMENTS = 1 << 22  # elements of all rows together
@@ -43,9 +44,11 @@ TableState = Tuple[Dict[int, int], "array.array[float]", List[int], List[int], L
 
 def takes(p: torch.Tensor) -> bool:
     """Whether `p` can be a row: a plain dense contiguous CPU tensor of a dtype the kernel reads,
-    1..SMALL elements, with a version counter (not made under inference_mode)."""
+    1..SMALL elements, with a version counter (not made under inference_mode), whose storage
+    holds its elements (FSDP frees an unsharded weight's storage between its uses: its address
+    then changes, the read before the kernel's sees it, and the row goes)."""
     return p.__class__ in _PLAIN and p.is_cpu and p.layout is torch.strided and p.dtype in CODES \
-        and p.is_contiguous() and 0 < p.numel() <= SMALL and not p.is_inference()
+        and p.is_contiguous() and 0 < p.numel() <= SMALL and not p.is_inference() and not storage_freed(p)
 
 
 class WeightTable:
