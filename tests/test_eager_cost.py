@@ -158,12 +158,13 @@ def test_a_frame_the_kernel_fails_on_leaves_no_unread_places(kernel, monkeypatch
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
 
-    def broken(self):
+    def broken(*_):
         raise RuntimeError("kernel says no")
 
     sink = Collect()
     with watch(model, sinks=[sink]) as w:
-        monkeypatch.setattr(HostBatch, "measure", broken)
+        monkeypatch.setattr(HostBatch, "measure", broken)  # a frame's many tensors
+        monkeypatch.setattr(kernel, "host", broken)  # one tensor (the one-in-one-out frames)
         model(torch.randn(2, 4))
         monkeypatch.undo()
         model(torch.randn(2, 4))

@@ -274,3 +274,38 @@ def test_a_weight_whose_storage_is_freed_between_batches_is_never_read_freed():
             assert weights_of(sink.batches[-1])[("1.lin", "weight")] == (k + 2.0, k + 2.0)
             late.free()
     assert w._failed_hooks == 0
+
+
+class Residual(nn.Module):
+    """A norm whose input is a sum made in the forward (no module's output), then changed in
+    place after the norm returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.seen = {}
+
+    def forward(self, x):
+        h = x + self.lin(x)
+        self.seen["h"] = amm(h)
+        y = self.norm(h)
+        self.seen["y"] = amm(y)
+        h.mul_(1000.0)  # after the norm returned: its frame keeps h as it was
+        y.mul_(1000.0)
+        return h.sum() + y.sum()
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_a_module_fed_by_the_forward_itself_shows_its_input_and_output_as_at_its_call(grad):
+    torch.manual_seed(0)
+    model = Residual()
+    sink = Collect()
+    with watch(model, sinks=[sink]) as w, torch.set_grad_enabled(grad):
+        for _ in range(3):
+            model(torch.randn(2, 4))
+            frames = {f.module: {t.name: (t.abs_min, t.abs_max) for t in f.tensors} for f in sink.batches[-1].frames}
+            assert frames["norm"]["input[0]"] == model.seen["h"]
+            assert frames["norm"]["output"] == model.seen["y"]
+            assert frames["norm"]["weight"] == amm(model.norm.weight)
+    assert w._failed_hooks == 0

@@ -28,7 +28,15 @@ MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded
 MAX_DEPTH = 6
 _PLAIN = (torch.nn.Parameter, torch.Tensor)  # data_ptr() is cheap and defined for these
 _TENSOR = torch.Tensor
+_STRIDED = torch.strided
 _INPUT0 = naming.input_name(0)
+
+
+def _host_readable(t: torch.Tensor) -> bool:
+    """A tensor (`torch.Tensor` itself) the CPU kernel reads as it is and the caches can key by
+    version: dense, contiguous, non-empty, on the CPU, of a float dtype, not an inference tensor."""
+    return t.is_cpu and t.dtype in CODES and t.layout is torch.strided and t.is_contiguous() \
+        and t.numel() > 0 and not t.is_inference()
 # a tensor's places in Record.stats until its frame's kernel call fills them (_batch_end)
 _UNREAD: Tuple[float, float] = (None, None)  # type: ignore[assignment]  # placeholders, never read
 
@@ -227,9 +235,18 @@ class FrameRecorder:
     def _one_in_one_out(self, rec: Record, info: ModuleInfo, x: torch.Tensor, y: torch.Tensor) -> bool:
         """The commonest frame (a module of small CPU weights, one tensor in, one out) taken in a
         few lines: the same record and caches as `_frame`, when its weights are all rows of this
-        batch's weight-table read, its input is the measured output of an earlier call (unchanged
-        since) and its output is a tensor the kernel reads as it is. False, with nothing written,
+        batch's weight-table read and its input and output are tensors the kernel reads as they
+        are (each measured here unless measured earlier in the batch and unchanged since: an
+        output passed on as the next module's input is read once). False, with nothing written,
         for any other frame (`_frame` takes it)."""
+        if y is x or not (y.is_cpu and y.dtype in CODES and y.layout is _STRIDED and y.is_contiguous()
+                          and y.numel() and not y.is_inference()):
+            return False
+        acts_seen = self.acts_seen
+        seen = acts_seen.get(id(x))
+        # (a cached x is the live tensor of that entry: it has a version counter)
+        if (seen is None or seen[0]() is not x or seen[1] != x._version) and not _host_readable(x):
+            return False
         table = self.weights.state()
         if table is None:
             return False
@@ -242,24 +259,14 @@ class FrameRecorder:
             if i is None or p._version != versions[i] or p.data_ptr() != ptrs[i] or p.dtype is not dtypes[i]:
                 return False
             hits.append((name, i))
-        seen = self.acts_seen.get(id(x))
-        if seen is None or seen[0]() is not x or seen[1] != x._version or y is x or not y.is_cpu:
+        host = getattr(KERNEL.get(), "host", None)
+        if host is None:
             return False
-        dt = y.dtype
-        if dt not in CODES or y.layout is not torch.strided or not y.is_contiguous() or not y.numel():
-            return False
-        if y.is_inference():  # no version counter: no cache entry (`_frame` measures it)
-            return False
-        out = self.acts_seen.get(id(y))  # (an output passed up unchanged: measured once)
-        r: StatPair
-        if out is not None and out[0]() is y and out[1] == y._version:
-            r, dt = out[2], out[3]
-        else:
-            host = getattr(KERNEL.get(), "host", None)
-            if host is None:
-                return False
-            r = host(y)  # the output as it is at its module's return
-            self.acts_seen[id(y)] = (weakref.ref(y), y._version, r, dt)
+        if seen is None or seen[0]() is not x or seen[1] != x._version:
+            seen = acts_seen[id(x)] = (weakref.ref(x), x._version, host(x), x.dtype)
+        out = acts_seen.get(id(y))  # (an output passed up unchanged: measured once)
+        if out is None or out[0]() is not y or out[1] != y._version:
+            out = acts_seen[id(y)] = (weakref.ref(y), y._version, host(y), y.dtype)  # as at its return
         items: List[Item] = []
         stats, rec_dtypes = rec.stats, rec.dtypes
         start = len(rec_dtypes)
@@ -270,8 +277,8 @@ class FrameRecorder:
             items.append(name)
         stats += seen[2]
         rec_dtypes.append(seen[3])
-        stats += r
-        rec_dtypes.append(dt)
+        stats += out[2]
+        rec_dtypes.append(out[3])
         items.append(_INPUT0)
         items.append("output")
         rec.frames.append((info, items, start))
