@@ -239,6 +239,18 @@ class FrameRecorder:
         are (each measured here unless measured earlier in the batch and unchanged since: an
         output passed on as the next module's input is read once). False, with nothing written,
         for any other frame (`_frame` takes it)."""
+        table = self.weights.state()
+        if table is None:
+            return False
+        rows, vals, versions, ptrs, dtypes = table
+        hits: List[Tuple[str, int]] = []
+        for name, p in info.params.items():  # first: a module of large weights leaves at once
+            if p is None:
+                continue
+            i = rows.get(id(p))
+            if i is None or p._version != versions[i] or p.data_ptr() != ptrs[i] or p.dtype is not dtypes[i]:
+                return False
+            hits.append((name, i))
         if y is x or not (y.is_cpu and y.dtype in CODES and y.layout is _STRIDED and y.is_contiguous()
                           and y.numel() and not y.is_inference()):
             return False
@@ -247,18 +259,6 @@ class FrameRecorder:
         # (a cached x is the live tensor of that entry: it has a version counter)
         if (seen is None or seen[0]() is not x or seen[1] != x._version) and not _host_readable(x):
             return False
-        table = self.weights.state()
-        if table is None:
-            return False
-        rows, vals, versions, ptrs, dtypes = table
-        hits: List[Tuple[str, int]] = []
-        for name, p in info.params.items():
-            if p is None:
-                continue
-            i = rows.get(id(p))
-            if i is None or p._version != versions[i] or p.data_ptr() != ptrs[i] or p.dtype is not dtypes[i]:
-                return False
-            hits.append((name, i))
         host = getattr(KERNEL.get(), "host", None)
         if host is None:
             return False
