@@ -45,30 +45,25 @@ _PARALLEL_MIN = 1 << 16  # elements below which waking a second thread costs mor
 _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
+/* the extremes of x[0..n) as sign-cleared bit patterns, into lo and hi */
+#define TW_EXTREMES(T, MASK)                                                              \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+        T m = x[i] & MASK;                                                                \
+        lo = m < lo ? m : lo;                                                             \
+        hi = m > hi ? m : hi;                                                             \
+    }
+/* on one thread the loop runs outside OpenMP: a parallel region, even one its if() clause
+   turns off, costs about half a microsecond, which a small tensor's read does not */
 #define KERNEL(NAME, T, MASK, INF)                                                        \
 void NAME(const T* x, int64_t n, T* out, int nt) {                                        \
     T lo = (T)~(T)0, hi = 0;                                                              \
-    _Pragma("omp parallel for reduction(min:lo) reduction(max:hi) num_threads(nt) if(nt > 1)") \
-    for (int64_t i = 0; i < n; i++) {                                                     \
-        T m = x[i] & MASK;                                                                \
-        lo = m < lo ? m : lo;                                                             \
-        hi = m > hi ? m : hi;                                                             \
+    if (nt > 1) {                                                                         \
+        _Pragma("omp parallel for reduction(min:lo) reduction(max:hi) num_threads(nt)")   \
+        TW_EXTREMES(T, MASK)                                                              \
+    } else {                                                                              \
+        TW_EXTREMES(T, MASK)                                                              \
     }                                                                                     \
     if (hi > INF) lo = hi; /* NaN anywhere: NaN in both */                                \
-    out[0] = lo;                                                                          \
-    out[1] = hi;                                                                          \
-}                                                                                         \
-/* the same on one thread, outside OpenMP: a parallel region, even one its if() clause     \
-   turns off, costs about half a microsecond, which a small tensor's read does not */     \
-static void NAME##_1(const T* x, int64_t n, T* out, int nt) {                             \
-    (void)nt;                                                                             \
-    T lo = (T)~(T)0, hi = 0;                                                              \
-    for (int64_t i = 0; i < n; i++) {                                                     \
-        T m = x[i] & MASK;                                                                \
-        lo = m < lo ? m : lo;                                                             \
-        hi = m > hi ? m : hi;                                                             \
-    }                                                                                     \
-    if (hi > INF) lo = hi;                                                                \
     out[0] = lo;                                                                          \
     out[1] = hi;                                                                          \
 }
@@ -146,8 +141,7 @@ static double d_f16(uint16_t b) {
 }
 /* one dtype's branch: the kernel's two patterns into out[2i], out[2i + 1] as doubles */
 #define TW_MANY_CASE(LABEL, T, KERNEL_FN, DEC) \
-    LABEL: { T r[2]; if (t > 1) KERNEL_FN(ptrs[i], n, r, t); else KERNEL_FN##_1(ptrs[i], n, r, 1); \
-             out[2*i] = DEC(r[0]); out[2*i+1] = DEC(r[1]); break; }
+    LABEL: { T r[2]; KERNEL_FN(ptrs[i], n, r, t); out[2*i] = DEC(r[0]); out[2*i+1] = DEC(r[1]); break; }
 void tw_abs_minmax_many(const void* const* ptrs, const int64_t* ns, const int8_t* codes, int64_t k,
                         double* out, int nt, int64_t parallel_min) {
     for (int64_t i = 0; i < k; i++) {
