@@ -274,6 +274,14 @@ class HostBatch:
         del self.ptrs[:], self.ns[:], self.codes[:]
 
 
+def host_readable(t: torch.Tensor) -> bool:
+    """A tensor the CPU kernel reads as it is and the caches can key by version: dense,
+    contiguous, non-empty, on the CPU, of a float dtype the kernel reads, not an inference
+    tensor (no version counter). The caller checks its class (a plain tensor)."""
+    return t.is_cpu and t.dtype in _CODES and t.layout is _STRIDED and t.is_contiguous() \
+        and t.numel() > 0 and not t.is_inference()
+
+
 def measure_host(t: torch.Tensor) -> Union[Pair, Tuple[float, float], str]:
     """`measure(t)`, except that a dense CPU float tensor read by the compiled kernel gives its
     two values as Python floats (on the host already: no 0-d tensors to make, stack and copy

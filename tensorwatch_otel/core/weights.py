@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .cpu_kernel import CODES, KERNEL
-from .stats import storage_freed
+from .stats import host_readable, storage_freed
 
 SMALL = 1 << 16  # elements of the largest row
 ELEMENTS = 1 << 22  # elements of all rows together
@@ -47,8 +47,7 @@ def takes(p: torch.Tensor) -> bool:
     1..SMALL elements, with a version counter (not made under inference_mode), whose storage
     holds its elements (FSDP frees an unsharded weight's storage between its uses: its address
     then changes, the read before the kernel's sees it, and the row goes)."""
-    return p.__class__ in _PLAIN and p.is_cpu and p.layout is torch.strided and p.dtype in CODES \
-        and p.is_contiguous() and 0 < p.numel() <= SMALL and not p.is_inference() and not storage_freed(p)
+    return p.__class__ in _PLAIN and host_readable(p) and p.numel() <= SMALL and not storage_freed(p)
 
 
 class WeightTable:
