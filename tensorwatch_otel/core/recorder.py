@@ -321,7 +321,7 @@ class FrameRecorder:
         for name, p in info.params.items():
             if p is None:
                 continue
-            i = rows.get(id(p))
+            i = rows.get(id(p))  # (the row rule: the same test as in _one_in_one_out)
             if i is not None:
                 if p._version == versions[i] and p.data_ptr() == ptrs[i] and p.dtype is dtypes[i]:
                     stats.append(vals[2 * i])
@@ -367,7 +367,8 @@ class FrameRecorder:
         # A weight is reused while nothing wrote it: the cache is dropped at every optimizer
         # step, and the key holds version, storage and dtype (`.half()`, `.to()`, `.data =`).
         if p.is_inference():  # made under inference_mode: no version to cache it by
-            return self._uncached(rec, p, name, items)
+            self._uncached(rec, p, name, items)
+            return
         if rec.targets:
             return self._param_magnitude(rec, p, name, items)
         seen = self.params_seen.get(p)
@@ -385,27 +386,22 @@ class FrameRecorder:
             rec.dtypes.append(p.dtype)
             items.append(name)
             return
-        r = measure(p)
-        if r.__class__ is str:
-            items.append((name, r))
-            return
-        self.params_seen[p] = (version, ptr, p.dtype, r)  # type: ignore[assignment]  # r: not a str (above)
-        rec.stats += r  # type: ignore[arg-type]  # a pair
-        rec.dtypes.append(p.dtype)
-        items.append(name)
+        r = self._uncached(rec, p, name, items)
+        if r is not None:
+            self.params_seen[p] = (version, ptr, p.dtype, r)
 
-    def _uncached(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> None:
-        """A weight measured as it is, with no cache entry."""
+    def _uncached(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> Optional[StatPair]:
+        """A weight measured as it is into the record; its pair (None: a note) for a cache."""
         if rec.targets:
-            self._measure(rec, p, name, items)
-            return
+            return self._measure(rec, p, name, items)
         r = measure(p)
         if r.__class__ is str:
-            items.append((name, r))
-            return
+            items.append((name, r))  # a note
+            return None
         rec.stats += r  # type: ignore[arg-type]  # a pair
         rec.dtypes.append(p.dtype)
         items.append(name)
+        return r  # type: ignore[return-value]  # a pair (not a str: returned above)
 
     def tensor(self, rec: Record, t: torch.Tensor, name: str, items: List[Item]) -> None:
         # The weak reference guards against id() reuse after a tensor is freed.
