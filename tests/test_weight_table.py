@@ -309,3 +309,24 @@ def test_a_module_fed_by_the_forward_itself_shows_its_input_and_output_as_at_its
             assert frames["norm"]["output"] == model.seen["y"]
             assert frames["norm"]["weight"] == amm(model.norm.weight)
     assert w._failed_hooks == 0
+
+
+def test_weights_beyond_the_table_s_room_are_measured_at_their_call_and_not_offered_again(monkeypatch):
+    """Past ELEMENTS a weight stays off the table for good: its frames measure it at the call
+    (the values right) without asking again every batch whether it could be a row."""
+    from tensorwatch_otel.core import recorder, weights
+
+    monkeypatch.setattr(weights, "ELEMENTS", 40)  # room for two Linear(4, 4) (20 elements each)
+    asked = []
+    real = recorder.takes
+    monkeypatch.setattr(recorder, "takes", lambda p: asked.append(p) or real(p))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    sink = Collect()
+    with watch(model, sinks=[sink]), torch.no_grad():
+        for k in range(5):
+            asked.clear()
+            model[5].weight[0, 0] = float(k + 3)
+            model(torch.randn(2, 4))
+            assert weights_of(sink.batches[-1])[("5", "weight")] == amm(model[5].weight)
+    assert asked == []  # the last batch asked nothing

@@ -329,11 +329,8 @@ class FrameRecorder:
                     rec_dtypes.append(dtypes[i])
                     items.append(name)
                     continue
-            elif id(p) not in self._declined:
-                if takes(p):
-                    self.weights.offer(p)  # a row from the next read on
-                else:
-                    self._declined.add(id(p))  # (an id reused later only means the slower path)
+            elif id(p) not in self._declined and not (takes(p) and self.weights.offer(p)):  # a row next read
+                self._declined.add(id(p))  # not one, ever (an id reused later only means the slower path)
             self.param(rec, p, name, items)
 
     def value(self, rec: Record, v: object, name: str, items: List[Item], depth: int) -> None:

@@ -67,10 +67,14 @@ class WeightTable:
         self._state: Optional[TableState] = None
         self._stale = False
 
-    def offer(self, p: torch.Tensor) -> None:
-        """`p` (for which `takes(p)`) becomes a row at the next read."""
+    def offer(self, p: torch.Tensor) -> bool:
+        """`p` (for which `takes(p)`) becomes a row at the next read; False when the rows are
+        full (ELEMENTS): `p` stays off the table."""
+        if self._elements + p.numel() > ELEMENTS:
+            return False
         if id(p) not in self._ids and len(self._offered) < 4096:
             self._offered[id(p)] = p
+        return True
 
     def unknown(self) -> None:
         """A framed module holds a weight the table does not: rebuild it at the next read."""
