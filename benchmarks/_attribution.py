@@ -57,7 +57,7 @@ class HookClock:
 
     @contextlib.contextmanager
     def patched(self) -> Iterator["HookClock"]:
-        from tensorwatch_otel.core import steps
+        from tensorwatch_otel.core import quiet, steps
 
         wrap = self.wrap
         saved = []
@@ -74,6 +74,7 @@ class HookClock:
         patch(torch.Tensor, "register_post_accumulate_grad_hook",
               lambda orig: lambda self, hook: orig(self, wrap(hook)))
         patch(torch.Tensor, "register_hook", lambda orig: lambda self, hook: orig(self, wrap(hook)))
+        patch(quiet, "register_module_forward_pre_hook", lambda orig: lambda hook: orig(wrap(hook)))  # the sentry
         patch(steps, "register_optimizer_step_pre_hook", lambda orig: lambda hook: orig(wrap(hook)))
         patch(steps, "register_optimizer_step_post_hook", lambda orig: lambda hook: orig(wrap(hook)))
         try:

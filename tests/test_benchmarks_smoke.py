@@ -72,7 +72,10 @@ def test_bench_paired_quick(tmp_path):
     assert set(a) == {"watch", "sampled", "gradients", "optimizer_state", "prometheus"}
     for name, r in a.items():
         assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"] and r["ratio_min"] > 1.0, (name, r)
-        assert r["module_calls"] == a["watch"]["module_calls"] > 10
+        if name == "sampled":  # an unsampled step: only the root's hooks run (core/quiet.py)
+            assert r["module_calls"] == 1, r
+        else:
+            assert r["module_calls"] == a["watch"]["module_calls"] > 10
     assert a["sampled"]["hook_ms_median"] < a["watch"]["hook_ms_median"] < a["gradients"]["hook_ms_median"]
     assert "attributed" in stdout and "; attributed " in stdout
     for r in v.values():  # one round: the interval of the median is that round's ratio

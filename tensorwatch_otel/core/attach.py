@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import compiled, naming
 from .config import WatchConfig
+from .quiet import Places, QuietBatches
 from .record import ModuleInfo
 from .steps import StepTracker
 
@@ -155,13 +156,15 @@ class ParamIndex:
 
 
 class _Hooked:
-    """A module with hooks, their handles, and its frame info."""
+    """A module with hooks, their handles, its frame info, and (not the root) where its forward
+    pre-hook and hook sit: (hook dict, key) each, what an unsampled batch takes off."""
 
-    __slots__ = ("info", "handles")
+    __slots__ = ("info", "handles", "places")
 
     def __init__(self, info: ModuleInfo):
         self.info = info
         self.handles: List[Any] = []
+        self.places: Places = []
 
 
 _Handle = Any  # a RemovableHandle or a compiled.SlotHandle: has .remove()
@@ -207,6 +210,7 @@ class HookSet:
         self._step_hooks: Optional[StepTracker] = None
         self._compiled = False
         self._said_params_replaced = False
+        self._quiet = QuietBatches(model)
 
     @property
     def index(self) -> ParamIndex:
@@ -217,6 +221,11 @@ class HookSet:
     def compiled(self) -> bool:
         """The model holds a torch.compile'd module (an OptimizedModule) under a wrapper."""
         return self._compiled
+
+    @property
+    def quiet(self) -> QuietBatches:
+        """The hooks an unsampled batch takes off (core/quiet.py)."""
+        return self._quiet
 
     @property
     def hooked(self) -> int:
@@ -234,12 +243,15 @@ class HookSet:
         if inner is not self._model:
             self._compiled = any(type(m).__name__ == "OptimizedModule" for m in self._model.modules())
         compiled.hook_guards()  # before any graph sees the hooks
+        if self._compiled:
+            self._quiet.turn_off("the model runs compiled")
         self.rescan(first=True)
         self._step_hooks = StepTracker(self._index, self._params_current, self._before_step, self._after_step)
         self._handles.extend(self._step_hooks.handles)
 
     def remove(self) -> None:
         """Every hook placed, removed. Idempotent."""
+        self._quiet.put_back()
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
@@ -248,6 +260,7 @@ class HookSet:
         """Walk the model as it is now: hooks on modules not hooked yet (all of them at watch()),
         gradient hooks moved to the parameters the modules hold now, hooks of modules no longer
         in the model removed, and the ParamIndex told."""
+        self._quiet.put_back()  # (a batch that took them off goes on with the hooks on)
         cfg = self._config
         root = self._model
         inner = naming.unwrap_root(root)
@@ -315,6 +328,7 @@ class HookSet:
             for handle in hooked.pop(module).handles:
                 handle.remove()  # swapped out of the model: calling it is no batch of ours
         self._param_hooks = param_hooks
+        self._quiet.set_places([(m, h.places) for m, h in self._hooked.items() if h.places])
         changed = self._index.replace(owners, params, slots)
         if first:
             return
@@ -338,9 +352,11 @@ class HookSet:
         slot = compiled.new_slot(self._slot_owner, module, self._pre_hook)
         hook = self._make_hook(info, slot)
         compiled.set_post(slot, hook)
-        h.handles.append(module.register_forward_pre_hook(compiled.pre_hook(slot, self._pre_hook, is_root)))
-        h.handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
-        h.handles.append(compiled.SlotHandle(slot))
+        pre = module.register_forward_pre_hook(compiled.pre_hook(slot, self._pre_hook, is_root))
+        post = module.register_forward_hook(hook, with_kwargs=True, always_call=True)
+        h.handles += [pre, post, compiled.SlotHandle(slot)]
+        if not is_root:
+            h.places = [(module._forward_pre_hooks, pre.id), (module._forward_hooks, post.id)]
         self._handles.extend(h.handles)
 
     def say_if_compiled(self) -> None:

@@ -178,8 +178,19 @@ def _unwind(stack: List[_Slot], lo: int) -> None:
             _op_failed(exc)
 
 
+class _Ran:
+    """`.calls`: pre ops run so far (graphs holding a watcher's hooks). Where it moved since a
+    watcher began, no unsampled batch of it takes hooks off (core/quiet.py)."""
+
+    calls = 0
+
+
+ran = _Ran()
+
+
 @torch.library.custom_op("tensorwatch::pre", mutates_args=("token",))
 def _pre_op(token: torch.Tensor, slot: int) -> None:
+    ran.calls += 1  # (before the hook: the root's, on an unsampled batch, would take hooks off)
     stack = _open.stack
     try:
         for s in _live(slot):

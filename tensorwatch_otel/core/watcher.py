@@ -55,12 +55,14 @@ class _BatchState:
     blocks hold it open, the frames already checked, the root's inputs waiting for a number,
     and the thread's finished records a detection ring reaches back into."""
 
-    __slots__ = ("depth", "rec", "active", "held", "checked", "inputs", "history")
+    __slots__ = ("depth", "rec", "active", "quiet", "entry", "held", "checked", "inputs", "history")
 
     def __init__(self, max_frames: int) -> None:
         self.depth = 0
         self.rec: Optional[Record] = None
         self.active = False
+        self.quiet = False  # an unsampled batch: the hooks of the modules it calls are off (core/quiet.py)
+        self.entry: Optional[torch.nn.Module] = None  # while quiet: the outermost call's module
         self.held = 0
         self.checked = 0
         self.inputs: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None
@@ -109,6 +111,7 @@ class Watcher:
         self.config = config
         self.behaviour = behaviour or Behaviour()
         self._batches = 0  # batches begun, by every thread: the next batch's number
+        self._thread = 0  # the thread that began the last batch (a second one turns quiet batches off)
         self._fanout = SinkFanout(sinks, strict=config.strict)
         self._owned = list(owned_sinks)
         self._lock = threading.Lock()
@@ -279,6 +282,8 @@ class Watcher:
             if not st.active and st.depth > 1:  # an inner call of an unsampled batch: nothing to do
                 st.depth -= 1
                 return
+            if st.quiet and module is not st.entry:  # a hook still on in a quiet batch: its pre-hook did not count
+                return
             outside_backward = graph_task() == -1  # inside: checkpoint recomputation, not a batch
             try:
                 if st.active and info.recorded and outside_backward:
@@ -313,10 +318,12 @@ class Watcher:
             return
         st = self._tls.st
         if st.depth == 0:
-            self._outermost_call(st)
+            self._outermost_call(st, module)
+        elif st.quiet:
+            return  # a hook still on inside a quiet batch (beside other hooks, or put back): not counted
         st.depth += 1
 
-    def _outermost_call(self, st: _BatchState) -> None:
+    def _outermost_call(self, st: _BatchState, module: Optional[torch.nn.Module]) -> None:
         """An outermost watched call of this thread starts; it begins a batch unless one is open
         (a `batch()` block) or it runs inside a backward (checkpoint recomputation)."""
         self._params_current()  # replaced parameters get their gradient hooks before the backward
@@ -337,9 +344,21 @@ class Watcher:
             with self._lock:  # one counter for every thread
                 b = self._batches
                 self._batches = b + 1
+                thread = threading.get_ident()
+                if self._thread != thread:
+                    if self._thread:
+                        self._hooks.quiet.turn_off("a second thread calls the model")
+                    self._thread = thread
             st.rec = Record(b, targets=self.config.target_dtypes)
             st.active = self._attached and self._watches(b)
             st.checked = 0
+        quiet = self._hooks.quiet
+        if begins and not st.active:
+            st.quiet = quiet.take_off(module)  # an unsampled batch: the modules it calls run without hooks
+        elif quiet.off and not st.quiet:
+            quiet.put_back()  # a recorded batch, or a call outside a batch (a recomputation): every hook on
+        if st.quiet:
+            st.entry = module  # this outermost call's hooks are on: its forward hook ends it
         if st.inputs is not None:
             args, kwargs = st.inputs
             st.inputs = None
@@ -413,6 +432,10 @@ class Watcher:
 
     def _end_batch(self, st: _BatchState) -> None:
         rec: Record = st.rec  # type: ignore[assignment]  # not None: callers check it
+        if st.quiet:
+            st.quiet = False
+            st.entry = None
+            self._hooks.quiet.rest()  # off until a recorded batch, or a call the sentry sees
         st.rec = None
         st.active = False
         st.checked = 0
