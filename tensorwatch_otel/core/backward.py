@@ -50,25 +50,19 @@ class BackwardRecorder:
     def _frame(self, info: ModuleInfo, name: str, g: torch.Tensor, owner: Optional[torch.Tensor]) -> None:
         rec = self._record()
         items: List[Union[str, Tuple[str, str]]] = []
-        start = len(rec.dtypes)
+        first = rec.first_free()
         seen = self._seen.get(id(g))
         if seen is not None and seen[0]() is g:
-            rec.stats += seen[1]
-            rec.dtypes.append(seen[2])
-            items.append(name)
+            rec.add(items, name, seen[1], seen[2])
         else:
             r = measure(g)
-            if type(r) is str:
-                items.append((name, r))
-            else:  # a Pair (no isinstance narrowing on this path: it runs per gradient)
-                rec.stats += r  # type: ignore[arg-type]
-                rec.dtypes.append(g.dtype)
-                items.append(name)
+            rec.add(items, name, r, g.dtype)
+            if type(r) is not str:  # a Pair (no isinstance narrowing on this path: it runs per gradient)
                 try:
                     self._seen[id(g)] = (weakref.ref(g), r, g.dtype)  # type: ignore[assignment]
                 except TypeError:
                     pass
-        rec.frames.append((info, items, start))
+        rec.add_frame(info, items, first)
         self._owners.append(owner)
         self._gids.append(id(g))
 
@@ -126,13 +120,14 @@ def producer_frame(rec: Record, fi: int, gids: List[int]) -> int:
     """The frame that names who made the gradient of frame `fi`: a gradient seen first as
     module A's `output.grad` is the same tensor as its consumer B's `input[i].grad`, and it was
     B's backward that produced it."""
-    info, items, _ = rec.frames[fi]
+    items = rec.frame_items(fi)
     name = items[0] if items and items[0].__class__ is str else ""
     if not name.startswith("output"):
         return fi
     for j in range(fi + 1, len(rec.frames)):
         if gids[j] == gids[fi]:
-            item = rec.frames[j][1][0] if rec.frames[j][1] else ""
+            later = rec.frame_items(j)
+            item = later[0] if later else ""
             if item.__class__ is str and item.startswith("input"):
                 return j
     return fi

@@ -35,19 +35,12 @@ class OptimizerStateReader:
                         continue
                     info, pname = owner
                     items: List[Union[str, Tuple[str, str]]] = []
-                    start = len(rec.dtypes)
+                    first = rec.first_free()
                     for key, v in st.items():
                         # the step counter is a scalar, not a statistic of the parameter
                         if not isinstance(v, torch.Tensor) or v.numel() <= 1 or not v.is_floating_point():
                             continue
-                        r = measure(v)
-                        name = f"{pname}.{key}"
-                        if type(r) is str:
-                            items.append((name, r))
-                            continue
-                        rec.stats += r  # type: ignore[arg-type]  # a Pair: not a str
-                        rec.dtypes.append(v.dtype)
-                        items.append(name)
+                        rec.add(items, f"{pname}.{key}", measure(v), v.dtype)
                     if items:
-                        rec.frames.append((info, items, start))
+                        rec.add_frame(info, items, first)
         return rec

@@ -3,10 +3,11 @@ back in one transfer), and the history of finished records the detection ring re
 
 from __future__ import annotations
 
+import array
 import bisect
 import logging
 import math
-from typing import Callable, Dict, List, Optional, Tuple, Union, cast
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 
@@ -44,7 +45,12 @@ class ModuleInfo:
 class Record:
     """One batch (or one phase of it): device stats in call order, and per frame
     (info, items, first tensor index). `items` holds a tensor name (str) per measured tensor,
-    or a (name, note) pair for a value without statistics."""
+    or a (name, note) pair for a value without statistics.
+
+    The layout (frames as those triples, two stats per measured tensor: abs min, abs max) is
+    this class's: frames are written with `first_free` / `add` / `add_frame` and read with
+    `frame_info`, `frame_items`, `measured`, `abs_min_entry` and `materialize`. The one other
+    writer is the recorder's hot path (core/recorder.py), which appends the same way inline."""
 
     __slots__ = ("batch_number", "stats", "dtypes", "frames", "host", "phase", "detected", "header",
                  "targets", "mags", "counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats")
@@ -74,6 +80,71 @@ class Record:
         self.overflow: List[float] = []
         self._rows: List[Optional[Row]] = []  # per k: (host matrix, its row, dtype) or None
         self._floats: List[bool] = []  # per k: the tensor had float values (shares apply)
+
+    # ------------------------------------------------------------------ the layout
+    def first_free(self) -> int:
+        """The index the next measured tensor takes (a frame's first, for add_frame)."""
+        return len(self.dtypes)
+
+    def add(self, items: List[Item], name: str, result: Union[str, Tuple[Union[torch.Tensor, float], ...]],
+            dtype: torch.dtype) -> None:
+        """One tensor of the frame being built: `result` is its (abs min, abs max) pair, or
+        the note (a str) of a value without statistics."""
+        if isinstance(result, str):
+            items.append((name, result))
+            return
+        self.stats += result
+        self.dtypes.append(dtype)
+        items.append(name)
+
+    def add_frame(self, info: ModuleInfo, items: List[Item], first: int) -> None:
+        """A frame: its module, its tensors' names (and notes), its first measured tensor."""
+        self.frames.append((info, items, first))
+
+    def frame_info(self, fi: int) -> ModuleInfo:
+        return self.frames[fi][0]
+
+    def frame_items(self, fi: int) -> List[Item]:
+        return self.frames[fi][1]
+
+    def drop_frame(self, fi: int) -> None:
+        """Frame `fi` leaves the record (its stats stay: nothing else moves)."""
+        del self.frames[fi]
+
+    def measured(self) -> Iterator[Tuple[ModuleInfo, str, int, torch.dtype]]:
+        """(module, tensor name, tensor index, dtype) of every measured tensor, in order."""
+        dtypes = self.dtypes
+        for info, items, k in self.frames:
+            for it in items:
+                if it.__class__ is str:
+                    if k < len(dtypes):
+                        yield info, it, k, dtypes[k]
+                    k += 1
+
+    def layout_key(self) -> Tuple[List[Tuple[ModuleInfo, List[Item], int]], List[torch.dtype]]:
+        """What two records with the same layout hold equal (compare with ==, in C)."""
+        return self.frames, self.dtypes
+
+    def host_extremes(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The values read back so far: abs mins and abs maxs, one float64 tensor each (views of
+        one buffer), in tensor index order."""
+        host = self.host
+        values = torch.frombuffer(array.array("d", host), dtype=torch.float64) if host else \
+            torch.empty(0, dtype=torch.float64)
+        return values[0::2], values[1::2]
+
+    def abs_min_entry(self, fi: int, name: str) -> Union[torch.Tensor, float, None]:
+        """The abs-min entry of tensor `name` of frame `fi` as recorded (a 0-d tensor, or a
+        float the CPU kernel wrote), or None."""
+        if not 0 <= fi < len(self.frames):
+            return None
+        _, items, k = self.frames[fi]
+        for it in items:
+            if it.__class__ is str:
+                if it == name:
+                    return self.stats[2 * k] if 2 * k < len(self.stats) else None
+                k += 1
+        return None
 
     def readback(self, extra: Optional[torch.Tensor] = None) -> Optional[float]:
         """Bring the not yet read stats to the host: one transfer. `extra`, a 0-d tensor (the

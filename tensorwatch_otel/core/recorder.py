@@ -127,12 +127,12 @@ class FrameRecorder:
         kind = stat.kind or "nan"
         if kind != "nan":
             return kind
-        mn = self._stat_tensor(rec, fi, stat.name)
+        mn = rec.abs_min_entry(fi, stat.name)
         if mn is None:
             return kind
         t = self._measured(mn)
         if t is None:  # a weight read with the weight table (core/weights.py): its module holds it
-            w = rec.frames[fi][0].params.get(stat.name) if 0 <= fi < len(rec.frames) else None
+            w = rec.frame_info(fi).params.get(stat.name) if 0 <= fi < len(rec.frames) else None
             t = w if isinstance(w, torch.Tensor) else None
         if t is None:
             return kind
@@ -141,20 +141,6 @@ class FrameRecorder:
         except Exception:  # reading it again must not hide the detection
             exact = None
         return exact or kind
-
-    @staticmethod
-    def _stat_tensor(rec: Record, fi: int, name: str) -> Union[torch.Tensor, float, None]:
-        """The 0-d abs-min tensor recorded for tensor `name` of frame `fi` (a float when the CPU
-        kernel measured it)."""
-        if not 0 <= fi < len(rec.frames):
-            return None
-        _, items, k = rec.frames[fi]
-        for it in items:
-            if it.__class__ is str:
-                if it == name:
-                    return rec.stats[2 * k] if 2 * k < len(rec.stats) else None
-                k += 1
-        return None
 
     def _measured(self, mn: Union[torch.Tensor, float]) -> Optional[torch.Tensor]:
         """The tensor whose measurement gave `mn`, when it is still alive."""

@@ -100,7 +100,8 @@ class StepMonitor:
         if fi is not None:
             j = producer_frame(rec, fi, gids)
             if j != fi:  # one gradient, two names: keep the producer's frame only
-                del rec.frames[fi], owners[fi]
+                rec.drop_frame(fi)
+                del owners[fi]
                 fi = j - 1
         if self._pending is not None and (fi is None or self._pending.was_reset(by_version=False)):
             self.skipped()  # the bad gradients were reset (set to None, or finite now): no step took them

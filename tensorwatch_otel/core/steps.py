@@ -27,7 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .events import SkippedStepEvent, SkipStreakEvent, merge_kinds
-from .record import ModuleInfo, Record
+from .record import Item, ModuleInfo, Record
 from .stats import HostBatch, measure
 
 if TYPE_CHECKING:
@@ -249,14 +249,10 @@ class StepGuard:
             g = p.grad
             if g is None:
                 continue
-            start = len(rec.dtypes)
-            r = measure(g)
-            if type(r) is str:
-                rec.frames.append((info, [(name, r)], start))
-                continue
-            rec.stats += r  # type: ignore[arg-type]  # a Pair: not a str
-            rec.dtypes.append(g.dtype)
-            rec.frames.append((info, [name], start))
+            first = rec.first_free()
+            items: List[Item] = []
+            rec.add(items, name, measure(g), g.dtype)
+            rec.add_frame(info, items, first)
         rec.readback()
         return rec
 

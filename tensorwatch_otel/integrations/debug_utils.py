@@ -80,7 +80,7 @@ class PeerBehaviour(Behaviour):
 
     def record(self, recorder: FrameRecorder, rec: Record, info: ModuleInfo, args, kwargs, output) -> None:
         items: list = []
-        start = len(rec.dtypes)
+        first = rec.first_free()
         recorder.params(rec, info, items)
         for i, a in enumerate(args):
             self._leaf(recorder, rec, a, naming.input_name(i), items)
@@ -93,7 +93,7 @@ class PeerBehaviour(Behaviour):
                     self._leaf(recorder, rec, x, naming.output_name(i), items)
         else:
             self._leaf(recorder, rec, output, "output", items)
-        rec.frames.append((info, items, start))
+        rec.add_frame(info, items, first)
 
     @staticmethod
     def _leaf(recorder: FrameRecorder, rec: Record, x, name: str, items: list) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from ..core import env as _env
 from ..core.events import BatchStats, label_for_module
+from ..core.record import Record
 from ..core.stats import DTYPE_MAX, dtype_name
 from ._magnitude import MagnitudeTotals
 from ._options import number_option
@@ -149,12 +150,9 @@ class Window:
     # -- training thread ------------------------------------------------------------------
     def add(self, stats: BatchStats) -> None:
         source = stats._frames
-        host = getattr(source, "host", None)
-        if host is not None and isinstance(getattr(source, "frames", None), list):
+        if isinstance(source, Record):
             layout = self._record_layout(source)  # the watcher's batch record: no frames built
-            values = torch.frombuffer(array.array("d", host), dtype=torch.float64) if host else \
-                torch.empty(0, dtype=torch.float64)
-            mins, maxs = values[0::2], values[1::2]
+            mins, maxs = source.host_extremes()
             index, inv_top = layout.index, layout.inv_top
             if len(index) != len(mins):  # a record that was not read back whole
                 n = min(len(index), len(mins))
@@ -263,8 +261,8 @@ class Window:
             self._keys[col][3] = dtype  # a module cast to another dtype: label the new one
         return col
 
-    def _record_layout(self, rec) -> _Layout:
-        frames, dtypes = rec.frames, rec.dtypes
+    def _record_layout(self, rec: Record) -> _Layout:
+        frames, dtypes = rec.layout_key()
         for i, lay in enumerate(self._layouts):
             if lay.frames == frames and lay.dtypes == dtypes:  # C-level compares, no Python loop
                 if i:
@@ -274,19 +272,14 @@ class Window:
         inv_top: List[float] = [math.nan] * len(dtypes)
         dropped: set = set()
         with self._lock:  # columns are appended here, read by snapshot()
-            for info, items, k in frames:
-                ok = self.wanted(info.path)
-                label = label_for_module(info.path)
-                for it in items:
-                    if it.__class__ is not str:
-                        continue  # a value without statistics has no slot
-                    if k < len(dtypes):
-                        dt = dtypes[k]
-                        top = DTYPE_MAX.get(dt)
-                        inv_top[k] = 1.0 / top if top else math.nan
-                        if ok:
-                            index[k] = self._column(label, it, info.cls, dtype_name(dt), dropped)
-                    k += 1
+            last = None
+            for info, name, k, dt in rec.measured():
+                if info is not last:
+                    last, ok, label = info, self.wanted(info.path), label_for_module(info.path)
+                top = DTYPE_MAX.get(dt)
+                inv_top[k] = 1.0 / top if top else math.nan
+                if ok:
+                    index[k] = self._column(label, name, info.cls, dtype_name(dt), dropped)
         lay = _Layout(list(frames), list(dtypes), index, inv_top, len(dropped))
         self._layouts.insert(0, lay)
         del self._layouts[_LAYOUTS:]
