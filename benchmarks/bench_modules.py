@@ -10,7 +10,9 @@ garbage collection before every step, untimed; see benchmarks/_bracketed.py):
     null      a second unwatched copy: copy-to-copy difference plus the machine's noise
 
 Every variant trains a copy of its own (same weights at the start) with its watcher attached
-for the whole run, so its steady state is timed, never the first batch after an attach.
+for the whole run, so its steady state is timed, never the first batch after an attach (the
+sampled variant takes `every_n_batches` more untimed steps: past its second recorded batch,
+where its weight table is full).
 Per N and variant: the median ratio with its 90% interval (order statistics), min and max,
 and the mean ratio (for `sampled` the mean is the cost: one step in ten is measured, so the
 median shows only the unsampled steps).
@@ -92,8 +94,10 @@ def sweep_one(n: int, names: List[str], rounds: int, warmup: int, tokens: int) -
             watchers.append(tw.watch(own.model, sinks=[], on_detect="report", **OPTIONS[name]))
         steps[name] = own.step
     try:
-        for step in steps.values():
-            for _ in range(warmup):
+        for name, step in steps.items():
+            # a sampled watch reaches its steady state at its second recorded batch (the weight
+            # table holds the weights its first one offered): warm it past that batch too
+            for _ in range(warmup + OPTIONS.get(name, {}).get("every_n_batches", 0)):
                 step()
         print(f"\n{n} modules:", file=sys.stderr)
         result = run_bracketed(steps, rounds, settle=gc.collect)

@@ -305,3 +305,4 @@ def test_calls_that_alternate_between_two_entries_are_each_their_own_batch():
     assert [len(b.frames) for b in sink.batches] == [4, 6, 4]
     assert w.batch_number == 8
     w.detach()
+

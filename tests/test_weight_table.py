@@ -84,6 +84,24 @@ class WritesAhead(nn.Module):
         return self.lin(x)
 
 
+def test_ten_thousand_small_weights_are_all_rows_from_the_second_batch_on(monkeypatch):
+    """Every weight the first batch framed is a row at the second batch's read (the steady
+    state of a sampled watch is reached at its second recorded batch, not its fourth)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5000)])  # 10,000 weights
+    x = torch.randn(2, 4)
+    one_by_one = []
+    real = FrameRecorder.param
+    monkeypatch.setattr(FrameRecorder, "param", lambda self, rec, p, name, items: (
+        one_by_one.append(name), real(self, rec, p, name, items))[1])
+    with watch(model, sinks=[]), torch.no_grad():
+        model(x)
+        assert len(one_by_one) == 10_000  # the first batch offers them
+        one_by_one.clear()
+        model(x)
+        assert one_by_one == []  # the second reads them all from the table
+
+
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
 def test_a_weight_written_in_place_before_its_call_shows_the_written_value(grad):
     torch.manual_seed(0)

@@ -72,6 +72,22 @@ def _listening() -> bool:
         return False
 
 
+def _place_sentry(q: "QuietBatches") -> RemovableHandle:
+    """The global pre-hook for `q`, placed; it holds `q` by weak reference, so a watcher and
+    model dropped without detach() are freed as before (the hook then takes itself off)."""
+    ref = weakref.ref(q)
+    own: List[RemovableHandle] = []
+
+    def sentry(module: torch.nn.Module, args: Tuple[Any, ...]) -> None:
+        live = ref()
+        if live is not None:
+            live._at_call(module, args)
+        elif own:
+            own.pop().remove()
+    own.append(register_module_forward_pre_hook(sentry))
+    return own[0]
+
+
 class QuietBatches:
     """The hooks an unsampled batch takes off, for one watched model (the root keeps its own,
     and so does the module whose call began the batch).
@@ -166,7 +182,7 @@ class QuietBatches:
             self.turn_off("dynamo cannot say when it compiles")
             return
         try:
-            self._sentry = register_module_forward_pre_hook(self._at_call)
+            self._sentry = _place_sentry(self)
         except Exception as exc:  # (never expected): the hooks go back
             self.turn_off(f"the sentry could not be placed ({type(exc).__name__}: {exc})")
 

@@ -30,6 +30,9 @@ from .stats import host_readable, storage_freed
 
 SMALL = 1 << 16  # elements of the largest row
 ELEMENTS = 1 << 22  # elements of all rows together
+# weights offered in one batch (held until the next read): every small weight of a model
+# within ELEMENTS at once (4096 took a 5000-Linear model four recorded batches to fill)
+OFFERS = 1 << 16
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 _data_ptr = torch.Tensor.data_ptr
@@ -72,7 +75,7 @@ class WeightTable:
         full (ELEMENTS): `p` stays off the table."""
         if self._elements + p.numel() > ELEMENTS:
             return False
-        if id(p) not in self._ids and len(self._offered) < 4096:
+        if id(p) not in self._ids and len(self._offered) < OFFERS:
             self._offered[id(p)] = p
         return True
 
