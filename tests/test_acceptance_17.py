@@ -150,6 +150,8 @@ def test_five_thousand_tiny_modules_are_all_watched():
         with torch.no_grad():
             model[2500].weight[0, 0] = float("nan")
         model(x)  # batch 3: not sampled, nothing raised
+        # it ran its 5000 modules on torch's fast path: their hooks are off until batch 4 begins
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model)
         with pytest.raises(NonFiniteDetected) as ei:
             model(x)  # batch 4: sampled
     forward = [b for b in sink.batches if b.phase == "forward"]
