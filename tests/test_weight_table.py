@@ -49,15 +49,22 @@ def train_step(model, opt, x):
     opt.zero_grad()
 
 
+def measured_one_by_one(monkeypatch):
+    """The names of the weights measured at their call (not read from the table), as a list
+    that fills while the test runs."""
+    one_by_one = []
+    real = FrameRecorder.param
+    monkeypatch.setattr(FrameRecorder, "param", lambda self, rec, p, name, items: (
+        one_by_one.append(name), real(self, rec, p, name, items))[1])
+    return one_by_one
+
+
 def test_small_weights_are_read_once_per_batch_with_their_values_at_each_step(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 8)
-    one_by_one = []
-    real = FrameRecorder.param
-    monkeypatch.setattr(FrameRecorder, "param", lambda self, rec, p, name, items: (
-        one_by_one.append(name), real(self, rec, p, name, items))[1])
+    one_by_one = measured_one_by_one(monkeypatch)
     sink = Collect()
     with watch(model, sinks=[sink]):
         train_step(model, opt, x)  # the first batch offers its weights: one by one
@@ -90,10 +97,7 @@ def test_ten_thousand_small_weights_are_all_rows_from_the_second_batch_on(monkey
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5000)])  # 10,000 weights
     x = torch.randn(2, 4)
-    one_by_one = []
-    real = FrameRecorder.param
-    monkeypatch.setattr(FrameRecorder, "param", lambda self, rec, p, name, items: (
-        one_by_one.append(name), real(self, rec, p, name, items))[1])
+    one_by_one = measured_one_by_one(monkeypatch)
     with watch(model, sinks=[]), torch.no_grad():
         model(x)
         assert len(one_by_one) == 10_000  # the first batch offers them

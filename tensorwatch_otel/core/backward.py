@@ -56,8 +56,7 @@ class BackwardRecorder:
             rec.add(items, name, seen[1], seen[2])
         else:
             r = measure(g)
-            rec.add(items, name, r, g.dtype)
-            if type(r) is not str:  # a Pair (no isinstance narrowing on this path: it runs per gradient)
+            if rec.add(items, name, r, g.dtype):  # a Pair
                 try:
                     self._seen[id(g)] = (weakref.ref(g), r, g.dtype)  # type: ignore[assignment]
                 except TypeError:

@@ -30,6 +30,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict, deque
+from itertools import repeat
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -101,8 +102,6 @@ class QuietBatches:
         self._root = root
         self._dicts: List["OrderedDict[int, Any]"] = []  # pre, post, pre, post...: two per module
         self._keys: List[int] = []
-        self._ones: List[int] = []
-        self._nones: List[None] = []
         self._pre_at: Dict[int, int] = {}  # id(module) -> its pre-hook's place
         self._taken: Optional[List[Any]] = None  # while off: what each place held (None: kept on)
         self._sentry: Optional[RemovableHandle] = None
@@ -129,8 +128,6 @@ class QuietBatches:
                     dicts.append(d)
                     keys.append(k)
         self._dicts, self._keys, self._pre_at = dicts, keys, pre_at
-        self._ones = [1] * len(dicts)
-        self._nones = [None] * len(dicts)
 
     def take_off(self, entry: Optional[torch.nn.Module]) -> bool:
         """The hooks off for an unsampled batch begun by a call of `entry` (which keeps its
@@ -148,8 +145,8 @@ class QuietBatches:
             if self._off:
                 return False
             try:
-                if list(map(len, self._dicts)) == self._ones:  # every hook alone in its dict: in C
-                    self._taken = list(map(_pop, self._dicts, self._keys, self._nones))
+                if set(map(len, self._dicts)) == {1}:  # every hook alone in its dict: all of them, in C
+                    self._taken = list(map(_pop, self._dicts, self._keys, repeat(None)))
                 else:
                     self._taken = self._take_alone()
                 i = self._pre_at.get(id(entry))

@@ -87,15 +87,16 @@ class Record:
         return len(self.dtypes)
 
     def add(self, items: List[Item], name: str, result: Union[str, Tuple[Union[torch.Tensor, float], ...]],
-            dtype: torch.dtype) -> None:
+            dtype: torch.dtype) -> bool:
         """One tensor of the frame being built: `result` is its (abs min, abs max) pair, or
-        the note (a str) of a value without statistics."""
+        the note (a str) of a value without statistics. True when it was a pair."""
         if isinstance(result, str):
             items.append((name, result))
-            return
+            return False
         self.stats += result
         self.dtypes.append(dtype)
         items.append(name)
+        return True
 
     def add_frame(self, info: ModuleInfo, items: List[Item], first: int) -> None:
         """A frame: its module, its tensors' names (and notes), its first measured tensor."""
