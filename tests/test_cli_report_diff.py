@@ -401,3 +401,73 @@ def test_report_prints_skipped_steps_and_streaks(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out == ["optimizer step skipped after batch_number=3 (rank 0, streak 1, scale 1024): inf in a weight.grad",
                    "20 optimizer steps in a row skipped by batch_number=9 (rank 0, scale 0.001)"]
+
+
+# ------------------------------------------------------------------------------ terminal safety
+# A log file is data from wherever it came from: a string in it (module, class, tensor, dtype,
+# event type) must reach the terminal as text, not as a control sequence.
+ESC_NAME = "enc\x1b[2J\x07.blöck\rnächste\nzeile"  # clear screen, bell, carriage return, newline
+ESC_CLASS = "Lin\x1b]0;pwned\x07ear"  # an OSC sequence (sets the terminal title)
+ESC_TENSOR = "out\x9bput\u202e"  # a C1 CSI and a right-to-left override
+SHOWN_NAME = r"enc\x1b[2J\x07.blöck\rnächste\nzeile"
+SHOWN_CLASS = r"Lin\x1b]0;pwned\x07ear"
+SHOWN_TENSOR = r"out\x9bput\u202e"
+
+
+def _crafted_log(path, batch, abs_max):
+    from tensorwatch_otel.core.events import NonFiniteEvent
+    from tensorwatch_otel.report.codec import to_line
+
+    frames = (Frame("inp", "Linear", (TensorStat("weight", 0.1, 1.0, "float32"),), batch, batch_start=True),
+              Frame(ESC_NAME, ESC_CLASS, (TensorStat(ESC_TENSOR, 0.1, abs_max, "float\x1b[31m32"),), batch))
+    trace = BatchTraceEvent(batch, 0, frames, 1.0)
+    bad = (Frame(ESC_NAME, ESC_CLASS, (TensorStat(ESC_TENSOR, math.inf, math.inf, "float32"),), batch),)
+    detection = NonFiniteEvent(batch, 0, ESC_NAME, ESC_CLASS, ESC_TENSOR, "inf", bad, 2.0)
+    unknown = ('{"time":"2026-01-01T00:00:00Z","event":"x\\u001b[2Jy","batch_number":1,"rank":0,"frames":[]}\n')
+    path.write_text(to_line(trace) + to_line(detection) + unknown, encoding="utf-8")
+    return path
+
+
+def _assert_printable(text, *shown):
+    # only the report's own newlines; everything else a control character would be is escaped
+    bad = sorted({hex(ord(c)) for c in text if (ord(c) < 0x20 and c != "\n") or 0x7f <= ord(c) <= 0x9f
+                  or c in "\u202e\u2028\u2029"})
+    assert not bad, (bad, text[-2000:])
+    for s in shown:
+        assert s in text, (s, text[-2000:])
+
+
+def _cli(*argv):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "tensorwatch_otel", *argv], capture_output=True, timeout=120,
+                          encoding="utf-8", errors="surrogateescape")
+
+
+def test_report_prints_control_characters_from_the_log_escaped(tmp_path):
+    log = _crafted_log(tmp_path / "crafted.jsonl", 7, 2.0)
+    proc = _cli("report", str(log))
+    assert proc.returncode == 0, proc.stderr
+    _assert_printable(proc.stdout, SHOWN_NAME, SHOWN_CLASS, SHOWN_TENSOR)
+    _assert_printable(proc.stderr, r"x\x1b[2Jy")  # the skipped event type, named on stderr
+    # the newline in the module name does not start a line of its own
+    assert any(line.endswith(f" {SHOWN_NAME} {SHOWN_CLASS}") for line in proc.stdout.splitlines())
+    assert f"{SHOWN_TENSOR} has infs" in proc.stdout
+
+
+def test_diff_prints_control_characters_from_the_logs_escaped(tmp_path):
+    a = _crafted_log(tmp_path / "a.jsonl", 7, 2.0)
+    b = _crafted_log(tmp_path / "b.jsonl", 7, 2000.0)  # the crafted module diverges
+    proc = _cli("diff", f"{a}:7", f"{b}:7")
+    assert proc.returncode == 1, proc.stderr
+    _assert_printable(proc.stdout, SHOWN_NAME, SHOWN_CLASS, SHOWN_TENSOR)
+    _assert_printable(proc.stderr, r"x\x1b[2Jy")
+    assert f"first divergence: {SHOWN_NAME} ({SHOWN_CLASS}), frame 2 of 2: {SHOWN_TENSOR}" in proc.stdout
+
+
+def test_printable_keeps_ordinary_text_and_escapes_controls():
+    from tensorwatch_otel.report._terminal import printable
+
+    assert printable("blocks.0.ff → Ünïcödé 名前 🙂 a\\b") == "blocks.0.ff → Ünïcödé 名前 🙂 a\\b"
+    assert printable("a\tb\x00c\x7fd\x85e\u2028f\ud800") == r"a\tb\x00c\x7fd\x85e\u2028f\ud800"

@@ -50,7 +50,11 @@ def load_events(path: str, command: str = "report") -> list:
     """Every event of `path`, in file order. Lines that are no valid event (a line cut off by a
     crash, a run that appended after it) and well-formed events of types this version does not
     render are skipped, each named on stderr as `{command}: ...`. InputError (a one-line
-    message) when the file cannot be read or none of its lines is an event."""
+    message) when the file cannot be read or none of its lines is an event.
+
+    Every string of the events and of those notes is printable (report/_terminal.py): whatever
+    the file holds, what the commands print from it is text, not terminal control sequences."""
+    from ..report._terminal import printable, printable_event
     from ..report.codec import load_log
 
     try:
@@ -64,10 +68,10 @@ def load_events(path: str, command: str = "report") -> list:
     if not log.is_event_log:
         n, why = log.invalid[0]
         more = f" (and {len(log.invalid) - 1} more lines like it)" if len(log.invalid) > 1 else ""
-        raise InputError(f"not a tensorwatch event log: {path}:{n}: {why}{more}")
+        raise InputError(printable(f"not a tensorwatch event log: {path}:{n}: {why}{more}"))
     for note in log.notes():
-        print(f"{command}: {note}", file=sys.stderr)
-    return log.events
+        print(f"{command}: {printable(note)}", file=sys.stderr)
+    return [printable_event(e) for e in log.events]
 
 
 def _plot_help() -> str:
