@@ -11,13 +11,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
 from _blackhole import BlackHole
-from _otel_fixtures import OverflowNet
+from _otel_fixtures import OverflowNet, parse_prom, sample
 from tensorwatch_otel import NonFiniteDetected, watch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,3 +183,102 @@ def test_ctrl_c_ends_the_prometheus_linger_at_once_without_traceback():
     assert took < 3.0, took
     assert "Traceback" not in text, text[-3000:]
     assert "ended by Ctrl-C" in text
+
+
+# ---------------------------------------------------------------- preemption: SIGTERM
+# SLURM and Kubernetes send SIGTERM and SIGKILL 30 s later (KillWait, terminationGracePeriodSeconds):
+# a linger that outlives the grace period loses the application's own exit work to the SIGKILL.
+_PREEMPTED = textwrap.dedent("""
+    import logging, signal, sys, time, torch
+    from prometheus_client import CollectorRegistry
+    from _otel_fixtures import OverflowNet
+    from tensorwatch_otel import watch
+    from tensorwatch_otel.sinks import PrometheusMetrics
+    logging.basicConfig(level=logging.WARNING)
+    if sys.argv[1] == "handler":  # the application's preemption handler: exit with 128 + SIGTERM
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+    sink = PrometheusMetrics(port=0, registry=CollectorRegistry())  # linger_s from the environment
+    model, x = OverflowNet(), torch.randn(2, 8)
+    with watch(model, sinks=[sink], on_detect="report"):
+        model(x)
+        model.boom.factor = 1e39
+        model(x)  # detection 1
+        print("PORT", sink.port, flush=True)
+        sys.stdin.readline()  # the test scrapes detection 1
+        model(x)  # detection 2: no scrape has seen it
+        print("PENDING", flush=True)
+        if sys.argv[2] == "training":
+            model.boom.factor = 1.0
+            while True:  # training goes on until the scheduler preempts it
+                model(x)
+                time.sleep(0.01)
+    # sys.argv[2] == "exit": the end of the script; the exit handler waits for a scrape
+""")
+
+
+def _preempted(handler: str, when: str):
+    """Runs _PREEMPTED until its second detection is pending; (process, port, stderr lines so far).
+    Detection 1 is scraped on the way: the endpoint serves the detections as designed."""
+    proc = subprocess.Popen([sys.executable, "-c", _PREEMPTED, handler, when],
+                            env=_env(TENSORWATCH_PROMETHEUS_LINGER_SECONDS="60"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline().split()[1])
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert sample(parse_prom(body), "tensorwatch_nonfinite_events_total", module="boom",
+                  module_class="Overflow", tensor="output", rank="0", first_rank="0") == 1
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "PENDING"
+    return proc, port
+
+
+def _terminate(proc, wait_for: str = ""):
+    """SIGTERM (once `wait_for` is on stderr); (seconds to the process's end, return code, stderr)."""
+    err = []
+    try:
+        if wait_for:
+            for line in proc.stderr:
+                err.append(line)
+                if wait_for in line:
+                    break
+            else:
+                raise AssertionError("".join(err)[-3000:])
+        time.sleep(0.3)
+        t = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=20)[1]
+        took = time.perf_counter() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return took, proc.returncode, "".join(err) + rest
+
+
+@pytest.mark.slow
+def test_sigterm_with_the_applications_handler_ends_the_linger_during_training():
+    proc, _ = _preempted("handler", "training")
+    took, code, err = _terminate(proc)
+    assert took < 10, (took, err[-3000:])
+    assert code == 143, err[-3000:]  # the application's handler ran and chose the status
+    assert "Traceback" not in err, err[-3000:]
+    assert "SIGTERM" in err and "not waiting for Prometheus" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_with_the_applications_handler_ends_the_exit_linger():
+    proc, _ = _preempted("handler", "exit")
+    took, code, err = _terminate(proc, wait_for="waiting up to 60 s for Prometheus")
+    assert took < 10, (took, err[-3000:])
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    assert "ended by SIGTERM" in err, err[-3000:]
+    assert "SIGTERM ends the wait" in err  # the wait's own line says so
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["training", "exit"])
+def test_sigterm_without_a_handler_kills_at_once(when):
+    """No handler: SIGTERM's default action ends the process there and then, linger or not."""
+    proc, _ = _preempted("none", when)
+    took, code, err = _terminate(proc, wait_for="waiting up to 60 s" if when == "exit" else "")
+    assert took < 5, (took, err[-3000:])
+    assert code == -signal.SIGTERM, err[-3000:]

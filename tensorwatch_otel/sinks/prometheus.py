@@ -10,6 +10,7 @@ import atexit
 import inspect
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -46,8 +47,10 @@ ENV_MAX_SERIES = _env.ENV_PROMETHEUS_MAX_SERIES
 ENV_LINGER = _env.ENV_PROMETHEUS_LINGER_SECONDS
 # Time left for the HTTP response to reach Prometheus after the collector produced it.
 _RESPONSE_GRACE_S = 0.5
-
-
+# How often a linger looks whether a SIGTERM came. A Python signal handler runs on the main
+# thread between bytecodes, possibly while that thread holds the sink's lock, so it cannot
+# notify the waiting condition: it sets a flag, which the wait reads this often.
+_SIGTERM_POLL_S = 0.2
 
 _MAX_PORT = 65535
 
@@ -89,6 +92,20 @@ def _encodable(families: List[Metric]) -> List[Metric]:
     return families
 
 
+class _SigtermNote:
+    """The application's own SIGTERM handler, chained: notes the signal for a sink waiting to be
+    scraped (a preemption's grace period has begun, so its linger must end), then runs the
+    application's handler as before, which may raise SystemExit as it always did."""
+
+    def __init__(self, sink: "PrometheusMetrics", previous):
+        self.sink = sink
+        self.previous = previous
+
+    def __call__(self, signum, frame):
+        self.sink._sigterm = True  # a plain store: no lock can be taken from a signal handler
+        return self.previous(signum, frame)
+
+
 class _TensorwatchCollector(Collector):
     def __init__(self, sink: "PrometheusMetrics"):
         self._sink = sink
@@ -113,7 +130,7 @@ class PrometheusMetrics(Sink):
     - ``include``/``exclude``: glob patterns on module paths (the root is ``(root)``).
     - ``max_series`` (TENSORWATCH_PROMETHEUS_MAX_SERIES, 10000): (module, tensor) pairs per gauge.
     - ``linger_s`` (TENSORWATCH_PROMETHEUS_LINGER_SECONDS, 30): after a detection, serve at exit
-      until one scrape happened, at most this long.
+      until one scrape happened, at most this long. A SIGTERM (preemption) or Ctrl-C ends it.
     - ``window_s`` (TENSORWATCH_METRICS_WINDOW_SECONDS, 60): seconds of batches the gauges cover.
     - ``detail`` (TENSORWATCH_PROMETHEUS_DETAIL, ``all``): per-module series served: ``all``,
       ``summary`` (per-rank series only) or ``top:K`` (the K pairs with the largest range used);
@@ -161,6 +178,12 @@ class PrometheusMetrics(Sink):
         self._scrapes = 0
         self._unscraped_detection = False
         self._closed = False
+        # SIGTERM: set by _SigtermNote, chained to the application's handler while a detection
+        # waits for a scrape; no linger starts or goes on after it.
+        self._sigterm = False
+        self._sigterm_note: Optional[_SigtermNote] = None
+        self._sigterm_logged = False
+        self._want_sigterm = False  # a detection waits; chain the handler from the main thread
 
         # Every argument is checked before anything is registered or bound, and a failure after
         # that undoes it, so a corrected PrometheusMetrics in the same process starts clean.
@@ -226,6 +249,8 @@ class PrometheusMetrics(Sink):
     def on_batch(self, stats: BatchStats) -> None:
         self._window.add(stats)
         self._steps.on_batch(stats)
+        if self._want_sigterm:  # a detection came on another thread (backward on a GPU)
+            self._note_sigterm()
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
@@ -234,6 +259,8 @@ class PrometheusMetrics(Sink):
                 self._steps.on_skip(event, streak)
                 if streak:  # may precede the exception that ends the run: linger for it
                     self._unscraped_detection = True
+            if streak:
+                self._note_sigterm()
             return
         if not isinstance(event, (NonFiniteEvent, StoppedByRankEvent)):
             return
@@ -243,14 +270,15 @@ class PrometheusMetrics(Sink):
         with self._lock:
             if isinstance(event, StoppedByRankEvent):
                 self._stopped[key] = self._stopped.get(key, 0) + 1
-                self._unscraped_detection = True  # this rank stops now: let the scrape see why
-                return
-            self._detected = True
-            entry = self._nonfinite.setdefault(key, [0, None, None])
-            entry[0] += 1
-            if event.trace_id:
-                entry[1], entry[2] = event.trace_id, event.time
+            else:
+                self._detected = True
+                entry = self._nonfinite.setdefault(key, [0, None, None])
+                entry[0] += 1
+                if event.trace_id:
+                    entry[1], entry[2] = event.trace_id, event.time
+            # a detection, or this rank stops now: let the next scrape see it
             self._unscraped_detection = True
+        self._note_sigterm()
 
     def close(self) -> None:
         if self._closed:
@@ -260,6 +288,11 @@ class PrometheusMetrics(Sink):
             self._unregister()
             return
         if self._pending_scrape():
+            self._note_sigterm()
+            if self._sigterm:  # preempted: the grace period is the application's, not ours
+                self._log_sigterm(waited=False)
+                self._stop()
+                return
             # Let Prometheus see the detection before the endpoint goes away, off this thread.
             threading.Thread(target=self._linger_then_stop, name="tensorwatch-prometheus-linger",
                              daemon=True).start()
@@ -271,36 +304,99 @@ class PrometheusMetrics(Sink):
         return self._unscraped_detection and self.linger_s > 0
 
     def wait_for_scrape(self, timeout_s: float) -> bool:
-        """Blocks until a scrape after the last detection, at most timeout_s; True if one came."""
+        """Blocks until a scrape after the last detection, at most timeout_s, and no longer once
+        a SIGTERM came through the application's handler; True if a scrape came."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while self._unscraped_detection:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._sigterm:
                     return False
-                self._scraped.wait(left)
+                self._scraped.wait(min(left, _SIGTERM_POLL_S))
         time.sleep(_RESPONSE_GRACE_S)
         return True
 
     def _linger_then_stop(self) -> None:
         self.wait_for_scrape(self.linger_s)
+        if self._sigterm:
+            self._log_sigterm(waited=True)
         self._stop()
 
     def _at_exit(self) -> None:
         if self._server is not None and self._pending_scrape():
+            self._note_sigterm()  # a SIGTERM now (the scheduler's, after the run ended) ends the wait
+            if self._sigterm:
+                self._log_sigterm(waited=False)
+                self._stop()
+                return
             log.warning("tensorwatch_otel: waiting up to %.0f s for Prometheus to scrape the inf/nan "
-                        "detection from %s (%s=0 skips this, Ctrl-C ends the wait)",
-                        self.linger_s, self.url, ENV_LINGER)
+                        "detection from %s (%s=0 skips this, Ctrl-C ends the wait%s)",
+                        self.linger_s, self.url, ENV_LINGER,
+                        ", SIGTERM ends the wait" if self._sigterm_note is not None else "")
             try:
-                if not self.wait_for_scrape(self.linger_s):
+                if not self.wait_for_scrape(self.linger_s) and not self._sigterm:
                     log.warning("tensorwatch_otel: no scrape within %.0f s; the detection is in the "
                                 "logs and other sinks only", self.linger_s)
             except KeyboardInterrupt:  # the user chose not to wait: no traceback from an exit hook
                 log.warning("tensorwatch_otel: wait for a scrape ended by Ctrl-C; the detection is in "
                             "the logs and other sinks only")
+            except SystemExit:  # the application's signal handler (SIGTERM: sys.exit(143)), run through ours
+                if not self._sigterm:
+                    log.warning("tensorwatch_otel: wait for a scrape ended by a signal; the detection is "
+                                "in the logs and other sinks only")
+            if self._sigterm:
+                self._log_sigterm(waited=True)
         self._stop()
 
+    # -- SIGTERM ------------------------------------------------------------------------
+    def _note_sigterm(self) -> None:
+        """While a detection waits for a scrape, chain the application's SIGTERM handler (only a
+        Python one: without it SIGTERM ends the process at once anyway, and an ignored SIGTERM
+        stays ignored). Signal handlers are set from the main thread only; from another thread
+        this waits for the next call from the main thread (on_batch, close, the exit hook)."""
+        self._want_sigterm = False
+        if self._sigterm_note is not None or self.linger_s <= 0 or self._server is None:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            self._want_sigterm = True
+            return
+        try:
+            previous = signal.getsignal(signal.SIGTERM)
+            if not callable(previous):  # SIG_DFL, SIG_IGN, or set outside Python (None)
+                return
+            note = _SigtermNote(self, previous)
+            signal.signal(signal.SIGTERM, note)
+        except (ValueError, OSError, RuntimeError) as exc:  # no signals here (an embedded interpreter)
+            log.debug("tensorwatch_otel: cannot chain the SIGTERM handler: %s", exc)
+            return
+        self._sigterm_note = note
+
+    def _unnote_sigterm(self) -> None:
+        """Gives the application its handler back, when ours is still the one installed and this
+        is the main thread; otherwise ours stays, passing every SIGTERM on."""
+        note = self._sigterm_note
+        if note is None or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is note:
+                signal.signal(signal.SIGTERM, note.previous)
+                self._sigterm_note = None
+        except (ValueError, OSError, RuntimeError):
+            pass
+
+    def _log_sigterm(self, waited: bool) -> None:
+        if self._sigterm_logged:
+            return
+        self._sigterm_logged = True
+        if waited:
+            log.warning("tensorwatch_otel: wait for a scrape ended by SIGTERM (preemption); the detection "
+                        "is in the logs and other sinks only")
+        else:
+            log.warning("tensorwatch_otel: SIGTERM (preemption): not waiting for Prometheus to scrape the "
+                        "inf/nan detection from %s; it is in the logs and other sinks only", self.url)
+
     def _stop(self) -> None:
+        self._unnote_sigterm()
         server, self._server = self._server, None
         if server is not None:
             try:
