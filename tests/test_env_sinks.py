@@ -334,6 +334,26 @@ def test_protocol_port_mismatch_is_one_line_naming_the_variable(clean_env, caplo
     assert f"set OTEL_EXPORTER_OTLP_PROTOCOL={other}" in line
 
 
+def test_close_exporters_now_reaches_both_exporters(clean_env):
+    """Both exporters of an env-built pipeline are found and closed (the metric exporter was
+    missed on SDKs that keep the readers in MeterProvider._metric_readers)."""
+    from tensorwatch_otel.sinks.otel_env import _exporters, close_exporters_now
+
+    with OtlpReceiver() as r:
+        clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", r.http_endpoint)
+        tp, mp = configure_from_env(0)
+        try:
+            found = [type(e).__name__ for p in (tp, mp) for e in _exporters(p)]
+            assert found == ["CheckedSpanExporter", "CheckedMetricExporter"]
+            close_exporters_now([tp, mp])
+            from opentelemetry.sdk.metrics.export import MetricExportResult
+
+            # a closed OTLP exporter refuses to export
+            assert _exporters(mp)[0].export(None) is MetricExportResult.FAILURE
+        finally:
+            shutdown_bounded([tp, mp], 5)
+
+
 def test_matching_protocol_logs_no_mismatch(clean_env, caplog):
     from tensorwatch_otel.sinks import _otlp_check
 

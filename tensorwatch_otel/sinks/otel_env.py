@@ -279,8 +279,10 @@ def _exporters(provider: Any) -> List[Any]:
     """The exporters behind an SDK provider's readers and span processors (private SDK fields,
     looked up defensively: nothing found means nothing to close early)."""
     out = []
-    sdk_config = getattr(provider, "_sdk_config", None)
-    for reader in getattr(sdk_config, "metric_readers", None) or ():
+    # a MeterProvider's readers: _metric_readers (SDK 1.45), _sdk_config.metric_readers (older)
+    readers = getattr(provider, "_metric_readers", None) or \
+        getattr(getattr(provider, "_sdk_config", None), "metric_readers", None) or ()
+    for reader in readers:
         out.append(getattr(reader, "_exporter", None))
     multi = getattr(provider, "_active_span_processor", None)
     for proc in getattr(multi, "_span_processors", None) or ():
