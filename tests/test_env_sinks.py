@@ -354,6 +354,50 @@ def test_close_exporters_now_reaches_both_exporters(clean_env):
             shutdown_bounded([tp, mp], 5)
 
 
+_SHORT_RUN = textwrap.dedent("""
+    import logging, torch
+    logging.basicConfig(level=logging.WARNING)
+    from tensorwatch_otel import watch
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with watch(model, flush_timeout_s=1.0):  # sinks=None: OTLP from the environment
+        for _ in range(3):
+            model(torch.randn(4, 8))
+""")
+RUNS = 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol, wrong_port, advice", [
+    ("http/protobuf", "grpc", "speaks gRPC (HTTP/2), not OTLP/HTTP"),
+    ("grpc", "http", "speaks HTTP/1.1 (OTLP/HTTP), not gRPC"),
+])
+def test_protocol_port_mismatch_hint_prints_before_exit_on_a_loaded_machine(protocol, wrong_port, advice):
+    """A short run (its only exports: the flush at detach and the shutdown) with the protocol the
+    port does not speak: the hint is in its output every time, with both cores busy. Before, it
+    came only once the exporter's retries ended (up to its 10 s timeout), after the process had
+    gone: never in a short run, sometimes in a longer one."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        with OtlpReceiver() as r:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TENSORWATCH_"))}
+            env.update(OTEL_EXPORTER_OTLP_ENDPOINT=r.grpc_endpoint if wrong_port == "grpc" else r.http_endpoint,
+                       OTEL_EXPORTER_OTLP_PROTOCOL=protocol, OMP_NUM_THREADS="1")
+            missed = []
+            for _ in range(RUNS):
+                proc = subprocess.run([sys.executable, "-c", _SHORT_RUN], env=env, capture_output=True,
+                                      text=True, timeout=180)
+                assert proc.returncode == 0, proc.stderr[-3000:]
+                hints = [line for line in proc.stderr.splitlines() if advice in line]
+                if len(hints) != 1:
+                    missed.append(proc.stderr[-3000:])
+            assert r.calls == {"grpc": 0, "http": 0}
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+    assert not missed, f"the hint printed once in {RUNS - len(missed)} of {RUNS} runs; a run without it:\n{missed[0]}"
+
+
 def test_matching_protocol_logs_no_mismatch(clean_env, caplog):
     from tensorwatch_otel.sinks import _otlp_check
 

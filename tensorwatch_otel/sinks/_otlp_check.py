@@ -1,6 +1,7 @@
 """Checks of the OTLP settings that otel_env builds exporters from: the endpoint is a URL, the
 protocol follows the well-known gRPC port when none is set, and an export that fails because
-protocol and port do not match (http/protobuf to a gRPC port, gRPC to an HTTP port) says so once.
+protocol and port do not match (http/protobuf to a gRPC port, gRPC to an HTTP port) says so once,
+at the latest when the exporters are shut down, so a short run prints it before it exits.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,8 @@ GRPC_PORT = 4317
 HTTP_PORT = 4318
 ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
-#: After a failed export, the endpoint is probed at most once per this period until a mismatch is found.
+#: The endpoint is probed when the first export starts, then after a failed export at most once
+#: per this period until a mismatch is found.
 PROBE_PERIOD_S = 60.0
 PROBE_TIMEOUT_S = 1.0
 
@@ -117,46 +119,143 @@ def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[
 
 
 _reported: Set[Tuple[str, Optional[int], str]] = set()
-_reported_lock = threading.Lock()
+_reported_lock = threading.Lock()  # guards _reported and _probes
+
+
+class _Probe:
+    """One probe of host:port on a daemon thread; `done` is set when `spoken` is known."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.started = time.monotonic()
+        self.spoken: Optional[str] = None
+        self.done = threading.Event()
+        self._then: List[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="tensorwatch-otlp-probe", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.spoken = probe(self.host, self.port)
+        finally:
+            with self._lock:
+                self.done.set()
+                then, self._then = self._then, []
+            for fn in then:
+                fn()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Calls fn once the result is known (now, when it already is)."""
+        with self._lock:
+            if not self.done.is_set():
+                self._then.append(fn)
+                return
+        fn()
+
+
+_probes: Dict[Tuple[str, int], _Probe] = {}
+
+
+def _probe_for(host: str, port: int) -> _Probe:
+    """The probe of host:port under way or made less than PROBE_PERIOD_S ago, else a new one:
+    the traces and metrics exporters of one endpoint share it."""
+    with _reported_lock:
+        p = _probes.get((host, port))
+        if p is None or (p.done.is_set() and time.monotonic() - p.started >= PROBE_PERIOD_S):
+            p = _probes[(host, port)] = _Probe(host, port)
+        return p
 
 
 class MismatchCheck:
-    """After a failed export, probes the endpoint (rate limited) and logs one warning per
-    process and (host, port, protocol) when the server speaks the other protocol."""
+    """Logs one warning per process and (host, port, protocol) when exports fail because the
+    server speaks the other protocol.
+
+    The endpoint is probed (a plain HTTP/1.1 request on a connection of its own, off the exporter's
+    thread) when the first export starts, and again after a failed export at most once per
+    PROBE_PERIOD_S until a mismatch is found. The warning comes once an export failed, or at
+    shutdown (settle()) while one is still under way: waiting for the exporter's own retries (up
+    to its timeout) left a short run no time to say it, the process was gone first."""
 
     def __init__(self, target: Target):
         self.target = target
-        self._last_probe = float("-inf")
         self._done = target.tls or target.port is None  # TLS: the plaintext probe cannot tell
         self.mismatch: Optional[str] = None
+        self._lock = threading.Lock()
+        self._probe: Optional[_Probe] = None
+        self._running = 0  # exports under way
+        self._failed = False
 
-    def after_failure(self) -> None:
-        if self._done:
+    def export_started(self) -> None:
+        with self._lock:
+            self._running += 1
+            first = self._probe is None and not self._done
+        if first:
+            self._start_probe()
+
+    def export_ended(self, ok: bool) -> None:
+        with self._lock:
+            self._running -= 1
+            if ok:  # the protocol works here: nothing to say, now or later
+                self._done = True
+                return
+            if self._done:
+                return
+            self._failed = True
+            p = self._probe
+        if p is not None and p.done.is_set() and p.spoken is None:
+            self._start_probe()  # the last probe heard nothing: ask again (rate limited)
+        else:
+            self._decide()
+
+    def settle(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        """At shutdown: waits (at most timeout_s) for a probe under way, then warns if an export
+        failed or is still under way against a port that speaks the other protocol."""
+        p = self._probe
+        if self._done or p is None:
             return
-        now = time.monotonic()
-        if now - self._last_probe < PROBE_PERIOD_S:
-            return
-        self._last_probe = now
+        p.done.wait(max(0.0, timeout_s))
+        self._decide(at_shutdown=True)
+
+    def _start_probe(self) -> None:
         t = self.target
-        spoken = probe(t.host, t.port)  # type: ignore[arg-type]
-        if t.protocol == "grpc" and spoken == "http/1":
-            self.mismatch = (f"tensorwatch_otel: OTLP {t.signal} export to {t.endpoint} ({t.endpoint_var}) failed: "
-                             f"that port speaks HTTP/1.1 (OTLP/HTTP), not gRPC, and {t.describe_protocol()}; "
-                             f"set {ENV_PROTOCOL}=http/protobuf, or use the collector's OTLP/gRPC port "
-                             f"(usually {GRPC_PORT})")
-        elif t.protocol == "http/protobuf" and spoken == "http/2":
-            self.mismatch = (f"tensorwatch_otel: OTLP {t.signal} export to {t.endpoint} ({t.endpoint_var}) failed: "
-                             f"that port speaks gRPC (HTTP/2), not OTLP/HTTP, and {t.describe_protocol()}; "
-                             f"set {ENV_PROTOCOL}=grpc, or use the collector's OTLP/HTTP port (usually {HTTP_PORT})")
-        if self.mismatch is None:
-            return
-        self._done = True
+        p = _probe_for(t.host, t.port)  # type: ignore[arg-type]
+        with self._lock:
+            self._probe = p
+        p.then(self._decide)
+
+    def _decide(self, at_shutdown: bool = False) -> None:
+        with self._lock:
+            p = self._probe
+            if self._done or p is None or not p.done.is_set():
+                return
+            # A probe alone is no proof (a server may speak both on one port): an export must
+            # have failed, or still be failing when the exporters shut down.
+            if not (self._failed or (at_shutdown and self._running > 0)):
+                return
+            message = self._message(p.spoken)
+            if message is None:
+                return
+            self.mismatch, self._done = message, True
+        t = self.target
         key = (t.host, t.port, t.protocol)
         with _reported_lock:
             if key in _reported:
                 return
             _reported.add(key)
-        log.warning("%s", self.mismatch)
+        log.warning("%s", message)
+
+    def _message(self, spoken: Optional[str]) -> Optional[str]:
+        t = self.target
+        if t.protocol == "grpc" and spoken == "http/1":
+            return (f"tensorwatch_otel: OTLP {t.signal} export to {t.endpoint} ({t.endpoint_var}) failed: "
+                    f"that port speaks HTTP/1.1 (OTLP/HTTP), not gRPC, and {t.describe_protocol()}; "
+                    f"set {ENV_PROTOCOL}=http/protobuf, or use the collector's OTLP/gRPC port "
+                    f"(usually {GRPC_PORT})")
+        if t.protocol == "http/protobuf" and spoken == "http/2":
+            return (f"tensorwatch_otel: OTLP {t.signal} export to {t.endpoint} ({t.endpoint_var}) failed: "
+                    f"that port speaks gRPC (HTTP/2), not OTLP/HTTP, and {t.describe_protocol()}; "
+                    f"set {ENV_PROTOCOL}=grpc, or use the collector's OTLP/HTTP port (usually {HTTP_PORT})")
+        return None
 
 
 def checked_span_exporter(inner: Any, check: MismatchCheck) -> Any:
@@ -166,12 +265,12 @@ def checked_span_exporter(inner: Any, check: MismatchCheck) -> Any:
     class CheckedSpanExporter(SpanExporter):
         def export(self, spans):
             result = SpanExportResult.FAILURE
+            check.export_started()
             try:
                 result = inner.export(spans)
                 return result
             finally:
-                if result is not SpanExportResult.SUCCESS:
-                    check.after_failure()
+                check.export_ended(result is SpanExportResult.SUCCESS)
 
         def shutdown(self):
             return inner.shutdown()
@@ -179,7 +278,9 @@ def checked_span_exporter(inner: Any, check: MismatchCheck) -> Any:
         def force_flush(self, timeout_millis: int = 30000) -> bool:
             return inner.force_flush(timeout_millis)
 
-    return CheckedSpanExporter()
+    exporter = CheckedSpanExporter()
+    exporter.check = check  # type: ignore[attr-defined]  # settled at shutdown (otel_env)
+    return exporter
 
 
 def checked_metric_exporter(inner: Any, check: MismatchCheck) -> Any:
@@ -193,12 +294,12 @@ def checked_metric_exporter(inner: Any, check: MismatchCheck) -> Any:
 
         def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
             result = MetricExportResult.FAILURE
+            check.export_started()
             try:
                 result = inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
                 return result
             finally:
-                if result is not MetricExportResult.SUCCESS:
-                    check.after_failure()
+                check.export_ended(result is MetricExportResult.SUCCESS)
 
         def force_flush(self, timeout_millis: float = 10_000) -> bool:
             return inner.force_flush(timeout_millis=timeout_millis)
@@ -206,7 +307,9 @@ def checked_metric_exporter(inner: Any, check: MismatchCheck) -> Any:
         def shutdown(self, *args, **kwargs) -> None:
             return inner.shutdown(*args, **kwargs)
 
-    return CheckedMetricExporter()
+    exporter = CheckedMetricExporter()
+    exporter.check = check  # type: ignore[attr-defined]  # settled at shutdown (otel_env)
+    return exporter
 
 
 def warn_well_known_port_mismatch(env: Mapping[str, str]) -> None:

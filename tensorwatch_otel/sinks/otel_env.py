@@ -306,7 +306,9 @@ def close_exporters_now(providers: List[Any]) -> None:
 
 def shutdown_bounded(providers: List[Any], timeout_s: float) -> None:
     """Flushes and shuts down each provider (once: a sink's close and the exit hook may both
-    ask), all of them together bounded by timeout_s."""
+    ask), all of them together bounded by timeout_s; then the protocol mismatch check of each
+    of our exporters says what it found (at most _otlp_check.PROBE_TIMEOUT_S more, only while a
+    probe of a failing endpoint is still under way)."""
     with _shut_lock:
         todo = [p for p in providers if p not in _shut_down]
         _shut_down.update(todo)
@@ -321,3 +323,10 @@ def shutdown_bounded(providers: List[Any], timeout_s: float) -> None:
                 log.warning("tensorwatch_otel: shutting down %s failed: %s", type(p).__name__, exc)
 
     run_bounded(shut, timeout_s, "otel-shutdown")
+    # An export failing on a protocol/port mismatch is said before the process can end; the
+    # exporter's own retries (up to its timeout) would often outlast a short run.
+    for p in todo:
+        for exporter in _exporters(p):
+            check = getattr(exporter, "check", None)
+            if check is not None:
+                check.settle()
