@@ -17,7 +17,7 @@ from _otel_fixtures import OverflowNet, TinyNet, interleaved_medians
 from conftest import free_port
 from otlp_receiver import OtlpReceiver
 from tensorwatch_otel import NonFiniteDetected, watch
-from tensorwatch_otel.sinks.otel_env import configure_from_env
+from tensorwatch_otel.sinks.otel_env import configure_from_env, shutdown_bounded
 from tensorwatch_otel.sinks._base import Sink
 from tensorwatch_otel.sinks.otel import OtelTelemetry
 
@@ -163,6 +163,118 @@ def test_refusing_receiver_grpc(otlp_env):
             assert r.attempts["grpc"] > 0  # it was really tried
         finally:
             sink.close()
+
+
+@pytest.mark.slow
+def test_after_a_failed_span_export_the_next_wait_but_a_detection_is_tried(otlp_env, monkeypatch):
+    """A refusing collector: the failed export starts a wait; ordinary batches meanwhile never
+    reach the exporter (the receiver sees no attempt), a batch with a detection span does, and
+    after the wait exports go out again (and arrive once the collector takes them)."""
+    from tensorwatch_otel.sinks import _otlp_backoff
+    from tensorwatch_otel.sinks._otel_spans import DETECTION_SPAN
+
+    monkeypatch.setattr(_otlp_backoff, "BACKOFF_FIRST_S", 1.5)
+    otlp_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    otlp_env.setenv("OTEL_METRICS_EXPORTER", "none")
+    with OtlpReceiver(mode="refuse") as r:
+        otlp_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", r.http_endpoint)
+        tp, _ = configure_from_env(0)
+        tracer = tp.get_tracer("t")
+
+        def export(name: str) -> None:
+            tracer.start_span(name).end()
+            tp.force_flush()
+
+        try:
+            export("first")
+            refused = r.attempts["http"]
+            assert refused >= 1  # tried and refused: a wait of 1.5 s begins
+            export("second")
+            export("third")
+            assert r.attempts["http"] == refused  # dropped before they were encoded or sent
+            export(DETECTION_SPAN)
+            failed_at = time.monotonic()
+            assert r.attempts["http"] > refused  # the detection's span is tried all the same
+            r.set_mode("ok")
+            export("fourth")  # the second failure in a row doubled the wait: dropped
+            time.sleep(max(0.0, failed_at + 3.2 - time.monotonic()))
+            export("after")  # the wait is over: it goes out
+            assert [s["name"] for s in r.spans()] == ["after"]
+        finally:
+            shutdown_bounded([tp], 5)
+
+
+def _thread_cpu() -> dict:
+    """CPU seconds of each thread of this process so far, by native thread id (Linux /proc)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU times from Linux /proc")
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_black_hole_collector_takes_no_cpu_from_training_on_a_loaded_machine(otlp_env, protocol):
+    """A collector that accepts and never answers, every core busy with other processes: steps of
+    a model whose OtelTelemetry exports there against steps of one whose OtelTelemetry has SDK
+    providers without exporters (the same sink work, no export), taking turns; and the CPU the
+    process's other threads (span processor, metric reader, gRPC's threads, the probe) used
+    meanwhile against the training thread's."""
+    import subprocess
+    import statistics
+    import sys
+    import threading
+
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from _blackhole import BlackHole
+
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    # One intra-op thread: with as many as cores, any runnable thread (another process's as much
+    # as an exporter's) stalls torch's parallel regions, so the ratio would measure the machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with BlackHole() as bh:
+            otlp_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", bh.endpoint)
+            otlp_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+            tp, mp = configure_from_env(0)
+            hole = OtelTelemetry(tp, mp, shutdown_on_close=True)
+            quiet = OtelTelemetry(TracerProvider(), MeterProvider())
+            a, b, x = _pair()
+            kw = dict(on_detect="report", trace_batches=range(0, 10_000, 3))  # spans queued all along
+            try:
+                with watch(a, sinks=[hole], **kw), watch(b, sinks=[quiet], **kw):
+                    interleaved_medians(_step(a, x), _step(b, x), rounds=20)  # warm-up: the first exports
+                    before = _thread_cpu()
+                    ratios = [interleaved_medians(_step(a, x), _step(b, x), rounds=60)[2] for _ in range(7)]
+                    after = _thread_cpu()
+                    names = {t.native_id: t.name for t in threading.enumerate()}
+            finally:
+                hole.close()
+            assert bh.accepted > 0  # the exporters really reached the black hole
+    finally:
+        torch.set_num_threads(threads)
+        for p in busy:
+            p.kill()
+            p.wait()
+    used = {tid: t - before.get(tid, 0.0) for tid, t in after.items()}
+    training = used.pop(threading.main_thread().native_id)
+    # the exporters' threads: every other one but the sinks' span workers (both sides have one)
+    # and the black hole's; gRPC's own threads are not Python threads and have no name here
+    exporting = {names.get(tid, f"native {tid}"): t for tid, t in used.items()
+                 if names.get(tid) not in ("tensorwatch-otel-spans", "blackhole")}
+    assert statistics.median(ratios) <= 1.3, ratios
+    # before the backoff: the span processor's thread alone about 7% (it encoded every batch)
+    assert sum(exporting.values()) <= 0.05 * training, (exporting, training)
 
 
 def test_taken_metrics_port_training_goes_on(monkeypatch, caplog):

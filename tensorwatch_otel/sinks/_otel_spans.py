@@ -12,6 +12,8 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, Sta
 from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, Event, Frame, NonFiniteEvent,
                            OverflowCheckEvent, SkipStreakEvent, StoppedByRankEvent, label_for_module)
 
+#: The detection's span (otel_env's export backoff always lets a batch holding one through).
+DETECTION_SPAN = "tensorwatch.nonfinite_detected"
 _SDK_DEFAULT_EVENT_LIMIT = 128
 
 
@@ -182,7 +184,7 @@ class SpanBuilder:
             attrs["tensorwatch.verdict"] = event.verdict
         if omitted:  # the most recent frames matter most; the report attribute has them all
             attrs["tensorwatch.frames.omitted"] = omitted
-        span = self._tracer.start_span("tensorwatch.nonfinite_detected", context=ctx, start_time=t0,
+        span = self._tracer.start_span(DETECTION_SPAN, context=ctx, start_time=t0,
                                        attributes=attrs, links=links)
         self._add_frames(span, frames[omitted:], t0, omitted)
         where = label_for_module(event.module)

@@ -12,8 +12,11 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from ._otlp_backoff import ExportBackoff
 
 log = logging.getLogger(__name__)
 
@@ -258,19 +261,28 @@ class MismatchCheck:
         return None
 
 
-def checked_span_exporter(inner: Any, check: MismatchCheck) -> Any:
-    """`inner` (an OTLP SpanExporter) with the mismatch check after each failed export."""
+def checked_span_exporter(inner: Any, check: MismatchCheck, backoff: Optional["ExportBackoff"] = None) -> Any:
+    """`inner` (an OTLP SpanExporter) with the mismatch check and, when given, the backoff after
+    a failed export: a batch holding a detection span is tried whatever the backoff says."""
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from ._otel_spans import DETECTION_SPAN
 
     class CheckedSpanExporter(SpanExporter):
         def export(self, spans):
+            if backoff is not None and backoff.waiting() and not any(s.name == DETECTION_SPAN for s in spans):
+                backoff.drop()
+                return SpanExportResult.FAILURE
             result = SpanExportResult.FAILURE
             check.export_started()
             try:
                 result = inner.export(spans)
                 return result
             finally:
-                check.export_ended(result is SpanExportResult.SUCCESS)
+                ok = result is SpanExportResult.SUCCESS
+                check.export_ended(ok)
+                if backoff is not None:
+                    backoff.record(ok)
 
         def shutdown(self):
             return inner.shutdown()
@@ -284,7 +296,9 @@ def checked_span_exporter(inner: Any, check: MismatchCheck) -> Any:
 
 
 def checked_metric_exporter(inner: Any, check: MismatchCheck) -> Any:
-    """`inner` (an OTLP MetricExporter) with the mismatch check after each failed export."""
+    """`inner` (an OTLP MetricExporter) with the mismatch check. No backoff here: a failing export
+    holds the metric reader's thread for the exporter's timeout, which already spaces its
+    collections out; returning at once would let it collect at every interval instead."""
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 
     class CheckedMetricExporter(MetricExporter):

@@ -158,6 +158,7 @@ def configure_from_env(rank: int = 0, *, traces: bool = True,
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.trace import NoOpTracerProvider
 
+    from ._otlp_backoff import ExportBackoff
     from ._otlp_check import MismatchCheck, checked_metric_exporter, checked_span_exporter, resolve
 
     wanted = [s for s, on in (("traces", traces), ("metrics", metrics)) if on and _signal_wanted(s, env)]
@@ -172,7 +173,7 @@ def configure_from_env(rank: int = 0, *, traces: bool = True,
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
             t = targets["traces"]
-            exporter = checked_span_exporter(_span_exporter(t.protocol), MismatchCheck(t))
+            exporter = checked_span_exporter(_span_exporter(t.protocol), MismatchCheck(t), ExportBackoff("traces"))
             tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
             to_shut.append(tracer_provider)
             # BatchSpanProcessor reads OTEL_BSP_MAX_QUEUE_SIZE (default 2048) and drops when full.
