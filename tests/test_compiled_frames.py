@@ -463,3 +463,73 @@ def test_the_drop_in_prints_the_same_under_compile():
         dbg.detach()
     assert "blocks.0.mlp.fc1" in outs[0][0]
     assert outs[1] == outs[0]
+
+
+class _Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x)
+
+
+class _PlainBlock(nn.Module):
+    """LayerNorm -> Linear -> activation -> Linear with a residual: no attention, so inductor
+    is free to put one block's activation into the buffer of the block before."""
+
+    def __init__(self, d: int, act: type):
+        super().__init__()
+        self.ln, self.fc1, self.act, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), act(), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.ln(x))))
+
+
+class _PlainStack(nn.Module):
+    def __init__(self, d: int, act: type, n_blocks: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(_PlainBlock(d, act) for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["watch_then_compile", "model_compile_then_watch", "watch_compiled"])
+def test_values_are_eager_ones_whatever_buffers_inductor_reuses(how):
+    """Without grad, inductor reuses the buffer of one block's activation for the next block's,
+    writing it without moving the tensor's version: a statistic cached by tensor identity and
+    version would be an earlier tensor's. Every (module, tensor) must carry its own values, for
+    several widths and activations, and an inf born in an activation is named where eager names it."""
+    for d, act in ((64, nn.GELU), (48, _Exp)):
+        torch.manual_seed(0)
+        model = _PlainStack(d, act)
+        x = torch.randn(2, 8, d) * (0.3 if act is _Exp else 1.0)
+        with torch.no_grad():
+            eager = _eager_reference(model, x)
+        w, sink, call = _compiled(model, how, "inductor")
+        with torch.no_grad():
+            call(x)
+        frames = sink.batches[-1].frames
+        assert _pairs(frames) == _pairs(eager)
+        ref, got = _values(eager), _values(frames)
+        stale = [(key, got[key], ref[key]) for key, (mn, mx) in ref.items()
+                 if not (_close(got[key][1], mx, mx) and _close(got[key][0], mn, mx))]
+        assert not stale, (d, act.__name__, stale)
+        # an inf born inside the graph in block 1's activation (one element overflows)
+        with torch.no_grad():
+            model.blocks[1].fc1.bias[3] = 100.0 if act is _Exp else float("inf")
+        sink_eager = Collect()
+        w.detach()
+        with torch.no_grad(), watch(model, sinks=[sink_eager], on_detect="report"):
+            (model._orig_mod if hasattr(model, "_orig_mod") else model)(x)
+        w, sink, call = _compiled(model, how, "inductor") if how != "model_compile_then_watch" else \
+            (watch(model, sinks=[sink], on_detect="report"), sink, model)
+        with torch.no_grad():
+            call(x)
+        (expected,) = sink_eager.of(NonFiniteEvent)
+        (ev,) = sink.of(NonFiniteEvent)
+        assert (ev.module, ev.tensor) == (expected.module, expected.tensor)
+        assert ev.module == ("blocks.1.act" if act is _Exp else "blocks.1.fc1")
+        w.detach()
+        torch._dynamo.reset()

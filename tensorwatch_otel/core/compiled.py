@@ -311,15 +311,35 @@ _PARSED: Dict[str, Tuple[_Node, ...]] = {}  # spec -> its parsed form (one per c
 
 
 def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any], object]:
-    """(args, kwargs, output) of the hooked call, the real tensors in place."""
+    """(args, kwargs, output) of the hooked call, the real tensors in place as fresh aliases."""
     parsed = _PARSED.get(spec)
     if parsed is None:
         parsed, _ = _parse(spec, 0)
         if len(_PARSED) < 4096:
             _PARSED[spec] = parsed
-    it = iter(tensors)
+    it = iter(_fresh(tensors))
     args, kwargs, output = (_fill(p, it) for p in parsed)
     return args, kwargs, output
+
+
+def _fresh(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """A new alias (same storage, same values) of each distinct tensor of one op call.
+
+    Inductor reuses a buffer whose value is dead for a later value, keeping the Python tensor
+    object and writing it from its kernels without moving `_version`: the graph's tensor of one
+    module call can be the very object, at the very version, of an earlier call's different
+    value. The recorder's caches know a tensor by identity and version, so handed the graph's
+    own objects they would serve the earlier value's statistics. An alias lives for one op call
+    only: a tensor seen twice in one call (a module returning its input) is still measured once,
+    and nothing is carried from one call to the next."""
+    out: List[torch.Tensor] = []
+    seen: Dict[int, torch.Tensor] = {}
+    for t in tensors:
+        a = seen.get(id(t))
+        if a is None:
+            a = seen[id(t)] = t.detach()
+        out.append(a)
+    return out
 
 
 def _parse(spec: str, i: int) -> Tuple[Tuple[_Node, ...], int]:
