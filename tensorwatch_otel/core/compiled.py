@@ -249,6 +249,26 @@ def traced_pre(slot: int) -> None:
         torch.ops.tensorwatch.pre(_TOKEN, slot)
 
 
+def run_eagerly_when_called_eagerly(fn: _F) -> _F:
+    """Marks a hook so that dynamo never compiles it as a frame of its own.
+
+    Called from a module's eager `__call__` (the root of `torch.compile(model)`, whose
+    `_call_impl` dynamo does not trace, or a compiled submodule), a hook is a top-level frame
+    that dynamo would compile into a one-op graph guarded on the input's shape: a frame and a
+    recompile per shape under `dynamic=False`, for nothing, since the hook then holds real
+    tensors and runs its eager body anyway. Skipped as a top-level frame (with all it calls), it
+    runs eagerly; traced from inside a graph (inlined), it is traced as before."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        # SKIP for the frames it calls as well: its eager body (recording, the batch's end,
+        # the sinks) is no code for dynamo to compile
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except Exception as exc:  # a torch without it: the hook is compiled as before
+        log.debug("tensorwatch_otel: cannot mark hooks eager-only for dynamo: %s", exc)
+    return fn
+
+
 def pre_hook(slot: int, eager: _PreHook, is_root: bool = False) -> Callable[[torch.nn.Module, Tuple[Any, ...]], object]:
     """The forward pre-hook registered on a module: the eager one, or its op while traced. The
     root's, run eagerly (a compiled model watched through its wrapper), first ends the calls an
@@ -263,7 +283,7 @@ def pre_hook(slot: int, eager: _PreHook, is_root: bool = False) -> Callable[[tor
         if is_root and stack.stack:
             _unwind(stack.stack, 0)
         return eager(module, args)
-    return pre
+    return run_eagerly_when_called_eagerly(pre)
 
 
 def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object) -> None:

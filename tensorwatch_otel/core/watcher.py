@@ -34,7 +34,7 @@ from .recorder import FrameRecorder
 from .backward import BackwardRecorder
 from .detection import DetectionPipeline
 from .attach import HookSet
-from .compiled import traced_post
+from .compiled import run_eagerly_when_called_eagerly, traced_post
 from .step_monitor import StepHost, StepMonitor
 from .steps import StepGuard
 from .optim_state import OptimizerStateReader
@@ -310,7 +310,7 @@ class Watcher:
                     st.depth = 0
                     if outside_backward and st.rec is not None:
                         self._end_call(st, info.is_root)
-        return hook
+        return run_eagerly_when_called_eagerly(hook)
 
     def _pre_hook(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...]) -> None:
         # registered through compiled.pre_hook, which runs it only outside dynamo's tracing
