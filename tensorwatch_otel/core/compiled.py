@@ -14,6 +14,7 @@ opaque to inductor, they run between the fused kernels, on the values those prod
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import threading
@@ -259,11 +260,12 @@ def run_eagerly_when_called_eagerly(fn: _F) -> _F:
     tensors and runs its eager body anyway. Skipped as a top-level frame (with all it calls), it
     runs eagerly; traced from inside a graph (inlined), it is traced as before."""
     try:
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        eval_frame = importlib.import_module("torch._dynamo.eval_frame")
+        dynamo_types = importlib.import_module("torch._dynamo.types")  # (both private: looked up)
+        skip = dynamo_types.FrameAction.SKIP
         # SKIP for the frames it calls as well: its eager body (recording, the batch's end,
         # the sinks) is no code for dynamo to compile
-        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        eval_frame.set_code_exec_strategy(fn.__code__, dynamo_types.FrameExecStrategy(skip, skip))
     except Exception as exc:  # a torch without it: the hook is compiled as before
         log.debug("tensorwatch_otel: cannot mark hooks eager-only for dynamo: %s", exc)
     return fn
