@@ -83,6 +83,40 @@ def test_cpu_offloaded_weights_are_measured_when_accelerate_lends_them(caplog):
         assert torch.equal(model(x), plain)
 
 
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = SeenLinear(4, 4)
+        self.b = SeenLinear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_weights_lent_for_a_whole_block_are_measured_and_not_kept(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Linear(4, 2))
+    expected = {(f"0.{c}", n): (p.detach().abs().min().item(), p.detach().abs().max().item())
+                for c in "ab" for n, p in model[0].get_submodule(c).named_parameters()}
+    # the block's hook lends every weight below it for the block's call (place_submodules)
+    cpu_offload(model, execution_device="cpu", preload_module_classes=["Block"])
+    assert model[0]._hf_hook.place_submodules and model[0].a.weight.is_meta
+    sink = Collect()
+    caplog.set_level(logging.INFO, logger="tensorwatch_otel")
+    with watch(model, sinks=[sink]), torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 4))
+    for batch in sink.batches:
+        frames = {f.module: f for f in batch.frames}
+        for (path, name), (mn, mx) in expected.items():
+            t = _tensors(frames[path])[name]
+            assert (t.abs_min, t.abs_max) == pytest.approx((mn, mx)), (path, name, t)
+    gc.collect()
+    assert len(model[0].a.lent) == 3 and all(r() is None for r in model[0].a.lent + model[0].b.lent)
+    assert "replaced" not in caplog.text
+    assert remaining_hooks(model) == {}
+
+
 def test_inf_in_an_offloaded_weight_is_named_at_the_weight():
     model = _model()
     cpu_offload(model, execution_device="cpu")

@@ -290,9 +290,7 @@ class HookSet:
             if lends and offload.lends_submodules(module):
                 lent_below.update(id(m) for m in module.modules())
             lent = lends or id(module) in lent_below
-            for k, p in module._parameters.items():
-                if lent:
-                    break
+            for k, p in () if lent else module._parameters.items():
                 if p is not None:
                     params.append(p)
                 slots.append((module._parameters, k, _NONE if p is None else weakref.ref(p)))
