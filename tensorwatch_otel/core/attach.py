@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import compiled, naming
+from . import compiled, naming, offload
 from .config import WatchConfig
 from .quiet import Places, QuietBatches
 from .record import ModuleInfo
@@ -156,15 +156,17 @@ class ParamIndex:
 
 
 class _Hooked:
-    """A module with hooks, their handles, its frame info, and (not the root) where its forward
-    pre-hook and hook sit: (hook dict, key) each, what an unsampled batch takes off."""
+    """A module with hooks, their handles, its frame info, (not the root) where its forward
+    pre-hook and hook sit: (hook dict, key) each, what an unsampled batch takes off, and the
+    LentWeights placed on it when accelerate lends it its weights (core/offload.py)."""
 
-    __slots__ = ("info", "handles", "places")
+    __slots__ = ("info", "handles", "places", "lent")
 
     def __init__(self, info: ModuleInfo):
         self.info = info
         self.handles: List[Any] = []
         self.places: Places = []
+        self.lent: Optional[offload.LentWeights] = None
 
 
 _Handle = Any  # a RemovableHandle or a compiled.SlotHandle: has .remove()
@@ -275,12 +277,20 @@ class HookSet:
         found: Set[int] = set()
         new_paths: List[str] = []
         seen: Set[int] = set()
+        # modules whose parameters accelerate's offload lends for each call (core/offload.py):
+        # new tensors every call, so they are neither the model's parameters as last seen (a
+        # rescan per batch) nor owned (the step guard, gradient hooks) by anything lasting
+        lent_below: Set[int] = set()
         upath = ""
         for path, module in root.named_modules():
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            for k, p in module._parameters.items():
+            lends = offload.lends(module)
+            if lends and offload.lends_submodules(module):
+                lent_below.update(id(m) for m in module.modules())
+            lent = lends or id(module) in lent_below
+            for k, p in () if lent else module._parameters.items():
                 if p is not None:
                     params.append(p)
                 slots.append((module._parameters, k, _NONE if p is None else weakref.ref(p)))
@@ -308,6 +318,9 @@ class HookSet:
                 self._hook_module(h, module, is_root)
                 if not first:
                     new_paths.append(f"{info.path or '(root)'} ({info.cls})")
+            if lent:
+                self._lend(h, module, lends)
+                continue
             info = h.info
             for pname, p in module.named_parameters(recurse=False):
                 owners.setdefault(id(p), (info, pname))
@@ -343,6 +356,16 @@ class HookSet:
             log.info("tensorwatch_otel: the model's parameters were replaced after watch() (to_empty(), "
                      "load_state_dict(assign=True), fully_shard, ...): found again at batch %d%s", batch,
                      "; their gradients are watched" if cfg.gradients else "")
+
+    def _lend(self, h: _Hooked, module: torch.nn.Module, own_hook: bool) -> None:
+        """The module's weights are lent per call: by its own offloading hook (a LentWeights keeps
+        them for our forward hook), or by an ancestor's for the ancestor's whole call (the module
+        holds them while its own hooks run)."""
+        if own_hook and h.lent is None:
+            h.lent = offload.LentWeights(module)
+            h.handles.append(h.lent)
+            self._handles.append(h.lent)
+        h.info.lend(h.lent.params if h.lent is not None else None)
 
     def _hook_module(self, h: _Hooked, module: torch.nn.Module, is_root: bool) -> None:
         info = h.info

@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from .._watch import env_sinks
-from ..core import naming
+from ..core import naming, offload
 from ..core.behaviour import Behaviour
 from ..core.config import WatchConfig
 from ..core.events import NOTE_NONE, NOTE_NOT_TENSOR, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent, TensorStat
@@ -153,7 +153,8 @@ class _TraceFlags:
 
     @staticmethod
     def _frame(module, args, output) -> list:
-        named = [(n, p) for n, p in module._parameters.items() if p is not None]
+        # (under accelerate's offload, the weights the module held in this call: core/offload.py)
+        named = [(n, p) for n, p in offload.lent_params(module).items() if p is not None]
         named += [(f"input[{i}]", a) for i, a in enumerate(args)]
         if isinstance(output, tuple):
             for i, x in enumerate(output):
