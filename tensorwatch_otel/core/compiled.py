@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 
 import torch
 
+from .copies import ModuleHook
 from .errors import AbortAfterBatch, NonFiniteDetected
 
 log = logging.getLogger(__name__)
@@ -249,21 +250,30 @@ def traced_pre(slot: int) -> None:
         torch.ops.tensorwatch.pre(_TOKEN, slot)
 
 
-def pre_hook(slot: int, eager: _PreHook, is_root: bool = False) -> Callable[[torch.nn.Module, Tuple[Any, ...]], object]:
+class PreHook(ModuleHook):
     """The forward pre-hook registered on a module: the eager one, or its op while traced. The
     root's, run eagerly (a compiled model watched through its wrapper), first ends the calls an
-    exception left open inside the last compiled call."""
-    compiling = torch.compiler.is_compiling
-    stack = _open
+    exception left open inside the last compiled call. Copied with its module, it is a no-op
+    (core/copies.py)."""
 
-    def pre(module: torch.nn.Module, args: Tuple[Any, ...]) -> object:
-        if compiling():
-            traced_pre(slot)
+    __slots__ = ("_slot", "_eager", "_is_root")
+
+    def __init__(self, slot: int, eager: _PreHook, is_root: bool = False) -> None:
+        super().__init__()
+        self._slot = slot
+        self._eager = eager
+        self._is_root = is_root
+
+    def __call__(self, module: torch.nn.Module, args: Tuple[Any, ...]) -> object:
+        if _compiling():
+            traced_pre(self._slot)
             return None
-        if is_root and stack.stack:
-            _unwind(stack.stack, 0)
-        return eager(module, args)
-    return pre
+        if self._is_root and _open.stack:
+            _unwind(_open.stack, 0)
+        return self._eager(module, args)
+
+
+_compiling = torch.compiler.is_compiling
 
 
 def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object) -> None:

@@ -16,6 +16,7 @@ from .._watch import env_sinks
 from ..core import naming
 from ..core.behaviour import Behaviour
 from ..core.config import WatchConfig
+from ..core.copies import Copies, Hook
 from ..core.events import NOTE_NONE, NOTE_NOT_TENSOR, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent, TensorStat
 from ..core.rank import current_rank
 from ..core.record import ModuleInfo, Record
@@ -128,16 +129,19 @@ class _TraceFlags:
         self.watcher: Optional[Watcher] = None
         self.batches: Dict[int, List[Optional[list]]] = {}
         self._handles = []
+        self._copies = Copies()  # a copy of the model holds no-ops in their place (core/copies.py)
         seen = set()
         for _, module in model.named_modules():
             if id(module) not in seen:
                 seen.add(id(module))
-                self._handles.append(module.register_forward_hook(self._hook, prepend=True, always_call=True))
+                hook = Hook(self._hook).place(module, self._copies)
+                self._handles.append(module.register_forward_hook(hook, prepend=True, always_call=True))
 
     def detach(self) -> None:
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
+        self._copies.take_off()
         self.batches.clear()
 
     def _hook(self, module, args, output) -> None:
