@@ -36,6 +36,7 @@ from .detection import DetectionPipeline
 from .attach import HookSet
 from .compiled import traced_post
 from .copies import ModuleHook
+from . import transforms
 from .step_monitor import StepHost, StepMonitor
 from .steps import StepGuard
 from .optim_state import OptimizerStateReader
@@ -143,6 +144,7 @@ class Watcher:
                               before_step=self._steps.before_step, after_step=self._steps.after_step,
                               batch_number=lambda: self.batch_number)
         self._rescan_failed = False
+        self._unwrapped: Optional[transforms.UnwrappedRecorder] = None  # made at the first call inside torch.func
         self._grad_acts = config.gradients
         self._failed_hooks = 0
         self._hook_error_logged = False
@@ -264,6 +266,20 @@ class Watcher:
             else functools.partial(self.behaviour.record, recorder)
         return ForwardHook(self, info, slot, take)
 
+    def _take_unwrapped(self, rec: Record, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                        output: Any) -> None:
+        """A frame of a call inside torch.func transforms, measured through the tensors they wrap
+        (core/transforms.py); said once."""
+        r = self._unwrapped
+        if r is None:
+            r = self._unwrapped = transforms.UnwrappedRecorder(self.model)
+        r.say_once()
+        with transforms.set_aside():
+            if type(self.behaviour).record is Behaviour.record:
+                r.frame(rec, info, args, kwargs, output)
+            else:
+                self.behaviour.record(r, rec, info, args, kwargs, output)
+
     def _pre_hook(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...]) -> None:
         # registered through compiled.pre_hook, which runs it only outside dynamo's tracing
         if self._detect.replaying:
@@ -277,9 +293,10 @@ class Watcher:
 
     def _outermost_call(self, st: _BatchState, module: Optional[torch.nn.Module]) -> None:
         """An outermost watched call of this thread starts; it begins a batch unless one is open
-        (a `batch()` block) or it runs inside a backward (checkpoint recomputation)."""
+        (a `batch()` block), it runs inside a backward (checkpoint recomputation) or
+        torch.jit.trace traces it (the traced module is not watched)."""
         self._params_current()  # replaced parameters get their gradient hooks before the backward
-        begins = st.rec is None and torch._C._current_graph_task_id() == -1
+        begins = st.rec is None and torch._C._current_graph_task_id() == -1 and _tracing() is None
         if begins:
             try:  # multi-rank: the stop published by a rank may be raised here
                 self._fleet.at_batch_start()
@@ -457,6 +474,8 @@ _compiling = torch.compiler.is_compiling
 _graph_task = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 _set_grad = torch._C._set_grad_enabled
+_tracing = transforms.tracing
+_transforms = transforms.active
 
 
 class ForwardHook(ModuleHook):
@@ -494,17 +513,22 @@ class ForwardHook(ModuleHook):
         info = self._info
         outside_backward = _graph_task() == -1  # inside: checkpoint recomputation, not a batch
         try:
-            if st.active and info.recorded and outside_backward:
+            # (jit.trace: an op run here would be traced into its graph)
+            if st.active and info.recorded and outside_backward and _tracing() is None:
                 rec: Record = st.rec  # type: ignore[assignment]  # active: a batch is open
                 w = self._w
                 try:
                     grad = _grad_enabled()
                     _set_grad(False)  # (torch.no_grad() without its three Python calls)
+                    wrapped = _transforms()  # torch.func's tensors: measured through what they wrap
                     try:
-                        self._take(rec, info, args, kwargs, output)
+                        if wrapped:
+                            w._take_unwrapped(rec, info, args, kwargs, output)
+                        else:
+                            self._take(rec, info, args, kwargs, output)
                     finally:
                         _set_grad(grad)
-                    if grad and w._grad_acts:
+                    if grad and w._grad_acts and not wrapped:
                         w._backward.hook_activations(info, args, output)
                 except Exception as exc:  # a frame we cannot take must not stop training
                     w._hook_failed(info, exc)

@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from .._watch import env_sinks
-from ..core import naming
+from ..core import naming, transforms
 from ..core.behaviour import Behaviour
 from ..core.config import WatchConfig
 from ..core.copies import Copies, Hook
@@ -146,9 +146,13 @@ class _TraceFlags:
 
     def _hook(self, module, args, output) -> None:
         w = self.watcher
-        if w is None or w.batch_number not in self.traced or torch._C._current_graph_task_id() != -1:
+        if w is None or w.batch_number not in self.traced or torch._C._current_graph_task_id() != -1 \
+                or transforms.tracing() is not None:
             return
         frames = self.batches.setdefault(w.batch_number, [])
+        if transforms.active():  # torch.func's wrappers: the abs min/max lines stand in
+            frames.append(None)
+            return
         try:
             with torch.no_grad():
                 frames.append(self._frame(module, args, output))
