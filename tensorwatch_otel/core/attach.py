@@ -27,12 +27,14 @@ from torch.utils.hooks import RemovableHandle
 
 from . import compiled, naming, offload
 from .config import WatchConfig
+from .copies import Copies, Hook
 from .quiet import Places, QuietBatches
 from .record import ModuleInfo
 from .steps import StepTracker
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .compiled import _PostHook, _PreHook, _Watcher
+    from .compiled import _PreHook, _Watcher
+    from .watcher import ForwardHook
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +189,7 @@ class HookSet:
     hook off."""
 
     def __init__(self, model: torch.nn.Module, config: WatchConfig, *, slot_owner: "_Watcher",
-                 pre_hook: "_PreHook", make_hook: Callable[[ModuleInfo, int], "_PostHook"],
+                 pre_hook: "_PreHook", make_hook: Callable[[ModuleInfo, int], "ForwardHook"],
                  capture_hook: Optional[Callable[..., Any]],
                  param_hook: Callable[[ModuleInfo, str], Callable[[torch.Tensor], None]],
                  params_current: Callable[[], None], before_step: Callable[..., Any],
@@ -213,6 +215,7 @@ class HookSet:
         self._compiled = False
         self._said_params_replaced = False
         self._quiet = QuietBatches(model)
+        self._copies = Copies()  # deep copies of the model's modules: their hooks are no-ops (core/copies.py)
 
     @property
     def index(self) -> ParamIndex:
@@ -252,11 +255,12 @@ class HookSet:
         self._handles.extend(self._step_hooks.handles)
 
     def remove(self) -> None:
-        """Every hook placed, removed. Idempotent."""
+        """Every hook placed, removed, and the no-ops copies of the model's modules hold. Idempotent."""
         self._quiet.put_back()
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
+        self._copies.take_off()
 
     def rescan(self, first: bool = False) -> None:
         """Walk the model as it is now: hooks on modules not hooked yet (all of them at watch()),
@@ -369,13 +373,15 @@ class HookSet:
 
     def _hook_module(self, h: _Hooked, module: torch.nn.Module, is_root: bool) -> None:
         info = h.info
+        copies = self._copies
         if is_root and self._capture_hook is not None:
-            h.handles.append(module.register_forward_pre_hook(self._capture_hook, with_kwargs=True))
+            capture = Hook(self._capture_hook).place(module, copies)
+            h.handles.append(module.register_forward_pre_hook(capture, with_kwargs=True))
         # traced into a compiled graph, each hook becomes an op that runs it at run time (core/compiled.py)
         slot = compiled.new_slot(self._slot_owner, module, self._pre_hook)
-        hook = self._make_hook(info, slot)
+        hook = self._make_hook(info, slot).place(module, copies)
         compiled.set_post(slot, hook)
-        pre = module.register_forward_pre_hook(compiled.pre_hook(slot, self._pre_hook, is_root))
+        pre = module.register_forward_pre_hook(compiled.PreHook(slot, self._pre_hook, is_root).place(module, copies))
         post = module.register_forward_hook(hook, with_kwargs=True, always_call=True)
         h.handles += [pre, post, compiled.SlotHandle(slot)]
         if not is_root:
