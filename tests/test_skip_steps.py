@@ -153,6 +153,53 @@ def test_the_first_step_an_optimizer_takes_is_skipped_too(closure):
     assert "step" not in vars(opt)  # detach gave optimizer.step back
 
 
+class _SubclassedAdam(torch.optim.Adam):
+    """A user's optimizer that steps through super(): the stand-in is an instance of its class,
+    and super().step() runs torch's step hooks a second time (on the stand-in too)."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # torch hooks Adam.step once an Adam is made
+
+
+OPTIMIZERS = {
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+    "adam_subclass": lambda p: _SubclassedAdam(p, lr=1e-2),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "radam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=1e-2),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+    "adadelta": lambda p: torch.optim.Adadelta(p),
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("closure", [False, True])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_torch_optimizer_skips_its_first_step_and_a_gated_one_untouched(name, closure, monkeypatch):
+    # batch 0: the step the watcher first meets the optimizer in (the stand-in); batch 3: the gate
+    monkeypatch.setitem(globals(), "_optimizer", lambda kind, model: OPTIMIZERS[name](model.parameters()))
+    data = _data(6)
+    ref_model, ref_opt = _reference(name, (0, 3), data)
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS[name](model.parameters())
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="skip"):
+        _train(model, opt, data, (0, 3), "loss", closure=closure)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    assert _same_state(opt.state_dict(), ref_opt.state_dict())
+    assert [e.batch_number for e in sink.of(SkippedNonFiniteStepEvent)] == [0, 3]
+
+
 def test_lbfgs_steps_are_skipped_once_the_gate_is_on_and_its_first_step_raises():
     # LBFGS reads its parameter groups before it runs the closure: its very first step (before
     # the gate) cannot run on a stand-in, so on_detect="skip" raises there instead of letting it write

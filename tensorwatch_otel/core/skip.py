@@ -128,7 +128,7 @@ def stand_in(optimizer: torch.optim.Optimizer, dropped: bool) -> Optional[Any]:
         if sub is None:
             sub = type(f"SkippedStep{cls.__name__}", (cls,), {
                 "__module__": __name__, "__getattribute__": _get, "__setattr__": _set,
-                "param_groups": property(_groups), "drop": _drop})
+                "param_groups": property(_groups), "drop": _drop, "_tw_stand_in": True})
             _CLASSES[cls] = sub
         inst: Any = object.__new__(sub)
     except Exception as exc:  # an optimizer class that takes no subclass: the step cannot be skipped so
@@ -140,6 +140,12 @@ def stand_in(optimizer: torch.optim.Optimizer, dropped: bool) -> Optional[Any]:
     object.__setattr__(inst, "_tw_handed", False)
     object.__setattr__(inst, "_tw_scratch", {})
     return inst
+
+
+def is_stand_in(optimizer: object) -> bool:
+    """`optimizer` is a stand-in: the step hooks a subclass's super().step() runs again on it
+    (torch hooks every optimizer class's step) must leave it alone."""
+    return getattr(type(optimizer), "_tw_stand_in", False) is True
 
 
 class StepSkipper:

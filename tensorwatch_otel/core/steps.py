@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .events import SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent, merge_kinds
 from .record import Item, ModuleInfo, Record
+from .skip import is_stand_in
 from .stats import HostBatch, measure
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class StepTracker:
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...],
              kwargs: Dict[str, Any]) -> Optional[StepArgs]:
+        if is_stand_in(optimizer):  # a skipped step's own super().step(): not a step of its own
+            return None
         self._refresh()
         if self._concerns(optimizer):
             closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args[0] is the optimizer)
@@ -117,7 +120,7 @@ class StepTracker:
         return None
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if self._concerns(optimizer):
+        if not is_stand_in(optimizer) and self._concerns(optimizer):
             self.steps += 1
             self._on_post(optimizer)
 
