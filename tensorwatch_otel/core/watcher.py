@@ -125,15 +125,17 @@ class Watcher:
         # ring, capture, replay, fleet, flush, raise (core/detection.py)
         self._detect = DetectionPipeline(model, config, self.behaviour, self._fanout, self._fleet,
                                          self._recorder.kind, lambda: self._recorder.acts_seen.clear(),
-                                         lambda: self._tls.st.history, self._probe)
+                                         lambda: self._tls.st.history, self._probe,
+                                         forward_poisoned=lambda e: self._steps.forward_poisoned(e))
         self._check = self._detect.check
         self._detected = self._detect.detected
         # optimizer steps, skips, the loss scale, the step guard (core/step_monitor.py)
         self._steps = StepMonitor(StepHost(
-            detect=self._detected, emit=self._fanout.on_event, phase_stats=self._phase_stats, check=self._check,
-            last_batch=self._last_batch, watches=self._watches,
-            live=lambda: self._attached and not self._replaying, weights_changed=self._recorder.invalidate_weights),
-            self._fleet, grad_scaler, config.max_skipped_steps, config.gradients)
+            detect=self._detected, escalate=self._detect.escalate, emit=self._fanout.on_event,
+            phase_stats=self._phase_stats, check=self._check, last_batch=self._last_batch, watches=self._watches,
+            live=lambda: self._attached and not self._replaying, weights_changed=self._recorder.invalidate_weights,
+            generation=lambda: self._hooks.index.generation),
+            self._fleet, grad_scaler, config.max_skipped_steps, config.gradients, skip=config.on_detect == "skip")
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._last_batch()),
                                           self._steps.backward_done, self._hook_failed)
@@ -155,8 +157,11 @@ class Watcher:
         hooks = self._hooks
         hooks.place()
         cfg = self.config
-        # gradients=True localizes bad gradients in the backward: the step guard would add nothing
-        self._steps.use(StepGuard(hooks.index) if cfg.guard_steps and not cfg.gradients else None,
+        # gradients=True localizes bad gradients in the backward: the step guard would add nothing,
+        # except to on_detect="skip", whose verdict is on the gradients the step consumes (DDP's
+        # all-reduced ones, a GradScaler's unscaled ones)
+        guard = cfg.guard_steps and (not cfg.gradients or cfg.on_detect == "skip")
+        self._steps.use(StepGuard(hooks.index) if guard else None,
                         OptimizerStateReader(hooks.index) if cfg.optimizer_state else None)
         self._attached = True
         ACTIVE.add(self)
@@ -450,6 +455,11 @@ class Watcher:
     def steps_skipped(self) -> int:
         """Optimizer steps skipped so far (non-finite gradients no step consumed)."""
         return self._steps.steps_skipped
+
+    @property
+    def nonfinite_steps_skipped(self) -> int:
+        """Optimizer steps the watcher skipped so far (on_detect="skip")."""
+        return self._steps.nonfinite_steps_skipped
 
     @property
     def detections(self) -> int:
