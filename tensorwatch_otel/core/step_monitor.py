@@ -197,9 +197,9 @@ class StepMonitor:
                 and not torch.compiler.is_compiling():  # (a compiled optimizer step: no read inside its graph)
             # after the stop point: a stop already under way (another rank's, or this rank's
             # forward detection) is raised there, not named again at the gradients it spoilt
-            batch = self._host.last_batch()  # the batch whose gradients the step consumes
-            if self._host.watches(batch):
-                self._guard_step(optimizer, batch)
+            # every batch's step, sampled or not: every_n_batches thins the statistics, never
+            # the detection (an unchecked step would spread an inf into every weight)
+            self._guard_step(optimizer, self._host.last_batch())
         return None
 
     def _guard_step(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
@@ -275,19 +275,18 @@ class StepMonitor:
         poisoned = self._poisoned
         if poisoned is not None and self._poison_spent is not None and self._poison_spent != batch:
             poisoned = self._poisoned = None  # its batch's steps were skipped; this is a later batch's
-        watched = self._host.watches(batch)
-        replicated = self._guard is not None and watched and self._fleet.gradients_replicated()
+        replicated = self._guard is not None and self._fleet.gradients_replicated()
         bad: Optional[_Bad] = None
         if not replicated:
             if poisoned is not None:
                 bad = _Bad.of_event(poisoned)
             elif pending is not None:
                 bad = _Bad.of_record(pending.record, pending.frame)
-        if bad is None and self._guard is not None and watched and not scaler_checked:
+        if bad is None and self._guard is not None and not scaler_checked:  # every batch, sampled or not
             bad = self._guard_verdict(optimizer, batch)
             if bad is not None and poisoned is not None:
                 bad = _Bad.of_event(poisoned)  # the place it began
-        if watched and self._fleet.gradients_sharded(self._host.generation()) \
+        if self._fleet.gradients_sharded(self._host.generation()) \
                 and self._fleet.any_rank(bad is not None) and bad is None:
             bad = _Bad(batch)  # another rank's shard: every rank skips the same step
         if bad is None:
