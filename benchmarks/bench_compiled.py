@@ -539,7 +539,9 @@ def main(argv=None) -> int:
         for _ in range(args.warmup):
             trainer.step()
     before = _graph_counts()
-    variants = run_bracketed(steps, args.rounds, settle=gc.collect)
+    # a full collection before every step keeps one step's garbage off the next one's time; a
+    # --quick run times nothing worth it, and each collection walks dynamo's and inductor's heap
+    variants = run_bracketed(steps, args.rounds, settle=None if args.quick else gc.collect)
     after = _graph_counts()
     result["recompiles_while_timed"] = after["graphs"] - before["graphs"]
     for entry in variants.values():

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v amtool >/dev/null; then
-  echo "== installing prometheus and alertmanager (Debian packages)"
+  echo "== installing prometheus and alertmanager (Debian packages; about a minute)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null
@@ -12,12 +12,22 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! c
   $SUDO systemctl stop prometheus prometheus-alertmanager prometheus-node-exporter 2>/dev/null || true
 fi
 
-echo "== installing tensorwatch-otel with test extras (pinned by constraints.txt)"
-python3 -m pip install -q -c constraints.txt -e '.[test]'
+echo "== installing tensorwatch-otel with test extras (pinned by constraints.txt; 1-3 minutes on a fresh machine)"
+# pip prints nothing useful with -q and pages of notes without it: one line per package it
+# fetches or installs shows where a long install is; the whole output is shown if it fails.
+pip_log="$(mktemp)"
+if ! python3 -m pip install -c constraints.txt -e '.[test]' 2>&1 | tee "$pip_log" \
+    | awk '/^(Collecting|Installing collected|Successfully installed)/ { print "   " substr($0, 1, 150); fflush() }'; then
+  cat "$pip_log"
+  echo "== pip install failed (full output above)" >&2
+  exit 1
+fi
+rm -f "$pip_log"
+echo "   installed (${SECONDS}s so far)"
 
 echo "== lint (ruff) and type check (mypy, strict on tensorwatch_otel/core; see pyproject.toml)"
 python3 -m ruff check .
 python3 -m mypy
 
-echo "== running tests"
+echo "== running tests (${SECONDS}s so far; the tests take 10-15 minutes on 2 cores, a dot per test)"
 python3 -m pytest "$@"

@@ -32,7 +32,8 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     (TENSORWATCH_TRACE_BATCHES, none), abort_after_batch (TENSORWATCH_ABORT_AFTER_BATCH, never),
     every_n_batches (TENSORWATCH_EVERY_N_BATCHES, 1), gradients (TENSORWATCH_GRADIENTS, False),
     include/exclude (TENSORWATCH_INCLUDE/EXCLUDE, comma-separated globs; all modules),
-    on_detect (TENSORWATCH_ON_DETECT, "raise"), check (TENSORWATCH_CHECK, "batch"),
+    on_detect (TENSORWATCH_ON_DETECT, "raise"; "report" records and goes on; "skip" also skips
+    the optimizer step that would consume the inf/nan), check (TENSORWATCH_CHECK, "batch"),
     flush_timeout_s (TENSORWATCH_FLUSH_TIMEOUT_SECONDS, 5.0), optimizer_state
     (TENSORWATCH_OPTIMIZER_STATE, False), capture_dir (TENSORWATCH_CAPTURE_DIR, off),
     max_skipped_steps (TENSORWATCH_MAX_SKIPPED_STEPS, 20), rerun_on_detect

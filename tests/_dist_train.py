@@ -3,7 +3,11 @@
 chosen batch. Each rank writes what happened into OUT (tests/_observed.py).
 
 usage: _dist_train.py OUT --mode ddp|fsdp2|eval --bad RANK[,RANK] --at BATCH [--batches N]
-       [--linger S] [--inject input|shard] [--accum K] [--straggle RANK:BATCH:SECONDS]
+       [--linger S] [--inject input|shard|grad|gradshard] [--accum K] [--straggle RANK:BATCH:SECONDS]
+       [--on-detect raise|report|skip]
+
+--inject gradshard: after the backward, that rank's own shard of layers.0's weight gradient is
+made inf (FSDP2: the other ranks' shards stay finite).
 
 --accum K: gradient accumulation, DDP `no_sync()` for K-1 micro-batches, then a micro-batch
 that all-reduces and the optimizer step. --straggle: that rank sleeps before that batch's forward.
@@ -50,9 +54,9 @@ def main() -> int:
     ap.add_argument("--at", type=int, default=4)
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--linger", type=float, default=0.0, help="seconds the stopped process stays alive")
-    ap.add_argument("--inject", default="input", choices=("input", "shard", "grad"))
+    ap.add_argument("--inject", default="input", choices=("input", "shard", "grad", "gradshard"))
     ap.add_argument("--gradients", action="store_true", help="watch(gradients=True)")
-    ap.add_argument("--on-detect", default="raise", choices=("raise", "report"))
+    ap.add_argument("--on-detect", default="raise", choices=("raise", "report", "skip"))
     ap.add_argument("--trace", type=int, action="append", default=[], help="batches to trace")
     ap.add_argument("--watch-first", action="store_true", help="watch() before fully_shard()")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (DDP no_sync)")
@@ -119,6 +123,10 @@ def main() -> int:
                         loss = loss * float("inf")  # the model's forward stays finite, its gradients do not
                     opt.zero_grad()
                     loss.backward()
+                    if rank in bad and b == args.at and args.inject == "gradshard":
+                        with torch.no_grad():  # this rank's shard of the gradient alone (after FSDP's reduce-scatter)
+                            g = net.layers[0].weight.grad
+                            (g.to_local() if hasattr(g, "to_local") else g)[0, 0] = float("inf")
                     opt.step()
                 result["batches_done"] = b + 1
                 result["polls_by_batch"].append(watcher._fleet.polls)  # store checks after each batch
@@ -131,6 +139,10 @@ def main() -> int:
     except RuntimeError as exc:  # a collective that failed (gloo: "Connection closed by peer")
         result.update(error=f"{type(exc).__name__}: {exc}"[:2000], time=time.time())
     result["weights_finite"] = all(bool(torch.isfinite(p.detach()).all()) for p in net.parameters())
+    if args.on_detect == "skip" and "error" not in result and not result.get("stopped"):
+        # the whole weights (FSDP2: gathered from every rank's shard, a collective every rank runs here)
+        result["weights"] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
+                             for p in net.parameters()]
     fleet = watcher._fleet
     result.update(polls=fleet.polls, requests=fleet.requests, node_reads=fleet.node_reads,
                   node_file=fleet._node.path if fleet._node else None,

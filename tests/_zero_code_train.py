@@ -2,7 +2,8 @@
 `opentelemetry-instrument`. argv: a comma-separated list of `lightning` (a clean fit) and
 `transformers` (a tiny GPT-2 whose weight turns inf at step 3; the raise leaves the script), then
 `app` (the script sets up its own OpenTelemetry providers exporting to $RECEIVER, as an
-application would) or `env` (the distro sets them up from OTEL_* variables).
+application would) or `env` (the distro sets them up from OTEL_* variables). $TRAINER_DEBUG is
+the Trainer's `debug` argument (e.g. `underflow_overflow`).
 
 Prints `OBSERVED {json}` lines: hooks on the model during and after training, what was raised.
 """
@@ -109,7 +110,8 @@ with app_span:
 
         args = TrainingArguments(output_dir=os.environ.get("OUT_DIR", "out"), max_steps=6,
                                  per_device_train_batch_size=4, report_to="none", save_strategy="no",
-                                 use_cpu=True, disable_tqdm=True, logging_strategy="no", seed=0)
+                                 use_cpu=True, disable_tqdm=True, logging_strategy="no", seed=0,
+                                 debug=os.environ.get("TRAINER_DEBUG", ""))
         trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Poison()])
         try:
             trainer.train()

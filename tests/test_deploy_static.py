@@ -133,6 +133,11 @@ def test_contract_alerts_are_defined_with_labels_and_annotations():
     assert streak["labels"]["severity"] == "warning"
     assert "tensorwatch_optimizer_skip_streaks_total" in streak["expr"]
     assert "$labels.rank" in streak["annotations"]["summary"]
+    skipped = rules["TensorwatchSkippedNonFiniteSteps"]  # on_detect="skip" skipped steps in the last 15 min
+    assert skipped["labels"]["severity"] == "warning" and "for" not in skipped
+    assert "tensorwatch_skipped_nonfinite_steps_total" in skipped["expr"] and "[15m]" in skipped["expr"]
+    assert "$labels.rank" in skipped["annotations"]["summary"]
+    assert skipped["annotations"]["runbook"].startswith("deploy/README.md#tensorwatchskippednonfinitesteps ")
 
 
 def test_rule_tests_cover_the_contract_labels():
@@ -148,6 +153,7 @@ def test_rule_tests_cover_the_contract_labels():
     assert "first_rank" in seen["TensorwatchNonFinite"]
     assert ALERT_LABELS | {"target_dtype"} <= seen.get("TensorwatchUnderflowHigh", set())
     assert {"rank", "severity"} <= seen.get("TensorwatchSkippedStepsStreak", set())
+    assert {"rank", "severity"} <= seen.get("TensorwatchSkippedNonFiniteSteps", set())
 
 
 def test_alertmanager_groups_by_job_and_rank_and_pages_fast():

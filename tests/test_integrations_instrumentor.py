@@ -229,6 +229,25 @@ def test_opentelemetry_instrument_watches_both_trainers_through_the_app_provider
 
 
 @pytest.mark.slow
+def test_opentelemetry_instrument_serves_the_trainers_debug_flag_alone(tmp_path):
+    _need_entry_point()
+    with OtlpReceiver() as r:
+        # TrainingArguments(debug="underflow_overflow"): transformers would run its own checker too
+        proc, seen = _run("transformers", "app", tmp_path, RECEIVER=r.http_endpoint,
+                          TRAINER_DEBUG="underflow_overflow")
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        hf = seen["transformers"]
+        assert hf["raised"] == "NonFiniteDetected", proc.stderr[-3000:]
+        assert hf["hooks_after"] == 0  # transformers' hooks (never removed by it) are gone too
+        assert (proc.stdout + proc.stderr).count("Detected inf/nan during batch_number=") == 1
+        assert "always_call" not in proc.stderr
+        [span] = r.wait_for(_detections)
+        a = span["attributes"]
+        assert (a["tensorwatch.module.path"], a["tensorwatch.tensor"], a["tensorwatch.batch_number"]) == \
+            (BAD, "weight", 3)
+
+
+@pytest.mark.slow
 def test_opentelemetry_instrument_with_the_distro_needs_no_code_at_all(tmp_path):
     _need_entry_point()
     pytest.importorskip("opentelemetry.distro")

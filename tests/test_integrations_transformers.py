@@ -5,6 +5,7 @@ leaving train() as NonFiniteDetected after the sinks recorded it, no hook left a
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from tensorwatch_otel import NonFiniteDetected  # noqa: E402
 from tensorwatch_otel.core.config import ConfigError  # noqa: E402
 from tensorwatch_otel.core.events import NonFiniteEvent  # noqa: E402
 from tensorwatch_otel.integrations.transformers import TensorwatchCallback  # noqa: E402
-from tensorwatch_otel.sinks import JsonlLog  # noqa: E402
+from tensorwatch_otel.sinks import JsonlLog, TextReport  # noqa: E402
 
 def test_clean_run_watches_every_forward_and_leaves_no_hook(tmp_path):
     model = tiny_gpt2()
@@ -120,6 +121,42 @@ def test_other_exceptions_leave_no_hook(tmp_path):
     with pytest.raises(RuntimeError, match="data pipeline broke"):
         trainer_for(model, tmp_path, [cb, Boom()]).train()
     assert remaining_hooks(model) == {} and cb.watcher is None
+
+
+def _theirs(model) -> int:
+    """Forward hooks of transformers' own DebugUnderflowOverflow on `model`."""
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    return sum(isinstance(getattr(h, "__self__", None), DebugUnderflowOverflow)
+               for m in model.modules() for h in m._forward_hooks.values())
+
+
+def test_trainers_debug_flag_is_served_by_the_callback_alone(tmp_path, capsys):
+    from transformers.debug_utils import DebugOption
+
+    class Look(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kw):
+            seen.append(_theirs(model))
+
+    seen: list = []
+    model = tiny_gpt2()
+    sink = Collect()
+    cb = TensorwatchCallback(sinks=[TextReport(), sink])
+    # the flag public scripts pass: transformers places its own checker's hooks in train()
+    trainer = trainer_for(model, tmp_path, [cb, Probe(poison_at=3), Look()], debug="underflow_overflow")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(NonFiniteDetected) as info:
+            trainer.train()
+    event = info.value.event
+    assert (event.module, event.tensor, event.batch_number) == (BAD, "weight", 3)
+    assert sink.of(NonFiniteEvent) == [event]
+    printed = capsys.readouterr()
+    assert (printed.out + printed.err).count("Detected inf/nan during batch_number=") == 1  # ours only
+    assert not [w for w in caught if "always_call" in str(w.message)]  # ours was not swallowed
+    assert seen == [0, 0, 0, 0]  # transformers' hooks were off from the first step
+    assert remaining_hooks(model) == {}
+    assert trainer.args.debug == [DebugOption.UNDERFLOW_OVERFLOW]  # the user's arguments as given
 
 
 def test_options_are_checked_when_the_callback_is_built():

@@ -44,7 +44,8 @@ SCHEMA = {
     "properties": {
         "time": {"type": "string"},
         "event": {"enum": ["nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check",
-                           "stopped_by_rank", "optimizer_step_skipped", "skipped_steps_streak"]},
+                           "stopped_by_rank", "optimizer_step_skipped", "skipped_steps_streak",
+                           "skipped_nonfinite_step"]},
         "first_rank": {"type": "integer"},  # detections and stops (second wave)
         "stopped_at_batch": {"type": ["integer", "null"]},  # stopped_by_rank
         "trace_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},  # detections: the span's trace
@@ -375,6 +376,24 @@ def test_skipped_step_events_written_and_read_back(tmp_path):
     assert back[1] == dataclasses_replace_time(skip2, back[1].time)
     assert back[2] == dataclasses_replace_time(streak, back[2].time)
     assert [abs(b.time - e.time) < 1e-5 for b, e in zip(back, (skip, skip2, streak))] == [True] * 3
+
+
+def test_skipped_nonfinite_step_written_as_documented(tmp_path):
+    from tensorwatch_otel.core.events import SkippedNonFiniteStepEvent
+
+    path = tmp_path / "events.jsonl"
+    log = JsonlLog(str(path))
+    ev = SkippedNonFiniteStepEvent(7, 1, "a", "Linear", "input[0]", "inf", 5.0, 2, "forward")
+    log.on_event(ev)
+    log.close()
+    (d,) = [_strict_loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    jsonschema.validate(d, SCHEMA)
+    assert {k: d[k] for k in ("event", "batch_number", "rank", "module", "module_class", "tensor", "kind", "streak",
+                              "phase", "frames")} == \
+        {"event": "skipped_nonfinite_step", "batch_number": 7, "rank": 1, "module": "a", "module_class": "Linear",
+         "tensor": "input[0]", "kind": "inf", "streak": 2, "phase": "forward", "frames": []}
+    (back,) = _codec.read_events(str(path))
+    assert back == dataclasses_replace_time(ev, back.time) and abs(back.time - ev.time) < 1e-5
 
 
 def dataclasses_replace_time(ev, t):

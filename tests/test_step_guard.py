@@ -150,20 +150,33 @@ def test_guard_reads_once_per_step_and_not_with_gradients_true(monkeypatch):
         assert w.detections == 0
 
 
-def test_sampled_batches_leave_the_step_unguarded():
+@pytest.mark.parametrize("every", [2, 10])
+def test_sampled_batches_still_guard_every_step(every):
+    """every_n_batches samples the statistics, not the detection: the step of an unsampled batch
+    is checked too, and an inf gradient there is named at that batch, before the step spoils
+    any weight."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sink = Collect()
-    with watch(model, sinks=[sink], every_n_batches=2, on_detect="report") as w:
-        for i in range(4):
+    bad = every + 1  # an unsampled batch
+    with watch(model, sinks=[sink], every_n_batches=every) as w:
+        for i in range(every + 3):
             opt.zero_grad()
             loss = model(torch.randn(4, 8)).sum()
-            (loss * (INF if i == 1 else 1.0)).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            if i == bad:
+                with pytest.raises(NonFiniteDetected) as err:
+                    (loss * INF).backward()
+                    opt.step()
+                break
+            loss.backward()
             opt.step()
-        # batch 1 is not watched: its step is not checked; batch 2's weights show the symptom
-        assert [e.batch_number for e in sink.of(NonFiniteEvent)][:1] == [2]
-        assert w.detections >= 1
+        assert w.detections == 1
+    ev = err.value.event
+    assert (ev.batch_number, ev.tensor, ev.kind) == (bad, "bias.grad", "inf")
+    assert [e.batch_number for e in sink.of(NonFiniteEvent)] == [bad]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step did not run
 
 
 def test_guard_under_report_counts_the_detection_and_the_step_goes_on():

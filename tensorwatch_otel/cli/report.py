@@ -87,8 +87,8 @@ class InputError(Exception):
 def render_event(event) -> str:
     """The text for one event, as the TextReport sink and the peer print it."""
     from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent,
-                               SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent)
-    from ..report.text import render_detection, render_trace, stopped_line
+                               SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent)
+    from ..report.text import render_detection, render_trace, skipped_line, stopped_line
 
     if isinstance(event, NonFiniteEvent):
         return render_detection(event)
@@ -103,6 +103,8 @@ def render_event(event) -> str:
         scale = f", scale {event.scale:g}" if event.scale is not None else ""
         return (f"optimizer step skipped after batch_number={event.batch_number} "
                 f"(rank {event.rank}, streak {event.streak}{scale}){where}\n")
+    if isinstance(event, SkippedNonFiniteStepEvent):
+        return skipped_line(event)
     if isinstance(event, SkipStreakEvent):
         scale = f", scale {event.scale:g}" if event.scale is not None else ""
         return (f"{event.streak} optimizer steps in a row skipped by batch_number={event.batch_number} "

@@ -25,14 +25,16 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import compiled, naming
+from . import compiled, naming, offload
 from .config import WatchConfig
+from .copies import Copies, Hook
 from .quiet import Places, QuietBatches
 from .record import ModuleInfo
 from .steps import StepTracker
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .compiled import _PostHook, _PreHook, _Watcher
+    from .compiled import _PreHook, _Watcher
+    from .watcher import ForwardHook
 
 log = logging.getLogger(__name__)
 
@@ -156,15 +158,17 @@ class ParamIndex:
 
 
 class _Hooked:
-    """A module with hooks, their handles, its frame info, and (not the root) where its forward
-    pre-hook and hook sit: (hook dict, key) each, what an unsampled batch takes off."""
+    """A module with hooks, their handles, its frame info, (not the root) where its forward
+    pre-hook and hook sit: (hook dict, key) each, what an unsampled batch takes off, and the
+    LentWeights placed on it when accelerate lends it its weights (core/offload.py)."""
 
-    __slots__ = ("info", "handles", "places")
+    __slots__ = ("info", "handles", "places", "lent")
 
     def __init__(self, info: ModuleInfo):
         self.info = info
         self.handles: List[Any] = []
         self.places: Places = []
+        self.lent: Optional[offload.LentWeights] = None
 
 
 _Handle = Any  # a RemovableHandle or a compiled.SlotHandle: has .remove()
@@ -185,7 +189,7 @@ class HookSet:
     hook off."""
 
     def __init__(self, model: torch.nn.Module, config: WatchConfig, *, slot_owner: "_Watcher",
-                 pre_hook: "_PreHook", make_hook: Callable[[ModuleInfo, int], "_PostHook"],
+                 pre_hook: "_PreHook", make_hook: Callable[[ModuleInfo, int], "ForwardHook"],
                  capture_hook: Optional[Callable[..., Any]],
                  param_hook: Callable[[ModuleInfo, str], Callable[[torch.Tensor], None]],
                  params_current: Callable[[], None], before_step: Callable[..., Any],
@@ -211,6 +215,7 @@ class HookSet:
         self._compiled = False
         self._said_params_replaced = False
         self._quiet = QuietBatches(model)
+        self._copies = Copies()  # deep copies of the model's modules: their hooks are no-ops (core/copies.py)
 
     @property
     def index(self) -> ParamIndex:
@@ -250,11 +255,12 @@ class HookSet:
         self._handles.extend(self._step_hooks.handles)
 
     def remove(self) -> None:
-        """Every hook placed, removed. Idempotent."""
+        """Every hook placed, removed, and the no-ops copies of the model's modules hold. Idempotent."""
         self._quiet.put_back()
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
+        self._copies.take_off()
 
     def rescan(self, first: bool = False) -> None:
         """Walk the model as it is now: hooks on modules not hooked yet (all of them at watch()),
@@ -275,12 +281,20 @@ class HookSet:
         found: Set[int] = set()
         new_paths: List[str] = []
         seen: Set[int] = set()
+        # modules whose parameters accelerate's offload lends for each call (core/offload.py):
+        # new tensors every call, so they are neither the model's parameters as last seen (a
+        # rescan per batch) nor owned (the step guard, gradient hooks) by anything lasting
+        lent_below: Set[int] = set()
         upath = ""
         for path, module in root.named_modules():
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            for k, p in module._parameters.items():
+            lends = offload.lends(module)
+            if lends and offload.lends_submodules(module):
+                lent_below.update(id(m) for m in module.modules())
+            lent = lends or id(module) in lent_below
+            for k, p in () if lent else module._parameters.items():
                 if p is not None:
                     params.append(p)
                 slots.append((module._parameters, k, _NONE if p is None else weakref.ref(p)))
@@ -308,6 +322,9 @@ class HookSet:
                 self._hook_module(h, module, is_root)
                 if not first:
                     new_paths.append(f"{info.path or '(root)'} ({info.cls})")
+            if lent:
+                self._lend(h, module, lends)
+                continue
             info = h.info
             for pname, p in module.named_parameters(recurse=False):
                 owners.setdefault(id(p), (info, pname))
@@ -344,15 +361,27 @@ class HookSet:
                      "load_state_dict(assign=True), fully_shard, ...): found again at batch %d%s", batch,
                      "; their gradients are watched" if cfg.gradients else "")
 
+    def _lend(self, h: _Hooked, module: torch.nn.Module, own_hook: bool) -> None:
+        """The module's weights are lent per call: by its own offloading hook (a LentWeights keeps
+        them for our forward hook), or by an ancestor's for the ancestor's whole call (the module
+        holds them while its own hooks run)."""
+        if own_hook and h.lent is None:
+            h.lent = offload.LentWeights(module)
+            h.handles.append(h.lent)
+            self._handles.append(h.lent)
+        h.info.lend(h.lent.params if h.lent is not None else None)
+
     def _hook_module(self, h: _Hooked, module: torch.nn.Module, is_root: bool) -> None:
         info = h.info
+        copies = self._copies
         if is_root and self._capture_hook is not None:
-            h.handles.append(module.register_forward_pre_hook(self._capture_hook, with_kwargs=True))
+            capture = Hook(self._capture_hook).place(module, copies)
+            h.handles.append(module.register_forward_pre_hook(capture, with_kwargs=True))
         # traced into a compiled graph, each hook becomes an op that runs it at run time (core/compiled.py)
         slot = compiled.new_slot(self._slot_owner, module, self._pre_hook)
-        hook = self._make_hook(info, slot)
+        hook = self._make_hook(info, slot).place(module, copies)
         compiled.set_post(slot, hook)
-        pre = module.register_forward_pre_hook(compiled.pre_hook(slot, self._pre_hook, is_root))
+        pre = module.register_forward_pre_hook(compiled.PreHook(slot, self._pre_hook, is_root).place(module, copies))
         post = module.register_forward_hook(hook, with_kwargs=True, always_call=True)
         h.handles += [pre, post, compiled.SlotHandle(slot)]
         if not is_root:

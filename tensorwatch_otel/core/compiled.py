@@ -14,14 +14,17 @@ opaque to inductor, they run between the fused kernels, on the values those prod
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import threading
+import types
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
+from .copies import Hook, ModuleHook, Unwatched
 from .errors import AbortAfterBatch, NonFiniteDetected
 
 log = logging.getLogger(__name__)
@@ -249,21 +252,64 @@ def traced_pre(slot: int) -> None:
         torch.ops.tensorwatch.pre(_TOKEN, slot)
 
 
-def pre_hook(slot: int, eager: _PreHook, is_root: bool = False) -> Callable[[torch.nn.Module, Tuple[Any, ...]], object]:
+_EAGER_CODES: List[types.CodeType] = []  # hooks' code to mark, once dynamo is loaded (hook_guards)
+_configured = False  # hook_guards() ran
+
+
+def run_eagerly_when_called_eagerly(code: types.CodeType) -> None:
+    """Marks a hook's code so that dynamo never compiles it as a frame of its own.
+
+    Called from a module's eager `__call__` (the root of `torch.compile(model)`, whose
+    `_call_impl` dynamo does not trace, or a compiled submodule), a hook is a top-level frame
+    that dynamo would compile into a one-op graph guarded on the input's shape: a frame and a
+    recompile per shape under `dynamic=False`, for nothing, since the hook then holds real
+    tensors and runs its eager body anyway. Skipped as a top-level frame (with all it calls), it
+    runs eagerly; traced from inside a graph (inlined), it is traced as before. Marked at the
+    first watch() (loading dynamo takes about a second: not at import)."""
+    _EAGER_CODES.append(code)
+    if _configured:
+        _mark_eager([code])
+
+
+def _mark_eager(codes: List[types.CodeType]) -> None:
+    try:
+        eval_frame = importlib.import_module("torch._dynamo.eval_frame")
+        dynamo_types = importlib.import_module("torch._dynamo.types")  # (both private: looked up)
+        skip = dynamo_types.FrameAction.SKIP
+        # SKIP for the frames it calls as well: its eager body (recording, the batch's end,
+        # the sinks) is no code for dynamo to compile
+        for code in codes:
+            eval_frame.set_code_exec_strategy(code, dynamo_types.FrameExecStrategy(skip, skip))
+    except Exception as exc:  # a torch without it: the hooks are compiled as before
+        log.debug("tensorwatch_otel: cannot mark hooks eager-only for dynamo: %s", exc)
+
+
+class PreHook(ModuleHook):
     """The forward pre-hook registered on a module: the eager one, or its op while traced. The
     root's, run eagerly (a compiled model watched through its wrapper), first ends the calls an
-    exception left open inside the last compiled call."""
-    compiling = torch.compiler.is_compiling
-    stack = _open
+    exception left open inside the last compiled call. Copied with its module, it is a no-op
+    (core/copies.py)."""
 
-    def pre(module: torch.nn.Module, args: Tuple[Any, ...]) -> object:
-        if compiling():
-            traced_pre(slot)
+    __slots__ = ("_slot", "_eager", "_is_root")
+
+    def __init__(self, slot: int, eager: _PreHook, is_root: bool = False) -> None:
+        super().__init__()
+        self._slot = slot
+        self._eager = eager
+        self._is_root = is_root
+
+    def __call__(self, module: torch.nn.Module, args: Tuple[Any, ...]) -> object:
+        if _compiling():
+            traced_pre(self._slot)
             return None
-        if is_root and stack.stack:
-            _unwind(stack.stack, 0)
-        return eager(module, args)
-    return pre
+        if self._is_root and _open.stack:
+            _unwind(_open.stack, 0)
+        return self._eager(module, args)
+
+
+_compiling = torch.compiler.is_compiling
+for _hook in (PreHook, Hook, Unwatched):  # (watcher.ForwardHook is marked where it is defined)
+    run_eagerly_when_called_eagerly(_hook.__call__.__code__)
 
 
 def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object) -> None:
@@ -311,15 +357,35 @@ _PARSED: Dict[str, Tuple[_Node, ...]] = {}  # spec -> its parsed form (one per c
 
 
 def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any], object]:
-    """(args, kwargs, output) of the hooked call, the real tensors in place."""
+    """(args, kwargs, output) of the hooked call, the real tensors in place as fresh aliases."""
     parsed = _PARSED.get(spec)
     if parsed is None:
         parsed, _ = _parse(spec, 0)
         if len(_PARSED) < 4096:
             _PARSED[spec] = parsed
-    it = iter(tensors)
+    it = iter(_fresh(tensors))
     args, kwargs, output = (_fill(p, it) for p in parsed)
     return args, kwargs, output
+
+
+def _fresh(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """A new alias (same storage, same values) of each distinct tensor of one op call.
+
+    Inductor reuses a buffer whose value is dead for a later value, keeping the Python tensor
+    object and writing it from its kernels without moving `_version`: the graph's tensor of one
+    module call can be the very object, at the very version, of an earlier call's different
+    value. The recorder's caches know a tensor by identity and version, so handed the graph's
+    own objects they would serve the earlier value's statistics. An alias lives for one op call
+    only: a tensor seen twice in one call (a module returning its input) is still measured once,
+    and nothing is carried from one call to the next."""
+    out: List[torch.Tensor] = []
+    seen: Dict[int, torch.Tensor] = {}
+    for t in tensors:
+        a = seen.get(id(t))
+        if a is None:
+            a = seen[id(t)] = t.detach()
+        out.append(a)
+    return out
 
 
 def _parse(spec: str, i: int) -> Tuple[Tuple[_Node, ...], int]:
@@ -369,7 +435,6 @@ def _fill(p: _Node, it: Iterator[torch.Tensor]) -> Any:  # a tensor, None, _OTHE
 
 
 # ------------------------------------------------------------------------------ dynamo's settings
-_configured = False
 
 
 def hook_guards() -> None:
@@ -381,6 +446,7 @@ def hook_guards() -> None:
     if _configured:
         return
     _configured = True
+    _mark_eager(_EAGER_CODES)
     try:
         import torch._dynamo
         from torch._dynamo.utils import counters

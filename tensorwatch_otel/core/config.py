@@ -20,7 +20,7 @@ from .magnitude import parse_targets
 from .rank import env_rank
 from .env import ENV_EVERY_N_BATCHES, ENV_MAX_FRAMES, ENV_ON_DETECT, ConfigError  # noqa: F401  (re-exported)
 
-ON_DETECT = ("raise", "report")
+ON_DETECT = ("raise", "report", "skip")
 CHECK = ("batch", "module")
 
 

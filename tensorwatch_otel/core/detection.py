@@ -39,7 +39,8 @@ MakeProbe = Callable[[torch.nn.Module, Sink], Any]
 class DetectionPipeline:
     def __init__(self, model: torch.nn.Module, config: WatchConfig, behaviour: Behaviour, fanout: SinkFanout,
                  fleet: FleetStop, kind_of: KindOf, forget_batch: Callable[[], None],
-                 history: Callable[[], History], make_probe: MakeProbe):
+                 history: Callable[[], History], make_probe: MakeProbe,
+                 forward_poisoned: Callable[[NonFiniteEvent], None] = lambda event: None):
         self._model = model
         self._config = config
         self._behaviour = behaviour
@@ -49,6 +50,7 @@ class DetectionPipeline:
         self._forget_batch = forget_batch  # drop what an aborted batch left behind
         self._history = history  # the calling thread's finished records
         self._make_probe = make_probe
+        self._forward_poisoned = forward_poisoned  # on_detect="skip": that batch's step is to be skipped
         # the batch's inputs, held by reference until its end (capture_dir / rerun_on_detect)
         self.capture = BatchCapture(config.capture_dir or "", current_rank()) \
             if config.capture_dir or config.rerun_on_detect else None
@@ -68,10 +70,11 @@ class DetectionPipeline:
         stops_at = self._behaviour.ring_stops_at
         return self._history().ring(rec, fi, lambda prev: stops_at(prev, traced))
 
-    def detected(self, rec: Record, fi: int, replicated: bool = False) -> None:
+    def detected(self, rec: Record, fi: int, replicated: bool = False, force: Optional[str] = None) -> None:
         """Frame `fi` of `rec` holds the first inf/nan. `replicated`: the values are the same on
         every rank (the step guard's all-reduced gradients), so every rank finds them at this
-        point and may raise here."""
+        point and may raise here. `force`: raised whatever on_detect says (on_detect="skip" that
+        can skip no more), the message ending with this note."""
         cfg = self._config
         rec.detected = True
         frames = self._ring(rec, fi)
@@ -93,7 +96,7 @@ class DetectionPipeline:
             kind=self._kind_of(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase,
             capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None,
             verdict=verdict)
-        raising = cfg.on_detect == "raise"
+        raising = cfg.on_detect == "raise" or force is not None
         if self._fleet.active():
             event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
         self.detections += 1
@@ -101,9 +104,22 @@ class DetectionPipeline:
         if raising:
             self._fanout.flush(cfg.flush_timeout_s)
             self._forget_batch()  # a caught exception leaves a clean state
-            exc = NonFiniteDetected(self._behaviour.detection_message(event), event)
+            exc = NonFiniteDetected(self._behaviour.detection_message(event) + (force or ""), event)
             if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
                 raise exc
+        elif cfg.on_detect == "skip" and rec.phase == "forward" and torch.is_grad_enabled():
+            # the forward cannot be undone, but the step that would consume its gradients can
+            self._forward_poisoned(event)
+
+    def escalate(self, event: NonFiniteEvent, note: str, recorded: bool = True) -> None:
+        """Raise `event` as on_detect="raise" would have (on_detect="skip" that can skip no more):
+        recorded in the sinks (now, unless `recorded`), flushed, then NonFiniteDetected."""
+        if not recorded:
+            self.detections += 1
+            self._fanout.on_event(event)
+        self._fanout.flush(self._config.flush_timeout_s)
+        self._forget_batch()
+        raise NonFiniteDetected(self._behaviour.detection_message(event) + note, event)
 
     def abort(self, batch: int) -> None:
         """`abort_after_batch` reached: the event, flushed, then AbortAfterBatch."""

@@ -217,6 +217,26 @@ class SkipStreakEvent:
 
 
 @dataclass(frozen=True)
+class SkippedNonFiniteStepEvent:
+    """on_detect="skip": an optimizer step the watcher did not let run, because the gradients it
+    would have consumed held inf/nan, or because that batch's forward went non-finite (its
+    gradients are poisoned). The weights and the optimizer's state are as they were before it.
+    The place is the detection's: the batch's forward detection, else the first bad gradient
+    ("" on a sharded rank whose own shard was finite while another rank's was not)."""
+
+    batch_number: int  # the batch whose gradients the step would have consumed
+    rank: int
+    module: str
+    module_class: str
+    tensor: str
+    kind: str  # "inf", "nan", "inf,nan" ("" when another rank found it)
+    time: float
+    streak: int = 1  # steps skipped so in a row, this one included
+    phase: str = "backward"  # "forward": the batch's forward went non-finite; "backward": its gradients
+    event: str = field(default="skipped_nonfinite_step", init=False)
+
+
+@dataclass(frozen=True)
 class StoppedByRankEvent:
     """This rank stopped because another rank detected inf/nan first (multi-rank runs): the
     fields name the first rank's detection; this rank saw no non-finite value of its own."""
@@ -253,7 +273,7 @@ class OverflowCheckEvent:
 
 
 Event = Union[NonFiniteEvent, BatchTraceEvent, AbortAfterBatchEvent, OverflowCheckEvent, SkippedStepEvent,
-              SkipStreakEvent, StoppedByRankEvent]
+              SkipStreakEvent, SkippedNonFiniteStepEvent, StoppedByRankEvent]
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,8 @@ class FleetStop:
         self._unsynced = False  # the last batch ran DDP's backward without its all-reduce
         self._synced = False  # the last batch ran DDP's backward with its all-reduce
         self._node: Union[None, Literal[False], NodeShare] = None  # False: none (this rank asks the store)
+        self._sharded: Optional[Tuple[int, bool]] = None  # (parameter generation, the model is FSDP-sharded)
+        self._agree_failed = False  # any_rank's collective failed once
         self.polls = 0  # store checks made (for tests and measurements)
         self.requests = 0  # store requests of any kind (check, get, compare_set, set, wait)
         self.node_reads = 0  # answers read from the node's leader instead of the store
@@ -168,12 +170,13 @@ class FleetStop:
         right after a batch whose backward skipped DDP's all-reduce (no_sync: the ranks are not
         in step there; they meet at the accumulation's all-reduce and the optimizer step)."""
         stepped, self._stepped = self._stepped, False
-        if not self._stops:
-            return
         unsynced = self._unsynced
+        # (also without stops: on_detect="skip" asks gradients_replicated() at the step)
         ddp = self._active_ddp()
         self._unsynced = ddp is not None and not getattr(ddp, "require_backward_grad_sync", True)
         self._synced = ddp is not None and not self._unsynced
+        if not self._stops:
+            return
         if unsynced or (stepped and self._first is None):
             return
         batch = self._batch_number()
@@ -218,7 +221,34 @@ class FleetStop:
         batch ran a DistributedDataParallel backward with its all-reduce (an inf or nan on any
         rank is then on all of them). False for FSDP (each rank holds its own shard), no_sync()
         micro-batches, and anything not seen to be DDP."""
-        return self._synced and self._stops and not self._failed and _dist() is not None
+        return self._synced and not self._failed and _dist() is not None
+
+    def gradients_sharded(self, generation: int) -> bool:
+        """Each rank holds, and checks, its own shard of the gradients (FSDP) in this multi-rank
+        run, so the ranks must agree before they act on what one of them found (`any_rank`).
+        `generation`: the watcher's count of parameter changes (fully_shard after watch())."""
+        if _dist() is None or self._model is None:
+            return False
+        if self._sharded is None or self._sharded[0] != generation:
+            self._sharded = (generation, sharded(self._model))
+        return self._sharded[1]
+
+    def any_rank(self, flag: bool) -> bool:
+        """True when `flag` is True on any rank: one all_reduce (MAX) of a 0/1 flag on the default
+        process group, which every rank must call at the same point. After a failure, this rank's
+        own flag (said once)."""
+        dist = _dist()
+        if dist is None or self._agree_failed:
+            return flag
+        try:
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device(dist))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return bool(t.item())
+        except Exception as exc:
+            self._agree_failed = True
+            log.error("tensorwatch_otel: the ranks could not agree on skipping an optimizer step (%s: %s); "
+                      "each rank decides alone from now on", type(exc).__name__, exc)
+            return flag
 
     def _active_ddp(self) -> Optional[torch.nn.Module]:
         """The DistributedDataParallel module whose backward this batch runs, if any."""
@@ -426,6 +456,21 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def sharded(model: torch.nn.Module) -> bool:
+    """The model (or a part of it) is sharded with FSDP (fully_shard, FullyShardedDataParallel)."""
+    return any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) or hasattr(m, "_get_fsdp_state")
+               for m in model.modules())
+
+
+def _flag_device(dist: ModuleType) -> torch.device:
+    """Where a flag tensor for a collective must live: the CPU for gloo, else the accelerator."""
+    if "gloo" in str(dist.get_backend()) or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    acc = torch.accelerator.current_accelerator()
+    assert acc is not None
+    return torch.device(acc.type, torch.accelerator.current_device_index())
 
 
 def _store() -> Store:

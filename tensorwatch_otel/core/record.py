@@ -29,7 +29,7 @@ Row = Tuple[torch.Tensor, int, torch.dtype]
 class ModuleInfo:
     """What a hook knows of its module: path, class name, the live parameter dict."""
 
-    __slots__ = ("path", "cls", "params", "kw_names", "is_root", "recorded")
+    __slots__ = ("path", "cls", "params", "kw_names", "is_root", "recorded", "lent")
 
     def __init__(self, path: str, module: torch.nn.Module, is_root: bool, recorded: bool,
                  cls: Optional[str] = None, params: Optional[Dict[str, Optional[torch.nn.Parameter]]] = None):
@@ -40,6 +40,16 @@ class ModuleInfo:
         self.kw_names: Dict[str, str] = {}
         self.is_root = is_root
         self.recorded = recorded
+        self.lent = False  # accelerate lends the parameters per call (lend())
+
+    def lend(self, params: Optional[Dict[str, Optional[torch.nn.Parameter]]] = None) -> None:
+        """accelerate's offload lends this module its parameters for each call, new tensors each
+        time (core/offload.py): read them from `params` (what the module held during its call),
+        else from the module as before, and measure them without caching (a cached one would
+        keep the lent copy alive)."""
+        if params is not None:
+            self.params = params
+        self.lent = True
 
 
 class Record:

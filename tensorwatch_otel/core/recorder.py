@@ -294,6 +294,11 @@ class FrameRecorder:
         rec.frames.append((info, items, start))
 
     def params(self, rec: Record, info: ModuleInfo, items: List[Item]) -> None:
+        if info.lent:  # new tensors each call (core/offload.py): no cache or table row would hit
+            for name, p in info.params.items():
+                if p is not None:
+                    self._uncached(rec, p, name, items)
+            return
         table = None if rec.targets else self.weights.state()
         if table is None:  # no kernel (or target_dtypes: counts per weight): one by one
             for name, p in info.params.items():

@@ -20,6 +20,7 @@ import torch
 from . import naming
 from .capture import BatchCapture
 from .events import NonFiniteEvent
+from .fleet import sharded
 from .ports import Sink
 
 log = logging.getLogger(__name__)
@@ -211,8 +212,7 @@ def replay_would_block(model: torch.nn.Module) -> bool:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
-    if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) or hasattr(m, "_get_fsdp_state")
-           for m in model.modules()):
+    if sharded(model):
         log.warning("tensorwatch_otel: rerun_on_detect skipped: the model is sharded (FSDP) over several "
                     "ranks, and a replay on this rank alone would wait for the others")
         return True

@@ -12,14 +12,17 @@ records to the sinks, and drop the weight cache when a step changed the weights.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .backward import producer_frame
+from .events import NonFiniteEvent
 from .fleet import FleetStop
 from .rank import current_rank
 from .record import Record
+from .skip import SkipStep, StepArgs, StepSkipper, stand_in, with_stand_in
 from .steps import PendingGradients, ScaleReader, SkipCounter, StepGuard
 
 log = logging.getLogger(__name__)
@@ -28,13 +31,15 @@ log = logging.getLogger(__name__)
 class StepHost:
     """What the monitor needs of its watcher, as plain callables (no back reference)."""
 
-    __slots__ = ("detect", "emit", "phase_stats", "check", "last_batch", "watches", "live", "weights_changed")
+    __slots__ = ("detect", "escalate", "emit", "phase_stats", "check", "last_batch", "watches", "live",
+                 "weights_changed", "generation")
 
-    def __init__(self, *, detect: Callable[..., None], emit: Callable[[Any], None],
+    def __init__(self, *, detect: Callable[..., None], escalate: Callable[..., None], emit: Callable[[Any], None],
                  phase_stats: Callable[[Record], None], check: Callable[[Record, int], None],
                  last_batch: Callable[[], int], watches: Callable[[int], bool], live: Callable[[], bool],
-                 weights_changed: Callable[[], None]):
-        self.detect = detect  # (record, frame index, replicated=False): a detection
+                 weights_changed: Callable[[], None], generation: Callable[[], int]):
+        self.detect = detect  # (record, frame index, replicated=False, force=None): a detection
+        self.escalate = escalate  # (event, note, recorded=True): raise a detection on_detect="skip" made
         self.emit = emit  # an event to the sinks
         self.phase_stats = phase_stats  # a gradient / optimizer-state record to the metric sinks
         self.check = check  # (record, first frame): detect in a record already read back
@@ -42,11 +47,37 @@ class StepHost:
         self.watches = watches  # batch number -> recorded (every_n_batches, trace_batches)
         self.live = live  # attached, and not replaying a captured batch
         self.weights_changed = weights_changed  # a step wrote the weights: measure them again
+        self.generation = generation  # bumped when the model's parameters were replaced
+
+
+class _Bad:
+    """What makes a step one to skip (on_detect="skip"): the place, and what a raise would carry
+    (the record and frame of a gradient check, or the forward's detection event)."""
+
+    __slots__ = ("batch", "module", "module_class", "tensor", "kind", "phase", "rec", "frame", "event")
+
+    def __init__(self, batch: int, module: str = "", module_class: str = "", tensor: str = "", kind: str = "",
+                 phase: str = "backward", rec: Optional[Record] = None, frame: int = 0,
+                 event: Optional[NonFiniteEvent] = None) -> None:
+        self.batch, self.module, self.module_class, self.tensor, self.kind = batch, module, module_class, tensor, kind
+        self.phase, self.rec, self.frame, self.event = phase, rec, frame, event
+
+    @classmethod
+    def of_record(cls, rec: Record, fi: int) -> "_Bad":
+        frame = rec.materialize(fi, fi + 1)[0]
+        first = frame.first_nonfinite()
+        return cls(rec.batch_number, frame.module, frame.module_class, first.name if first else "",
+                   first.kind if first else frame.kind, rec.phase, rec, fi)
+
+    @classmethod
+    def of_event(cls, event: NonFiniteEvent) -> "_Bad":
+        return cls(event.batch_number, event.module, event.module_class, event.tensor, event.kind, "forward",
+                   event=event)
 
 
 class StepMonitor:
     def __init__(self, host: StepHost, fleet: FleetStop, grad_scaler: Any = None, max_skipped_steps: int = 20,
-                 gradients: bool = False) -> None:
+                 gradients: bool = False, skip: bool = False) -> None:
         self._host = host
         self._fleet = fleet
         self._gradients = gradients
@@ -56,6 +87,9 @@ class StepMonitor:
         self._skips = SkipCounter(max_skipped_steps)
         self._guard: Optional[StepGuard] = None
         self._optim_state: Any = None  # OptimizerStateReader with optimizer_state=True
+        self._skipper = StepSkipper() if skip else None  # on_detect="skip": steps made not to happen
+        self._poisoned: Optional[NonFiniteEvent] = None  # a training forward's detection, its step still to skip
+        self._poison_spent: Optional[int] = None  # the batch whose steps it has skipped (several optimizers)
 
     def use(self, guard: Optional[StepGuard], optim_state: Any) -> None:
         """The step guard and the optimizer-state reader (made where the hooks are placed)."""
@@ -65,6 +99,16 @@ class StepMonitor:
     @property
     def steps_skipped(self) -> int:
         return self._skips.total
+
+    @property
+    def nonfinite_steps_skipped(self) -> int:
+        return self._skips.nonfinite_total
+
+    def forward_poisoned(self, event: NonFiniteEvent) -> None:
+        """on_detect="skip": a training forward went non-finite; the step that consumes its
+        gradients (they are poisoned, even when they look finite) is skipped."""
+        self._poisoned = event
+        self._poison_spent = None
 
     # ---------------------------------------------------------------- forward side
     def at_outermost_call(self) -> None:
@@ -115,7 +159,9 @@ class StepMonitor:
                     ) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
         """Before an optimizer step of the model. With a closure (Lightning's automatic
         optimization) the closure is wrapped so its gradients are checked when it returns; the
-        step's (args, kwargs) come back."""
+        step's (args, kwargs) come back. on_detect="skip": see _skippable_step."""
+        if self._skipper is not None and self._host.live() and not torch.compiler.is_compiling():
+            return self._skippable_step(optimizer, closure, args, kwargs)
         if closure is not None:
             def checked(*a: Any, **k: Any) -> Any:
                 loss = closure(*a, **k)
@@ -151,9 +197,9 @@ class StepMonitor:
                 and not torch.compiler.is_compiling():  # (a compiled optimizer step: no read inside its graph)
             # after the stop point: a stop already under way (another rank's, or this rank's
             # forward detection) is raised there, not named again at the gradients it spoilt
-            batch = self._host.last_batch()  # the batch whose gradients the step consumes
-            if self._host.watches(batch):
-                self._guard_step(optimizer, batch)
+            # every batch's step, sampled or not: every_n_batches thins the statistics, never
+            # the detection (an unchecked step would spread an inf into every weight)
+            self._guard_step(optimizer, self._host.last_batch())
         return None
 
     def _guard_step(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
@@ -171,10 +217,123 @@ class StepMonitor:
         if fi is not None:
             self._host.detect(rec, fi, replicated=self._fleet.gradients_replicated())
 
+    # ---------------------------------------------------------------- on_detect="skip"
+    def _skippable_step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[..., Any]],
+                        args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]]) -> Optional[StepArgs]:
+        """on_detect="skip": a step that would consume inf/nan does not happen. Inside the gate
+        (core/skip.py) SkipStep makes the gate return before the optimizer ran; a call not
+        through it gets a stand-in for the optimizer with no parameter groups. With a closure the
+        verdict comes when it has run (its first run: later ones, LBFGS's, follow writes)."""
+        skipper = self._skipper
+        assert skipper is not None
+        skipper.gate(optimizer)  # from the optimizer's next step on, a skip runs nothing
+        gated = skipper.inside(optimizer)
+        self._skipping_step = False
+        if closure is not None:
+            inst = None if gated else stand_in(optimizer, dropped=False)
+            first = [True]
+
+            def checked(*a: Any, **k: Any) -> Any:
+                loss = closure(*a, **k)
+                if first[0] and self._host.live():
+                    first[0] = False
+                    bad = self._verdict(optimizer)
+                    if bad is not None:
+                        self._skip(bad, None if gated or (inst is not None and inst.drop()) else
+                                   "its optimizer read its parameter groups before running its closure")
+                        if gated:
+                            raise SkipStep(optimizer, loss)
+                        self._skipping_step = True  # the stand-in ran the step: torch's post-hooks follow
+                return loss
+
+            return with_stand_in(args, kwargs, inst, checked)
+        found_inf = getattr(optimizer, "found_inf", None)
+        if found_inf.__class__ is torch.Tensor and bool(found_inf):
+            # a fused optimizer skips this step itself on the GradScaler's word: the scaler's skip
+            self._skipping_step = True
+            if self._pending is not None:
+                self.skipped()
+            return None
+        bad = self._verdict(optimizer, scaler_checked=found_inf.__class__ is torch.Tensor)
+        if bad is None:
+            return None
+        inst = None if gated else stand_in(optimizer, dropped=True)
+        self._skip(bad, None if gated or inst is not None else f"{type(optimizer).__name__} cannot be stood in for")
+        if gated:
+            raise SkipStep(optimizer)
+        self._skipping_step = True
+        return with_stand_in(args, kwargs, inst)
+
+    def _verdict(self, optimizer: torch.optim.Optimizer, scaler_checked: bool = False) -> Optional[_Bad]:
+        """Why this step must not run, or None. The batch's forward detection, else bad
+        gradients (gradients=True's pending ones, else one read by the step guard, unless a
+        GradScaler checked them). Under DDP the all-reduced gradients, the same on every rank,
+        decide alone (a rank's own forward only names the place), so every rank skips the same
+        step; under FSDP each rank's own verdict on its shard is agreed in one collective."""
+        batch = self._host.last_batch()  # the batch whose gradients the step consumes
+        pending, self._pending = self._pending, None
+        poisoned = self._poisoned
+        if poisoned is not None and self._poison_spent is not None and self._poison_spent != batch:
+            poisoned = self._poisoned = None  # its batch's steps were skipped; this is a later batch's
+        replicated = self._guard is not None and self._fleet.gradients_replicated()
+        bad: Optional[_Bad] = None
+        if not replicated:
+            if poisoned is not None:
+                bad = _Bad.of_event(poisoned)
+            elif pending is not None:
+                bad = _Bad.of_record(pending.record, pending.frame)
+        if bad is None and self._guard is not None and not scaler_checked:  # every batch, sampled or not
+            bad = self._guard_verdict(optimizer, batch)
+            if bad is not None and poisoned is not None:
+                bad = _Bad.of_event(poisoned)  # the place it began
+        if self._fleet.gradients_sharded(self._host.generation()) \
+                and self._fleet.any_rank(bad is not None) and bad is None:
+            bad = _Bad(batch)  # another rank's shard: every rank skips the same step
+        if bad is None:
+            self._poisoned = None  # this step consumes that batch's gradients
+        elif bad.event is not None:
+            self._poison_spent = batch
+        return bad
+
+    def _guard_verdict(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[_Bad]:
+        guard = self._guard
+        assert guard is not None
+        try:
+            rec = guard.check(optimizer, batch)
+            fi = rec.first_nonfinite_frame(0) if rec is not None else None
+        except Exception as exc:  # the guard must not stop training: it goes off, said once
+            self._guard = None
+            log.error("tensorwatch_otel: the optimizer-step gradient check failed (%s: %s); training goes on "
+                      "without it", type(exc).__name__, exc)
+            return None
+        return _Bad.of_record(rec, fi) if rec is not None and fi is not None else None
+
+    def _skip(self, bad: _Bad, cannot: Optional[str]) -> None:
+        """Record the skip of this step; raise instead, as on_detect="raise" would, when it
+        `cannot` be skipped (why) or max_skipped_steps steps in a row were skipped already."""
+        limit = self._skips.max_streak
+        if cannot is not None:
+            note = f"; this optimizer step could not be skipped ({cannot}), so on_detect=\"skip\" raised"
+        elif self._skips.nonfinite_streak >= limit:
+            note = (f"; {limit} optimizer steps in a row were skipped already (max_skipped_steps={limit}), "
+                    "so on_detect=\"skip\" raised")
+        else:
+            self._host.emit(self._skips.skipped_nonfinite(bad.batch, current_rank(), bad.module, bad.module_class,
+                                                          bad.tensor, bad.kind, bad.phase))
+            return
+        if bad.rec is not None:  # a gradient check's record: detected (recorded, then raised) now
+            self._host.detect(bad.rec, bad.frame, force=note)
+        elif bad.event is not None:  # the forward's detection, recorded when it was made
+            self._host.escalate(bad.event, note)
+        else:  # another rank's shard: this rank has nothing of its own to show
+            self._host.escalate(NonFiniteEvent(bad.batch, current_rank(), "", "", "", "", (), time.time(),
+                                               phase="backward"), note + " (found on another rank)", recorded=False)
+
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._skipping_step:  # the fused step skipped itself: no weight changed
+        if self._skipping_step:  # the step skipped itself, or ran on a stand-in: no weight changed
             self._skipping_step = False
             return
+        self._poisoned = None  # a step took the gradients of that batch
         self._host.weights_changed()  # any optimizer, fused ones included
         self._skips.step_taken()
         batch = self._host.last_batch()
@@ -193,12 +352,17 @@ class StepMonitor:
         scale = self._scale.last if self._scale is not None else None
         if batch is None:
             batch = self._host.last_batch()
+        if self._poisoned is not None and self._poisoned.batch_number <= batch:
+            self._poisoned = None  # that batch's step did not happen (a GradScaler's skip): not skipped twice
         for event in self._skips.skipped(pending, batch, current_rank(), scale):
             self._host.emit(event)
 
     def at_detach(self) -> None:
         """Bad gradients no step consumed: the run skipped that step. Else, a drop of the scale
-        since the last batch is the last step's skip (no batch came after it to read the scale)."""
+        since the last batch is the last step's skip (no batch came after it to read the scale).
+        The optimizers get their own step back."""
+        if self._skipper is not None:
+            self._skipper.remove()
         if self._pending is not None:
             self.skipped()
             return

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .events import SkippedStepEvent, SkipStreakEvent, merge_kinds
+from .events import SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent, merge_kinds
 from .record import Item, ModuleInfo, Record
+from .skip import is_stand_in
 from .stats import HostBatch, measure
 
 if TYPE_CHECKING:
@@ -107,17 +108,19 @@ class StepTracker:
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...],
              kwargs: Dict[str, Any]) -> Optional[StepArgs]:
+        if is_stand_in(optimizer):  # a skipped step's own super().step(): not a step of its own
+            return None
         self._refresh()
         if self._concerns(optimizer):
             closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args[0] is the optimizer)
-            if callable(closure):  # the step computes its gradients itself: check them after that
-                args, kwargs = self._on_pre(optimizer, closure, args, kwargs)
-                return args, kwargs
-            self._on_pre(optimizer)
+            # with a closure the step computes its gradients itself: they are checked after it;
+            # new (args, kwargs) come back for that, or to skip the step (on_detect="skip")
+            result: Optional[StepArgs] = self._on_pre(optimizer, closure if callable(closure) else None, args, kwargs)
+            return result
         return None
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if self._concerns(optimizer):
+        if not is_stand_in(optimizer) and self._concerns(optimizer):
             self.steps += 1
             self._on_post(optimizer)
 
@@ -294,15 +297,27 @@ class ScaleReader:
 
 
 class SkipCounter:
-    """Skipped steps: the total, the streak, and the events they make."""
+    """Skipped steps: the total, the streak, and the events they make; apart from them the steps
+    the watcher itself skipped (on_detect="skip"), with their own total and streak."""
 
     def __init__(self, max_streak: int) -> None:
         self.max_streak = max_streak
         self.total = 0
         self.streak = 0
+        self.nonfinite_total = 0
+        self.nonfinite_streak = 0
 
     def step_taken(self) -> None:
         self.streak = 0
+        self.nonfinite_streak = 0
+
+    def skipped_nonfinite(self, batch: int, rank: int, module: str, module_class: str, tensor: str, kind: str,
+                          phase: str) -> SkippedNonFiniteStepEvent:
+        """A step the watcher did not let run (on_detect="skip")."""
+        self.nonfinite_total += 1
+        self.nonfinite_streak += 1
+        return SkippedNonFiniteStepEvent(batch, rank, module, module_class, tensor, kind, time.time(),
+                                         self.nonfinite_streak, phase)
 
     def skipped(self, pending: Optional[PendingGradients], batch: int, rank: int,
                 scale: Optional[float]) -> List[SkipEvent]:

@@ -34,14 +34,15 @@ from .recorder import FrameRecorder
 from .backward import BackwardRecorder
 from .detection import DetectionPipeline
 from .attach import HookSet
-from .compiled import traced_post
+from .compiled import run_eagerly_when_called_eagerly, traced_post
+from .copies import ModuleHook
+from . import transforms
 from .step_monitor import StepHost, StepMonitor
 from .steps import StepGuard
 from .optim_state import OptimizerStateReader
 
 if TYPE_CHECKING:  # pragma: no cover
     from .capture import BatchCapture
-    from .compiled import _PostHook
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +125,17 @@ class Watcher:
         # ring, capture, replay, fleet, flush, raise (core/detection.py)
         self._detect = DetectionPipeline(model, config, self.behaviour, self._fanout, self._fleet,
                                          self._recorder.kind, lambda: self._recorder.acts_seen.clear(),
-                                         lambda: self._tls.st.history, self._probe)
+                                         lambda: self._tls.st.history, self._probe,
+                                         forward_poisoned=lambda e: self._steps.forward_poisoned(e))
         self._check = self._detect.check
         self._detected = self._detect.detected
         # optimizer steps, skips, the loss scale, the step guard (core/step_monitor.py)
         self._steps = StepMonitor(StepHost(
-            detect=self._detected, emit=self._fanout.on_event, phase_stats=self._phase_stats, check=self._check,
-            last_batch=self._last_batch, watches=self._watches,
-            live=lambda: self._attached and not self._replaying, weights_changed=self._recorder.invalidate_weights),
-            self._fleet, grad_scaler, config.max_skipped_steps, config.gradients)
+            detect=self._detected, escalate=self._detect.escalate, emit=self._fanout.on_event,
+            phase_stats=self._phase_stats, check=self._check, last_batch=self._last_batch, watches=self._watches,
+            live=lambda: self._attached and not self._replaying, weights_changed=self._recorder.invalidate_weights,
+            generation=lambda: self._hooks.index.generation),
+            self._fleet, grad_scaler, config.max_skipped_steps, config.gradients, skip=config.on_detect == "skip")
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._last_batch()),
                                           self._steps.backward_done, self._hook_failed)
@@ -143,6 +146,7 @@ class Watcher:
                               before_step=self._steps.before_step, after_step=self._steps.after_step,
                               batch_number=lambda: self.batch_number)
         self._rescan_failed = False
+        self._unwrapped: Optional[transforms.UnwrappedRecorder] = None  # made at the first call inside torch.func
         self._grad_acts = config.gradients
         self._failed_hooks = 0
         self._hook_error_logged = False
@@ -153,8 +157,11 @@ class Watcher:
         hooks = self._hooks
         hooks.place()
         cfg = self.config
-        # gradients=True localizes bad gradients in the backward: the step guard would add nothing
-        self._steps.use(StepGuard(hooks.index) if cfg.guard_steps and not cfg.gradients else None,
+        # gradients=True localizes bad gradients in the backward: the step guard would add nothing,
+        # except to on_detect="skip", whose verdict is on the gradients the step consumes (DDP's
+        # all-reduced ones, a GradScaler's unscaled ones)
+        guard = cfg.guard_steps and (not cfg.gradients or cfg.on_detect == "skip")
+        self._steps.use(StepGuard(hooks.index) if guard else None,
                         OptimizerStateReader(hooks.index) if cfg.optimizer_state else None)
         self._attached = True
         ACTIVE.add(self)
@@ -256,61 +263,27 @@ class Watcher:
         return batch % cfg.every_n_batches == 0 or batch in cfg.trace_batches
 
     # ---------------------------------------------------------------- hot path
-    def _make_hook(self, info: ModuleInfo, slot: int = 0) -> _PostHook:
+    def _make_hook(self, info: ModuleInfo, slot: int = 0) -> "ForwardHook":
         """`slot`: the hook's op slot (core/compiled.py), called in its place while dynamo traces."""
         recorder = self._recorder
         # the default behaviour records with the recorder's own frame(): one call less per frame
-        take: Callable[[Record, ModuleInfo, Tuple[Any, ...], Dict[str, Any], Any], None] = \
-            recorder.frame if type(self.behaviour).record is Behaviour.record \
+        take: _Take = recorder.frame if type(self.behaviour).record is Behaviour.record \
             else functools.partial(self.behaviour.record, recorder)
-        tls = self._tls
-        graph_task = torch._C._current_graph_task_id
-        compiling = torch.compiler.is_compiling
-        grad_enabled = torch.is_grad_enabled
-        set_grad = torch._C._set_grad_enabled
-        check_module = self.config.check == "module"
-        detect = self._detect
+        return ForwardHook(self, info, slot, take)
 
-        def hook(module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
-            if compiling():  # traced into a graph: an op runs this hook at run time
-                if slot:
-                    traced_post(slot, args, kwargs, output)
-                return
-            if detect.replaying:
-                return
-            st = tls.st
-            if not st.active and st.depth > 1:  # an inner call of an unsampled batch: nothing to do
-                st.depth -= 1
-                return
-            if st.quiet and module is not st.entry:  # a hook still on in a quiet batch: its pre-hook did not count
-                return
-            outside_backward = graph_task() == -1  # inside: checkpoint recomputation, not a batch
-            try:
-                if st.active and info.recorded and outside_backward:
-                    rec: Record = st.rec  # type: ignore[assignment]  # active: a batch is open
-                    try:
-                        grad = grad_enabled()
-                        set_grad(False)  # (torch.no_grad() without its three Python calls)
-                        try:
-                            take(rec, info, args, kwargs, output)
-                        finally:
-                            set_grad(grad)
-                        if grad and self._grad_acts:
-                            self._backward.hook_activations(info, args, output)
-                    except Exception as exc:  # a frame we cannot take must not stop training
-                        self._hook_failed(info, exc)
-                    if check_module:
-                        rec.readback()
-                        self._check(rec, len(rec.frames) - 1)
-                    elif len(rec.stats) > _MAX_PENDING:
-                        rec.readback()
-            finally:  # a detection in the outermost frame must still end the batch
-                st.depth -= 1
-                if st.depth <= 0:
-                    st.depth = 0
-                    if outside_backward and st.rec is not None:
-                        self._end_call(st, info.is_root)
-        return hook
+    def _take_unwrapped(self, rec: Record, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                        output: Any) -> None:
+        """A frame of a call inside torch.func transforms, measured through the tensors they wrap
+        (core/transforms.py); said once."""
+        r = self._unwrapped
+        if r is None:
+            r = self._unwrapped = transforms.UnwrappedRecorder(self.model)
+        r.say_once()
+        with transforms.set_aside():
+            if type(self.behaviour).record is Behaviour.record:
+                r.frame(rec, info, args, kwargs, output)
+            else:
+                self.behaviour.record(r, rec, info, args, kwargs, output)
 
     def _pre_hook(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...]) -> None:
         # registered through compiled.pre_hook, which runs it only outside dynamo's tracing
@@ -325,9 +298,10 @@ class Watcher:
 
     def _outermost_call(self, st: _BatchState, module: Optional[torch.nn.Module]) -> None:
         """An outermost watched call of this thread starts; it begins a batch unless one is open
-        (a `batch()` block) or it runs inside a backward (checkpoint recomputation)."""
+        (a `batch()` block), it runs inside a backward (checkpoint recomputation) or
+        torch.jit.trace traces it (the traced module is not watched)."""
         self._params_current()  # replaced parameters get their gradient hooks before the backward
-        begins = st.rec is None and torch._C._current_graph_task_id() == -1
+        begins = st.rec is None and torch._C._current_graph_task_id() == -1 and _tracing() is None
         if begins:
             try:  # multi-rank: the stop published by a rank may be raised here
                 self._fleet.at_batch_start()
@@ -483,6 +457,11 @@ class Watcher:
         return self._steps.steps_skipped
 
     @property
+    def nonfinite_steps_skipped(self) -> int:
+        """Optimizer steps the watcher skipped so far (on_detect="skip")."""
+        return self._steps.nonfinite_steps_skipped
+
+    @property
     def detections(self) -> int:
         """Detections made so far."""
         return self._detect.detections
@@ -498,3 +477,82 @@ class Watcher:
     def overflow_check(self, event: object) -> None:
         """Hand a detect_overflow() finding to the sinks (durable before returning)."""
         self._detect.overflow_check(event)
+
+
+_Take = Callable[[Record, ModuleInfo, Tuple[Any, ...], Dict[str, Any], Any], None]
+_compiling = torch.compiler.is_compiling
+_graph_task = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
+_tracing = transforms.tracing
+_transforms = transforms.active
+
+
+class ForwardHook(ModuleHook):
+    """A watched module's forward hook: records the call's frame into the calling thread's batch
+    and ends the batch when the outermost call returns (the watcher's hot path). `slot`: its op
+    slot (core/compiled.py), called in its place while dynamo traces. Copied with its module, it
+    is a no-op (core/copies.py)."""
+
+    __slots__ = ("_w", "_info", "_slot", "_take", "_tls", "_detect", "_check_module")
+
+    def __init__(self, watcher: "Watcher", info: ModuleInfo, slot: int, take: _Take) -> None:
+        super().__init__()
+        self._w = watcher
+        self._info = info
+        self._slot = slot
+        self._take = take
+        self._tls = watcher._tls
+        self._detect = watcher._detect
+        self._check_module = watcher.config.check == "module"
+
+    def __call__(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                 output: Any) -> None:
+        if _compiling():  # traced into a graph: an op runs this hook at run time
+            if self._slot:
+                traced_post(self._slot, args, kwargs, output)
+            return
+        if self._detect.replaying:
+            return
+        st = self._tls.st
+        if not st.active and st.depth > 1:  # an inner call of an unsampled batch: nothing to do
+            st.depth -= 1
+            return
+        if st.quiet and module is not st.entry:  # a hook still on in a quiet batch: its pre-hook did not count
+            return
+        info = self._info
+        outside_backward = _graph_task() == -1  # inside: checkpoint recomputation, not a batch
+        try:
+            # (jit.trace: an op run here would be traced into its graph)
+            if st.active and info.recorded and outside_backward and _tracing() is None:
+                rec: Record = st.rec  # type: ignore[assignment]  # active: a batch is open
+                w = self._w
+                try:
+                    grad = _grad_enabled()
+                    _set_grad(False)  # (torch.no_grad() without its three Python calls)
+                    wrapped = _transforms()  # torch.func's tensors: measured through what they wrap
+                    try:
+                        if wrapped:
+                            w._take_unwrapped(rec, info, args, kwargs, output)
+                        else:
+                            self._take(rec, info, args, kwargs, output)
+                    finally:
+                        _set_grad(grad)
+                    if grad and w._grad_acts and not wrapped:
+                        w._backward.hook_activations(info, args, output)
+                except Exception as exc:  # a frame we cannot take must not stop training
+                    w._hook_failed(info, exc)
+                if self._check_module:
+                    rec.readback()
+                    w._check(rec, len(rec.frames) - 1)
+                elif len(rec.stats) > _MAX_PENDING:
+                    rec.readback()
+        finally:  # a detection in the outermost frame must still end the batch
+            st.depth -= 1
+            if st.depth <= 0:
+                st.depth = 0
+                if outside_backward and st.rec is not None:
+                    self._w._end_call(st, info.is_root)
+
+
+run_eagerly_when_called_eagerly(ForwardHook.__call__.__code__)

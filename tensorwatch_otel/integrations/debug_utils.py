@@ -13,9 +13,10 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from .._watch import env_sinks
-from ..core import naming
+from ..core import naming, offload, transforms
 from ..core.behaviour import Behaviour
 from ..core.config import WatchConfig
+from ..core.copies import Copies, Hook
 from ..core.events import NOTE_NONE, NOTE_NOT_TENSOR, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent, TensorStat
 from ..core.rank import current_rank
 from ..core.record import ModuleInfo, Record
@@ -128,23 +129,30 @@ class _TraceFlags:
         self.watcher: Optional[Watcher] = None
         self.batches: Dict[int, List[Optional[list]]] = {}
         self._handles = []
+        self._copies = Copies()  # a copy of the model holds no-ops in their place (core/copies.py)
         seen = set()
         for _, module in model.named_modules():
             if id(module) not in seen:
                 seen.add(id(module))
-                self._handles.append(module.register_forward_hook(self._hook, prepend=True, always_call=True))
+                hook = Hook(self._hook).place(module, self._copies)
+                self._handles.append(module.register_forward_hook(hook, prepend=True, always_call=True))
 
     def detach(self) -> None:
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
+        self._copies.take_off()
         self.batches.clear()
 
     def _hook(self, module, args, output) -> None:
         w = self.watcher
-        if w is None or w.batch_number not in self.traced or torch._C._current_graph_task_id() != -1:
+        if w is None or w.batch_number not in self.traced or torch._C._current_graph_task_id() != -1 \
+                or transforms.tracing() is not None:
             return
         frames = self.batches.setdefault(w.batch_number, [])
+        if transforms.active():  # torch.func's wrappers: the abs min/max lines stand in
+            frames.append(None)
+            return
         try:
             with torch.no_grad():
                 frames.append(self._frame(module, args, output))
@@ -153,7 +161,8 @@ class _TraceFlags:
 
     @staticmethod
     def _frame(module, args, output) -> list:
-        named = [(n, p) for n, p in module._parameters.items() if p is not None]
+        # (under accelerate's offload, the weights the module held in this call: core/offload.py)
+        named = [(n, p) for n, p in offload.lent_params(module).items() if p is not None]
         named += [(f"input[{i}]", a) for i, a in enumerate(args)]
         if isinstance(output, tuple):
             for i, x in enumerate(output):

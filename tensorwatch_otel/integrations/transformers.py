@@ -12,6 +12,7 @@ import sys
 from typing import Any, Optional
 
 from transformers import Trainer, TrainerCallback
+from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
 
 from .._watch import watch
 from ..core.watcher import Watcher
@@ -40,6 +41,9 @@ class TensorwatchCallback(TrainerCallback):
       `trainer.predict()` called outside `train()` are not watched.
     - When the Trainer's optimizer steps through a GradScaler (fp16 on GPU: accelerate's
       `accelerator.scaler`), it is passed as `watch(..., grad_scaler=...)` unless given.
+    - `TrainingArguments(debug="underflow_overflow")` is served by this watcher alone: the hooks
+      of the transformers DebugUnderflowOverflow that `train()` placed are taken off the model
+      before it runs (one report, NonFiniteDetected, the sinks); the arguments stay as given.
 
     Options are those of `watch()` (`sinks`, `gradients`, `include`, `on_detect`, ...), checked
     when the callback is built. `watcher` is the live Watcher during training, else None.
@@ -62,6 +66,8 @@ class TensorwatchCallback(TrainerCallback):
         if model is None:
             log.warning("tensorwatch_otel: on_train_begin without a model; nothing is watched")
             return
+        if DebugOption.UNDERFLOW_OVERFLOW in (getattr(args, "debug", None) or ()):
+            _serve_debug_flag(model)
         options = dict(self.watch_options)
         if options.get("grad_scaler") is None:
             scaler = _grad_scaler(trainer, optimizer)
@@ -78,6 +84,24 @@ class TensorwatchCallback(TrainerCallback):
         watcher, self.watcher = self.watcher, None
         if watcher is not None:
             watcher.detach()
+
+
+def _serve_debug_flag(model: Any) -> None:
+    """Take the forward hooks of transformers' own DebugUnderflowOverflow off `model`: `train()`
+    places them for `debug="underflow_overflow"` (and never removes them) before on_train_begin.
+    Run beside ours, its hook raises its ValueError first, torch then only warns about our
+    always-called hook's NonFiniteDetected, and both checkers print a report."""
+    removed = 0
+    for m in model.modules():
+        hooks = m._forward_hooks
+        for key in [k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None), DebugUnderflowOverflow)]:
+            del hooks[key]  # what its RemovableHandle (which the Trainer dropped) would do
+            m._forward_hooks_with_kwargs.pop(key, None)
+            m._forward_hooks_always_called.pop(key, None)
+            removed += 1
+    if removed:
+        log.info("tensorwatch_otel: TrainingArguments(debug='underflow_overflow') is served by this "
+                 "watcher: transformers' DebugUnderflowOverflow hooks were taken off (%d)", removed)
 
 
 def _grad_scaler(trainer: Optional[Trainer], optimizer: Any) -> Any:

@@ -15,6 +15,7 @@ from ..core.events import (
     Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
+    SkippedNonFiniteStepEvent,
     SkippedStepEvent,
     SkipStreakEvent,
     StoppedByRankEvent,
@@ -83,6 +84,9 @@ def to_dict(event: Event) -> Dict[str, Any]:
                  streak=event.streak, scale=_num(event.scale))
     elif isinstance(event, SkipStreakEvent):
         d.update(streak=event.streak, scale=_num(event.scale))
+    elif isinstance(event, SkippedNonFiniteStepEvent):
+        d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
+                 streak=event.streak, phase=event.phase)
     elif isinstance(event, BatchTraceEvent):
         d["frames"] = [_frame(f) for f in event.frames]
     elif isinstance(event, OverflowCheckEvent):
@@ -155,7 +159,7 @@ def _frame_from(d: Dict[str, Any], batch_number: int) -> Frame:
 #: The event types this version reads; a well-formed line of another type (written by a newer
 #: version) is an UnknownEvent line, skipped with a note rather than an error.
 EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check", "stopped_by_rank",
-               "optimizer_step_skipped", "skipped_steps_streak")
+               "optimizer_step_skipped", "skipped_steps_streak", "skipped_nonfinite_step")
 
 
 class UnknownEvent(ValueError):
@@ -206,6 +210,9 @@ def from_dict(d: Dict[str, Any]) -> Event:
             return SkipStreakEvent(b, rank, streak, scale, ts)
         return SkippedStepEvent(b, rank, streak, scale, _str(d, "module"), _str(d, "module_class"),
                                 _str(d, "tensor"), _str(d, "kind"), ts)
+    if kind == "skipped_nonfinite_step":
+        return SkippedNonFiniteStepEvent(b, rank, _str(d, "module"), _str(d, "module_class"), _str(d, "tensor"),
+                                         _str(d, "kind"), ts, _int(d, "streak", 1), _str(d, "phase", "backward"))
     if kind == "batch_trace":
         return BatchTraceEvent(b, rank, frames, ts)
     if kind == "abort_after_batch":

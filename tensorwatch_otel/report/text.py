@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence
 
-from ..core.events import BatchTraceEvent, Frame, NonFiniteEvent, StoppedByRankEvent, TensorStat
+from ..core.events import (BatchTraceEvent, Frame, NonFiniteEvent, SkippedNonFiniteStepEvent, StoppedByRankEvent,
+                           TensorStat)
 
 PREFIX = " " * 17
 HEADER = f"{'abs min':8} {'abs max':8} metadata"
@@ -107,6 +108,17 @@ def stopped_line(event: StoppedByRankEvent) -> str:
     at = "" if event.stopped_at_batch is None else f" at batch_number={event.stopped_at_batch}"
     return (f"tensorwatch_otel: rank {event.rank} stopped{at}: rank {event.first_rank} detected {event.kind} "
             f"in {where} {event.module_class} {event.tensor} during batch_number={event.batch_number}\n")
+
+
+def skipped_line(event: SkippedNonFiniteStepEvent) -> str:
+    """One line for an optimizer step on_detect="skip" did not let run."""
+    if event.tensor or event.module:
+        where = f"{event.kind} in {event.module or '(root)'} {event.module_class} {event.tensor}"
+        where += " (the batch's forward)" if event.phase == "forward" else ""
+    else:
+        where = "inf/nan in another rank's shard of the gradients"
+    return (f"tensorwatch_otel: optimizer step skipped for batch_number={event.batch_number} on rank "
+            f"{event.rank}: {where} ({event.streak} in a row); weights and optimizer state unchanged\n")
 
 
 def print_overflow_check(ctx: str, has_nan: bool, has_inf: bool) -> None:

@@ -77,9 +77,10 @@ def _rebuild(obj: Any) -> Any:
 class StepTally:
     """Skipped optimizer steps as both metric sinks count them: SkippedStepEvents seen and the
     core's count in BatchStats, whichever is larger (either may arrive first); streaks
-    (SkipStreakEvents), the latest streak length, and the newest loss scale with its rank."""
+    (SkipStreakEvents), the latest streak length, and the newest loss scale with its rank; the
+    steps on_detect="skip" skipped (SkippedNonFiniteStepEvents), counted apart."""
 
-    __slots__ = ("events", "core", "exported", "streaks", "streak", "scale_time", "scale", "rank")
+    __slots__ = ("events", "core", "exported", "streaks", "streak", "scale_time", "scale", "rank", "nonfinite")
 
     def __init__(self, rank: int):
         self.events = 0
@@ -90,6 +91,7 @@ class StepTally:
         self.scale_time = -math.inf
         self.scale: Optional[float] = None
         self.rank = rank
+        self.nonfinite = 0
 
     @property
     def skipped(self) -> int:

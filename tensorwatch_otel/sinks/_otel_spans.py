@@ -1,5 +1,6 @@
 """The spans OtelTelemetry makes from events: detection, traced batches (split at the SDK's
-event limit), overflow checks, aborts and skipped-step streaks. Runs on the sink's thread."""
+event limit), overflow checks, aborts, skipped-step streaks and the steps on_detect="skip"
+skipped. Runs on the sink's thread."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, Event, Frame, NonFiniteEvent,
-                           OverflowCheckEvent, SkipStreakEvent, StoppedByRankEvent, label_for_module)
+                           OverflowCheckEvent, SkippedNonFiniteStepEvent, SkipStreakEvent, StoppedByRankEvent,
+                           label_for_module)
 
 #: The detection's span (otel_env's export backoff always lets a batch holding one through).
 DETECTION_SPAN = "tensorwatch.nonfinite_detected"
@@ -137,6 +139,8 @@ class SpanBuilder:
             span.set_status(Status(StatusCode.ERROR, f"stopped: rank {event.first_rank} detected {event.kind} "
                                                      f"during batch {event.batch_number}"))
             span.end(end_time=t)
+        elif isinstance(event, SkippedNonFiniteStepEvent):
+            self._skipped_span(event, ctx)
         elif isinstance(event, SkipStreakEvent):
             t = int(event.time * 1e9)
             attrs = {"tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank,
@@ -148,6 +152,18 @@ class SpanBuilder:
             span.set_status(Status(StatusCode.ERROR, f"{event.streak} optimizer steps in a row skipped "
                                                      f"(inf/nan gradients) up to batch {event.batch_number}"))
             span.end(end_time=t)
+
+    def _skipped_span(self, event: SkippedNonFiniteStepEvent, ctx) -> None:
+        t = int(event.time * 1e9)
+        attrs = {"tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank,
+                 "tensorwatch.module.path": label_for_module(event.module) if event.module or event.tensor else "",
+                 "tensorwatch.module.class": event.module_class, "tensorwatch.tensor": event.tensor,
+                 "tensorwatch.nonfinite.kind": event.kind, "tensorwatch.phase": event.phase,
+                 "tensorwatch.optimizer.skip_streak": event.streak}
+        span = self._tracer.start_span("tensorwatch.skipped_nonfinite_step", context=ctx, start_time=t,
+                                       attributes=attrs)
+        # not an error: the step was skipped on purpose and training goes on (the alert is a warning)
+        span.end(end_time=t)
 
     def _add_frames(self, span, frames: Sequence[Frame], t0: int, first_index: int) -> None:
         # 1 ns apart: backends that sort span events by time keep the ring buffer's order.

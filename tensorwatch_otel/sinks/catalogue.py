@@ -95,6 +95,9 @@ SERIES: Tuple[Series, ...] = (
            "tensorwatch_optimizer_skip_streaks", "tensorwatch.optimizer.skip_streaks", "{streak}"),
     Series("skip_streak", "gauge", "Consecutive skipped optimizer steps, as of the latest skip reported",
            ("rank",), "tensorwatch_optimizer_skip_streak", "tensorwatch.optimizer.skip_streak"),
+    Series("skipped_nonfinite", "counter", "Optimizer steps on_detect=\"skip\" did not run because the gradients "
+           "they would consume held inf/nan (or their batch's forward did)", ("rank",),
+           "tensorwatch_skipped_nonfinite_steps", "tensorwatch.skipped_nonfinite_steps", "{step}"),
     # fleet mode of the Prometheus sink (detail=, docs/at-scale.md)
     Series("rank_worst", "gauge", "Largest range used of any (module, tensor) pair of this rank over the "
            "window, labelled with that pair (+Inf for an inf/nan value)", _PAIR + ("dtype", "rank"),

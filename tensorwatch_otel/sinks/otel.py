@@ -20,8 +20,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
-                           label_for_module, set_trace_id_source)
+from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
+                           SkipStreakEvent, StoppedByRankEvent, label_for_module, set_trace_id_source)
 from ..core.rank import current_rank
 from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__
@@ -149,7 +149,8 @@ class OtelTelemetry(Sink):
       that trace; the training step's span, if any, is a link), and the nonfinite counter is
       recorded in that context so exemplars carry the same trace id.
     - Skipped optimizer steps: counter ``tensorwatch.optimizer.steps_skipped`` ({step}) and
-      gauge ``tensorwatch.grad_scale``.
+      gauge ``tensorwatch.grad_scale``; steps on_detect="skip" skipped: counter
+      ``tensorwatch.skipped_nonfinite_steps`` ({step}) and a span ``tensorwatch.skipped_nonfinite_step`` each.
     - With ``watch(target_dtypes=...)``: gauges ``tensorwatch.tensor.underflow_ratio`` /
       ``overflow_ratio`` (attribute ``tensorwatch.target_dtype``, the largest share in the window)
       and the exponential histogram ``tensorwatch.tensor.magnitude`` (scale 0, cumulative, one
@@ -211,6 +212,8 @@ class OtelTelemetry(Sink):
         self._streaks = counter("skip_streaks")
         self._streaks.add(0, {"tensorwatch.rank": self._rank})
         observed("skip_streak", self._observe_streak)
+        self._nonfinite_skips = counter("skipped_nonfinite")
+        self._nonfinite_skips.add(0, {"tensorwatch.rank": self._rank})
         observed("batches", self._observe_batches)
         observed("batch_number", self._observe_batch_number)
         self._magnitude_hooks = _attach_magnitudes(meter_provider or metrics.get_meter_provider(), self)
@@ -254,6 +257,8 @@ class OtelTelemetry(Sink):
                 self._count_skips(event.rank)
             if isinstance(event, SkippedStepEvent):
                 return  # one per skip: the counter says it; a streak gets a span
+        if isinstance(event, SkippedNonFiniteStepEvent):
+            self._nonfinite_skips.add(1, {"tensorwatch.rank": event.rank})  # and a span, below
         ctx = otel_context.get_current()
         if isinstance(event, StoppedByRankEvent):
             self._stopped.add(1, {

@@ -23,8 +23,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
 from ..core import env as _env
-from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent,
-                           label_for_module)
+from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
+                           SkipStreakEvent, StoppedByRankEvent, label_for_module)
 from ..core.rank import current_rank
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
 from ._base import Sink, StepTally, utf8_text
@@ -253,6 +253,10 @@ class PrometheusMetrics(Sink):
             self._note_sigterm()
 
     def on_event(self, event: Event) -> None:
+        if isinstance(event, SkippedNonFiniteStepEvent):
+            with self._lock:
+                self._steps.nonfinite += 1
+            return
         if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
             streak = isinstance(event, SkipStreakEvent)
             with self._lock:
@@ -433,6 +437,7 @@ class PrometheusMetrics(Sink):
         batches_f, number, dropped_f = f("batches"), f("batch_number"), f("series_dropped")
         skipped_f, scale_f, streaks_f, streak_f = f("steps_skipped"), f("grad_scale"), f("skip_streaks"), \
             f("skip_streak")
+        nonfinite_skips_f = f("skipped_nonfinite")
         batches = 0
         rows, cutoff, hidden = ((), 0.0, 0) if snap is None else \
             self._policy.select(snap.rows, rank, self._detected)
@@ -455,10 +460,12 @@ class PrometheusMetrics(Sink):
         with self._lock:
             steps = self._steps
             skipped, streaks, streak, scale = steps.skipped, steps.streaks, steps.streak, steps.scale
+            nonfinite_skips = steps.nonfinite
             counts = [(k, list(v)) for k, v in self._nonfinite.items()]
             stopped = list(self._stopped.items())
         skipped_f.add_metric((r,), skipped)
         streaks_f.add_metric((r,), streaks)
+        nonfinite_skips_f.add_metric((r,), nonfinite_skips)
         if streak is not None:
             streak_f.add_metric((r,), streak[0])
         if scale is not None:
@@ -472,8 +479,8 @@ class PrometheusMetrics(Sink):
         for (module, cls, tensor, ev_rank, first), n in stopped:
             stopped_f.add_metric((module, cls, tensor, str(ev_rank), str(first)), n)
         return [amax, amin, used, under, over, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f,
-                scale_f, streaks_f, streak_f] + summary_families(None if snap is None else snap.rows, r, cutoff,
-                                                                 hidden)
+                scale_f, streaks_f, streak_f, nonfinite_skips_f] + \
+            summary_families(None if snap is None else snap.rows, r, cutoff, hidden)
 
 
 def _family(key: str) -> Metric:

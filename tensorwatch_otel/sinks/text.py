@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 from typing import Optional, TextIO
 
-from ..core.events import BatchTraceEvent, NonFiniteEvent, SkipStreakEvent, StoppedByRankEvent
-from ..report.text import render_detection, render_trace, stopped_line, summary_line
+from ..core.events import (BatchTraceEvent, NonFiniteEvent, SkippedNonFiniteStepEvent, SkipStreakEvent,
+                           StoppedByRankEvent)
+from ..report.text import render_detection, render_trace, skipped_line, stopped_line, summary_line
 from ._base import Sink
 
 
@@ -15,7 +16,8 @@ class TextReport(Sink):
 
     The first detection prints the full report; later ones (on_detect="report") one line each.
     Traced batches print on rank 0 only unless `all_ranks=True`; detections print on the rank
-    that found them. A streak of skipped optimizer steps prints one line (single skips do not).
+    that found them. A streak of skipped optimizer steps prints one line (single skips do not);
+    a step on_detect="skip" skipped prints one line each.
     """
 
     def __init__(self, stream: Optional[TextIO] = None, all_ranks: bool = False):
@@ -39,6 +41,8 @@ class TextReport(Sink):
                 self._write(render_trace(event))
         elif isinstance(event, SkipStreakEvent):
             self._write(streak_line(event))
+        elif isinstance(event, SkippedNonFiniteStepEvent):
+            self._write(skipped_line(event))
 
 
 def streak_line(event: SkipStreakEvent) -> str:
