@@ -12,7 +12,7 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! c
   $SUDO systemctl stop prometheus prometheus-alertmanager prometheus-node-exporter 2>/dev/null || true
 fi
 
-echo "== installing tensorwatch-otel with test extras (pinned by constraints.txt; 1-3 minutes on a fresh machine)"
+echo "== installing tensorwatch-otel with test extras (pinned by constraints.txt; about 2 minutes on a fresh machine)"
 # pip prints nothing useful with -q and pages of notes without it: one line per package it
 # fetches or installs shows where a long install is; the whole output is shown if it fails.
 pip_log="$(mktemp)"
@@ -29,5 +29,5 @@ echo "== lint (ruff) and type check (mypy, strict on tensorwatch_otel/core; see 
 python3 -m ruff check .
 python3 -m mypy
 
-echo "== running tests (${SECONDS}s so far; the tests take 10-15 minutes on 2 cores, a dot per test)"
+echo "== running tests (${SECONDS}s so far; the tests take 12-16 minutes on 2 cores, a dot per test)"
 python3 -m pytest "$@"
