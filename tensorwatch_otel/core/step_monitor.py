@@ -204,6 +204,17 @@ class StepMonitor:
 
     def _guard_step(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
         """The step guard: one read; a detection named at the first bad gradient."""
+        found = self._guard_read(optimizer, batch)
+        if found is not None:
+            self._host.detect(found[0], found[1], replicated=self._fleet.gradients_replicated())
+
+    def _guard_verdict(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[_Bad]:
+        """on_detect="skip": why the step guard says this step must not run, or None."""
+        found = self._guard_read(optimizer, batch)
+        return _Bad.of_record(*found) if found is not None else None
+
+    def _guard_read(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[Tuple[Record, int]]:
+        """The step guard's one read: the record and frame of the first bad gradient, or None."""
         guard = self._guard
         assert guard is not None
         try:
@@ -213,9 +224,8 @@ class StepMonitor:
             self._guard = None
             log.error("tensorwatch_otel: the optimizer-step gradient check failed (%s: %s); training goes on "
                       "without it", type(exc).__name__, exc)
-            return
-        if fi is not None:
-            self._host.detect(rec, fi, replicated=self._fleet.gradients_replicated())
+            return None
+        return (rec, fi) if rec is not None and fi is not None else None
 
     # ---------------------------------------------------------------- on_detect="skip"
     def _skippable_step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[..., Any]],
@@ -295,18 +305,7 @@ class StepMonitor:
             self._poison_spent = batch
         return bad
 
-    def _guard_verdict(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[_Bad]:
-        guard = self._guard
-        assert guard is not None
-        try:
-            rec = guard.check(optimizer, batch)
-            fi = rec.first_nonfinite_frame(0) if rec is not None else None
-        except Exception as exc:  # the guard must not stop training: it goes off, said once
-            self._guard = None
-            log.error("tensorwatch_otel: the optimizer-step gradient check failed (%s: %s); training goes on "
-                      "without it", type(exc).__name__, exc)
-            return None
-        return _Bad.of_record(rec, fi) if rec is not None and fi is not None else None
+
 
     def _skip(self, bad: _Bad, cannot: Optional[str]) -> None:
         """Record the skip of this step; raise instead, as on_detect="raise" would, when it
