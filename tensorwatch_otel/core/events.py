@@ -5,10 +5,11 @@ Nothing here imports an exporter: sinks translate these into text, JSON, metrics
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 # Notes for values that have no statistics. The report prints them right-aligned in 17 columns.
 NOTE_NONE = "None"
@@ -335,3 +336,30 @@ class _LazyFrames:
 
     def materialize(self) -> Tuple[Frame, ...]:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def map_strings(obj: Any, fn: Callable[[str], str]) -> Any:
+    """`obj` (an event, a frame, a tensor statistic, containers of them) with every string in it,
+    dictionary keys included, replaced by `fn(string)`; the same object wherever nothing changed.
+    Tuples (not named ones), lists, dicts and dataclasses are looked into; the rest is kept."""
+    if isinstance(obj, str):
+        return fn(obj)
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        items = [map_strings(x, fn) for x in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else tuple(items)
+    if isinstance(obj, list):
+        items = [map_strings(x, fn) for x in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else items
+    if isinstance(obj, dict):
+        pairs = [(map_strings(k, fn), map_strings(v, fn)) for k, v in obj.items()]
+        return obj if all(a is k and b is v for (a, b), (k, v) in zip(pairs, obj.items())) else dict(pairs)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changed = {}
+        for f in dataclasses.fields(obj):
+            if f.init:
+                v = getattr(obj, f.name)
+                nv = map_strings(v, fn)
+                if nv is not v:
+                    changed[f.name] = nv
+        return dataclasses.replace(obj, **changed) if changed else obj
+    return obj

@@ -3,9 +3,10 @@ sequence in a module name) is shown as its backslash escape, never sent to the t
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
+
+from ..core.events import map_strings
 
 # C0 and C1 controls and DEL (escape sequences, bell, carriage return, newline), line and
 # paragraph separators, the bidirectional overrides that reorder what a terminal shows, and
@@ -32,21 +33,4 @@ def printable(text: str) -> str:
 def printable_event(obj: Any) -> Any:
     """An event (or frame, tensor statistic) with every string in it made printable, dictionary
     keys included; the same object when nothing needed escaping."""
-    if isinstance(obj, str):
-        return printable(obj)
-    if isinstance(obj, tuple):
-        items = tuple(printable_event(v) for v in obj)
-        return obj if all(a is b for a, b in zip(items, obj)) else items
-    if isinstance(obj, dict):
-        pairs = [(printable_event(k), printable_event(v)) for k, v in obj.items()]
-        return obj if all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(pairs, obj.items())) else dict(pairs)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changed = {}
-        for f in dataclasses.fields(obj):
-            if f.init:
-                old = getattr(obj, f.name)
-                new = printable_event(old)
-                if new is not old:
-                    changed[f.name] = new
-        return dataclasses.replace(obj, **changed) if changed else obj
-    return obj
+    return map_strings(obj, printable)

@@ -4,10 +4,10 @@ skipped-step bookkeeping both metric sinks keep."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Optional, Tuple
 
+from ..core.events import map_strings
 from ..core.ports import Sink, SinkFanout
 
 __all__ = ["Sink", "SinkFanout", "utf8_text", "utf8_safe", "StepTally"]
@@ -47,31 +47,7 @@ def utf8_safe(obj: Any) -> Any:
     object when nothing needed it, so the common case allocates nothing."""
     if _all_ascii(obj) and not isinstance(obj, (str, tuple, list, dict)):
         return obj
-    return _rebuild(obj)
-
-
-def _rebuild(obj: Any) -> Any:
-    if isinstance(obj, str):
-        return utf8_text(obj)
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        items = [_rebuild(x) for x in obj]
-        return obj if all(a is b for a, b in zip(items, obj)) else tuple(items)
-    if isinstance(obj, list):
-        items = [_rebuild(x) for x in obj]
-        return obj if all(a is b for a, b in zip(items, obj)) else items
-    if isinstance(obj, dict):
-        pairs = [(_rebuild(k), _rebuild(v)) for k, v in obj.items()]
-        return obj if all(a is k and b is v for (a, b), (k, v) in zip(pairs, obj.items())) else dict(pairs)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changed = {}
-        for f in dataclasses.fields(obj):
-            if f.init:
-                v = getattr(obj, f.name)
-                nv = _rebuild(v)
-                if nv is not v:
-                    changed[f.name] = nv
-        return dataclasses.replace(obj, **changed) if changed else obj
-    return obj
+    return map_strings(obj, utf8_text)
 
 
 class StepTally:
