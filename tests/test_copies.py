@@ -16,17 +16,8 @@ from torch.optim.swa_utils import AveragedModel
 
 from _collect import Collect
 from _hooks import remaining_hooks
+from _models import TwoLinear as Net
 from tensorwatch_otel import DebugUnderflowOverflow, NonFiniteDetected, NonFiniteEvent, watch
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
 
 
 def _train(model, steps, x):

@@ -13,23 +13,13 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, jvp, vmap
 
 from _collect import Collect
 from _hooks import remaining_hooks
+from _models import TwoLinear as Net
 from tensorwatch_otel import DebugUnderflowOverflow, NonFiniteDetected, watch
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
 
 
 def _forward(sink):
