@@ -47,11 +47,12 @@ def _same_state(a, b):
     return a == b
 
 
-def _reference(kind, skipped, data):
-    """The run that never took those batches' steps: same seed, same data, step() not called."""
+def _reference(kind, skipped, data, make=None):
+    """The run that never took those batches' steps: same seed, same data, step() not called.
+    `make(model)` builds the optimizer, when given; else `_optimizer(kind, model)`."""
     torch.manual_seed(0)
     model = Net()
-    opt = _optimizer(kind, model)
+    opt = make(model) if make is not None else _optimizer(kind, model)
     for b, (x, y) in enumerate(data):
         opt.zero_grad(set_to_none=True)
         F.mse_loss(model(x), y).backward()
@@ -138,11 +139,19 @@ def test_poisoned_steps_are_skipped_exactly_as_if_never_called(tmp_path, kind, p
 @pytest.mark.parametrize("closure", [False, True])
 def test_the_first_step_an_optimizer_takes_is_skipped_too(closure):
     # the watcher first meets an optimizer inside its first step(): that step is skipped as well
+    opt = _skip_batches_0_and_3(lambda model: _optimizer("adamw", model), closure)
+    assert "step" not in vars(opt)  # detach gave optimizer.step back
+
+
+def _skip_batches_0_and_3(make, closure):
+    """Six batches under on_detect="skip", 0 and 3 poisoned in the loss: weights and optimizer
+    state equal a run that never took those two steps, and both skips are events. The optimizer
+    (`make(model)`) is returned."""
     data = _data(6)
-    ref_model, ref_opt = _reference("adamw", (0, 3), data)
+    ref_model, ref_opt = _reference(None, (0, 3), data, make)
     torch.manual_seed(0)
     model = Net()
-    opt = _optimizer("adamw", model)
+    opt = make(model)
     sink = Collect()
     with watch(model, sinks=[sink], on_detect="skip"):
         _train(model, opt, data, (0, 3), "loss", closure=closure)
@@ -150,7 +159,7 @@ def test_the_first_step_an_optimizer_takes_is_skipped_too(closure):
         assert torch.equal(p, q)
     assert _same_state(opt.state_dict(), ref_opt.state_dict())
     assert [e.batch_number for e in sink.of(SkippedNonFiniteStepEvent)] == [0, 3]
-    assert "step" not in vars(opt)  # detach gave optimizer.step back
+    return opt
 
 
 class _SubclassedAdam(torch.optim.Adam):
@@ -183,21 +192,9 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("closure", [False, True])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_every_torch_optimizer_skips_its_first_step_and_a_gated_one_untouched(name, closure, monkeypatch):
+def test_every_torch_optimizer_skips_its_first_step_and_a_gated_one_untouched(name, closure):
     # batch 0: the step the watcher first meets the optimizer in (the stand-in); batch 3: the gate
-    monkeypatch.setitem(globals(), "_optimizer", lambda kind, model: OPTIMIZERS[name](model.parameters()))
-    data = _data(6)
-    ref_model, ref_opt = _reference(name, (0, 3), data)
-    torch.manual_seed(0)
-    model = Net()
-    opt = OPTIMIZERS[name](model.parameters())
-    sink = Collect()
-    with watch(model, sinks=[sink], on_detect="skip"):
-        _train(model, opt, data, (0, 3), "loss", closure=closure)
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(p, q)
-    assert _same_state(opt.state_dict(), ref_opt.state_dict())
-    assert [e.batch_number for e in sink.of(SkippedNonFiniteStepEvent)] == [0, 3]
+    _skip_batches_0_and_3(lambda model: OPTIMIZERS[name](model.parameters()), closure)
 
 
 def test_lbfgs_steps_are_skipped_once_the_gate_is_on_and_its_first_step_raises():
