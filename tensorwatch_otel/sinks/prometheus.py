@@ -102,7 +102,7 @@ class _SigtermNote:
         self.previous = previous
 
     def __call__(self, signum, frame):
-        self.sink._sigterm = True  # a plain store: no lock can be taken from a signal handler
+        self.sink.sigterm_received()
         return self.previous(signum, frame)
 
 
@@ -387,6 +387,11 @@ class PrometheusMetrics(Sink):
                 self._sigterm_note = None
         except (ValueError, OSError, RuntimeError):
             pass
+
+    def sigterm_received(self) -> None:
+        """Called by the chained SIGTERM handler: a preemption's grace period has begun. A plain
+        store (a signal handler must take no lock); the linger's wait reads it."""
+        self._sigterm = True
 
     def _log_sigterm(self, waited: bool) -> None:
         if self._sigterm_logged:
