@@ -163,23 +163,7 @@ _LINGER = textwrap.dedent("""
 def test_ctrl_c_ends_the_prometheus_linger_at_once_without_traceback():
     proc = subprocess.Popen([sys.executable, "-c", _LINGER], env=_env(TENSORWATCH_PROMETHEUS_LINGER_SECONDS="60"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err = []
-    try:
-        for line in proc.stderr:
-            err.append(line)
-            if "waiting up to 60 s for Prometheus" in line:
-                break
-        else:
-            raise AssertionError("".join(err)[-3000:])
-        time.sleep(0.3)
-        t = time.perf_counter()
-        proc.send_signal(signal.SIGINT)
-        rest = proc.communicate(timeout=20)[1]
-        took = time.perf_counter() - t
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = "".join(err) + rest
+    took, _, text = _signal_once(proc, "waiting up to 60 s for Prometheus", signal.SIGINT)
     assert took < 3.0, took
     assert "Traceback" not in text, text[-3000:]
     assert "ended by Ctrl-C" in text
@@ -232,8 +216,8 @@ def _preempted(handler: str, when: str):
     return proc, port
 
 
-def _terminate(proc, wait_for: str = ""):
-    """SIGTERM (once `wait_for` is on stderr); (seconds to the process's end, return code, stderr)."""
+def _signal_once(proc, wait_for: str = "", sig: int = signal.SIGTERM):
+    """`sig` (once `wait_for` is on stderr); (seconds to the process's end, return code, stderr)."""
     err = []
     try:
         if wait_for:
@@ -245,7 +229,7 @@ def _terminate(proc, wait_for: str = ""):
                 raise AssertionError("".join(err)[-3000:])
         time.sleep(0.3)
         t = time.perf_counter()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         rest = proc.communicate(timeout=20)[1]
         took = time.perf_counter() - t
     finally:
@@ -257,7 +241,7 @@ def _terminate(proc, wait_for: str = ""):
 @pytest.mark.slow
 def test_sigterm_with_the_applications_handler_ends_the_linger_during_training():
     proc, _ = _preempted("handler", "training")
-    took, code, err = _terminate(proc)
+    took, code, err = _signal_once(proc)
     assert took < 10, (took, err[-3000:])
     assert code == 143, err[-3000:]  # the application's handler ran and chose the status
     assert "Traceback" not in err, err[-3000:]
@@ -267,7 +251,7 @@ def test_sigterm_with_the_applications_handler_ends_the_linger_during_training()
 @pytest.mark.slow
 def test_sigterm_with_the_applications_handler_ends_the_exit_linger():
     proc, _ = _preempted("handler", "exit")
-    took, code, err = _terminate(proc, wait_for="waiting up to 60 s for Prometheus")
+    took, code, err = _signal_once(proc, wait_for="waiting up to 60 s for Prometheus")
     assert took < 10, (took, err[-3000:])
     assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
     assert "ended by SIGTERM" in err, err[-3000:]
@@ -279,6 +263,6 @@ def test_sigterm_with_the_applications_handler_ends_the_exit_linger():
 def test_sigterm_without_a_handler_kills_at_once(when):
     """No handler: SIGTERM's default action ends the process there and then, linger or not."""
     proc, _ = _preempted("none", when)
-    took, code, err = _terminate(proc, wait_for="waiting up to 60 s" if when == "exit" else "")
+    took, code, err = _signal_once(proc, wait_for="waiting up to 60 s" if when == "exit" else "")
     assert took < 5, (took, err[-3000:])
     assert code == -signal.SIGTERM, err[-3000:]
