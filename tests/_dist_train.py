@@ -158,6 +158,10 @@ def main() -> int:
         if result["event"] == "nonfinite_detected":
             time.sleep(args.linger)  # as a Prometheus sink lingering for its last scrape would
         return 3
+    if args.on_detect == "skip":
+        # every rank runs to here under skip (the gather above relies on it too): leave together,
+        # so rank 0, which serves the store, does not tear down while a peer is still tearing down
+        dist.barrier()
     dist.destroy_process_group()
     return 0
 
