@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import env as _env
+from .histogram_layout import row_width
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +243,6 @@ MagnitudeKernel = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor, tor
 def _bind_magnitude(lib: ctypes.CDLL, parallel: bool) -> MagnitudeKernel:
     """tensor -> (abs_min, abs_max, histogram) in one read (core/magnitude.py: the histogram's
     layout, the same as its torch-ops twin)."""
-    from .magnitude import row_width
-
     fns: Dict[torch.dtype, Callable[[int, int, int, int, int], None]] = {}
     for dt, symbol in _MAG_SYMBOLS.items():
         fn = getattr(lib, symbol)

@@ -20,9 +20,9 @@ and the torch ops compare the scaled values themselves. The counts are exact for
 a share equals the share of elements `x.to(T)` (direct) or `(x.double() * (fmax / amax)).float()
 .to(T)` (scaled) makes 0, resp. with |x| > fmax.
 
-The histogram (a "row") of a tensor of dtype D has `row_width(D)` counters: row[0] counts exact
-zeros; row[s], 1 <= s <= NB, counts finite |x| in (2**(s - 1 + OFF), 2**(s + OFF)] (upper-inclusive:
-the OpenTelemetry exponential histogram's scale-0 bucket s - 1 + OFF, OFF = `row_offset(D)`, the
+The histogram (a "row") of a tensor of dtype D has `row_width(D)` counters (core/histogram_layout.py): row[0]
+counts exact zeros; row[s], 1 <= s <= NB, counts finite |x| in (2**(s - 1 + OFF), 2**(s + OFF)] (upper-inclusive:
+the OpenTelemetry exponential histogram's scale-0 bucket s - 1 + OFF, OFF = `histogram_layout.row_offset(D)`, the
 bucket of D's smallest subnormal); row[NB + 1] counts inf/nan. It is taken only on the first
 watched batch and every HISTOGRAM_EVERY-th after (counting it costs ~15x the abs min/max: one
 increment per element); the shares never come from it. The CPU kernel (core/cpu_kernel.py) does
@@ -39,35 +39,9 @@ import torch
 from . import stats
 from .cpu_kernel import KERNEL, MAX_RANGES
 from .env import ConfigError
+from .histogram_layout import FLOATS as _FLOATS, GEOMETRY as _GEOMETRY
+from .histogram_layout import row_width as row_width  # a measured row's width, for callers
 from .events import Magnitude
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _geometry(dtype: torch.dtype) -> Tuple[int, int, int]:
-    """(mantissa bits, finite non-zero buckets NB, OFF) of a float dtype's bit layout."""
-    fi = torch.finfo(dtype)
-    mant = -round(math.log2(fi.eps))
-    bias = 1 - round(math.log2(fi.smallest_normal))
-    exp_bits = fi.bits - 1 - mant
-    return mant, (1 << exp_bits) + mant - 1, -(bias + mant)
-
-
-_GEOMETRY = {d: _geometry(d) for d in _FLOATS}
-
-
-def row_width(dtype: torch.dtype) -> int:
-    """Counters in a histogram row of a tensor of `dtype` (zeros, NB buckets, inf/nan)."""
-    return _GEOMETRY[dtype][1] + 2
-
-
-#: row width -> the dtype whose layout it has (the widths differ: 2101, 280, 264, 43)
-ROW_DTYPE = {row_width(d): d for d in _FLOATS}
-
-
-def row_offset(dtype: torch.dtype) -> int:
-    """The scale-0 bucket index of row[1] for `dtype`."""
-    return _GEOMETRY[dtype][2]
 
 
 def histogram_torch(v: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from .record import Record
 from .stats import measure
 
 if TYPE_CHECKING:
-    from .attach import ParamIndex
+    from .param_index import ParamIndex
 
 
 class OptimizerStateReader:

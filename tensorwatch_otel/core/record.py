@@ -12,6 +12,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
 import torch
 
 from . import magnitude as _mag
+from .histogram_layout import ROW_DTYPE
 from .events import Frame, Magnitude, TensorStat
 from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
@@ -234,8 +235,6 @@ class Record:
 
     def _shares(self, k0: int, counts: List[Optional[torch.Tensor]], mags: List[Optional[torch.Tensor]],
                 flat: torch.Tensor, values: List[float]) -> None:
-        from .magnitude import ROW_DTYPE
-
         plan = cast(_mag.Plan, self.plan)  # set whenever targets are
         nt = len(self.targets)
         idx = [i for i, c in enumerate(counts) if c is not None]

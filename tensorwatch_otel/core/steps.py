@@ -32,7 +32,7 @@ from .skip import is_stand_in
 from .stats import HostBatch, measure
 
 if TYPE_CHECKING:
-    from .attach import ParamIndex
+    from .param_index import ParamIndex
 
 StepArgs = Tuple[Tuple[Any, ...], Dict[str, Any]]  # an optimizer step's (args, kwargs)
 SkipEvent = Union[SkippedStepEvent, SkipStreakEvent]
