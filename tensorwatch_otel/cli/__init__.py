@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from .._version import __version__
 
@@ -27,6 +27,15 @@ def usage_error(command: str, message: str) -> int:
     uses for bad input, and returns EXIT_USAGE."""
     print(f"tensorwatch-otel {command}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def events_per_batch(events: Sequence[Any]) -> str:
+    """`B (kind, kind); B (kind)`: the kinds of event each batch of a log holds (said when a
+    selection matched nothing)."""
+    seen: Dict[int, Set[str]] = {}
+    for e in events:
+        seen.setdefault(e.batch_number, set()).add(e.event)
+    return "; ".join(f"{b} ({', '.join(sorted(kinds))})" for b, kinds in sorted(seen.items()))
 
 
 class _Parser(argparse.ArgumentParser):

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from . import usage_error
+from . import events_per_batch, usage_error
 
 PLOT_HELP = ("also draw the frames to FILE: a PNG, an SVG, or a self-contained HTML page when FILE ends in "
              ".html (needs the plot extra: pip install 'tensorwatch-otel[plot]')")
@@ -57,7 +57,6 @@ def choose(chosen: Sequence):
 def plot_report(path: str, log: str, events: Sequence, chosen: Sequence) -> int:
     """report --plot: draws one event of `chosen` to `path`; 0, or EXIT_USAGE with one line."""
     from ..report.plot import plot_event
-    from .report import _inventory
 
     failed = check("report", path)
     if failed:
@@ -65,7 +64,7 @@ def plot_report(path: str, log: str, events: Sequence, chosen: Sequence) -> int:
     event = choose(chosen)
     if event is None:
         return _fail("report", f"--plot: no inf/nan detection or traced batch matches in {log}"
-                     + (f"; events per batch: {_inventory(events)}" if events else " (it holds no events)"))
+                     + (f"; events per batch: {events_per_batch(events)}" if events else " (it holds no events)"))
     failed = _write("report", plot_event(event), path)
     if failed:
         return failed

@@ -8,7 +8,7 @@ import sys
 from typing import List, Sequence
 
 from ..report.codec import EVENT_TYPES
-from . import usage_error
+from . import events_per_batch, usage_error
 
 HELP = "render a JSON lines event log as the text report"
 
@@ -128,13 +128,6 @@ def select(events: Sequence, batches=None, types=None, ranks=None) -> List:
             and (not ranks or e.rank in ranks)]
 
 
-def _inventory(events: Sequence) -> str:
-    seen: dict = {}
-    for e in events:
-        seen.setdefault(e.batch_number, set()).add(e.event)
-    return "; ".join(f"{b} ({', '.join(sorted(kinds))})" for b, kinds in sorted(seen.items()))
-
-
 def run(args) -> int:
     try:
         events = load_events(args.events)
@@ -155,6 +148,6 @@ def run(args) -> int:
         print(f"report: {args.events} holds no events to render (a run without inf/nan and without traced "
               "batches writes none)", file=sys.stderr)
     elif not chosen:
-        print(f"report: no event matches; events per batch in {args.events}: {_inventory(events)}",
+        print(f"report: no event matches; events per batch in {args.events}: {events_per_batch(events)}",
               file=sys.stderr)
     return EXIT_OK

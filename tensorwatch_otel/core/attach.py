@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import compiled, naming, offload
 from .config import WatchConfig
-from .copies import Copies, Hook
+from .copies import Copies, Hook, ModuleHook
 from .quiet import Places, QuietBatches
 from .param_index import ParamIndex, SlotEntry
 from .record import ModuleInfo
@@ -34,7 +34,6 @@ from .steps import StepTracker
 
 if TYPE_CHECKING:  # pragma: no cover
     from .compiled import _PreHook, _Watcher
-    from .watcher import ForwardHook
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class HookSet:
     hook off."""
 
     def __init__(self, model: torch.nn.Module, config: WatchConfig, *, slot_owner: "_Watcher",
-                 pre_hook: "_PreHook", make_hook: Callable[[ModuleInfo, int], "ForwardHook"],
+                 pre_hook: "_PreHook", make_hook: Callable[[ModuleInfo, int], ModuleHook],
                  capture_hook: Optional[Callable[..., Any]],
                  param_hook: Callable[[ModuleInfo, str], Callable[[torch.Tensor], None]],
                  params_current: Callable[[], None], before_step: Callable[..., Any],

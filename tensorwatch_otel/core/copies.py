@@ -82,6 +82,9 @@ class ModuleHook:
         self._copies = copies
         return self
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # each kind of hook defines its own
+        raise NotImplementedError
+
     def __reduce__(self) -> Any:
         return (Unwatched, ())
 
