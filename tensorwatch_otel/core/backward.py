@@ -56,9 +56,10 @@ class BackwardRecorder:
             rec.add(items, name, seen[1], seen[2])
         else:
             r = measure(g)
-            if rec.add(items, name, r, g.dtype):  # a Pair
+            rec.add(items, name, r, g.dtype)
+            if not isinstance(r, str):  # a pair, kept for the same gradient seen again
                 try:
-                    self._seen[id(g)] = (weakref.ref(g), r, g.dtype)  # type: ignore[assignment]
+                    self._seen[id(g)] = (weakref.ref(g), r, g.dtype)
                 except TypeError:
                     pass
         rec.add_frame(info, items, first)

@@ -58,6 +58,8 @@ _SYMBOLS = {torch.float64: "tw_abs_minmax_f64", torch.float32: "tw_abs_minmax_f3
 CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # tw_abs_minmax_many's
 _SLAB = 512  # result pairs per allocation
 
+# tensor -> (abs_min, abs_max); a built kernel also has the attributes parallel, host, host_many,
+# magnitude and counts (see _bind, build)
 Kernel = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -173,8 +175,8 @@ def build(cc: Optional[str] = None) -> Optional[Kernel]:
                  "use torch ops, about 2x the time", cc, exc)
         return None
     kernel = _bind(lib, parallel=openmp is not None)
-    kernel.magnitude = _bind_magnitude(lib, parallel=openmp is not None)  # type: ignore[attr-defined]
-    kernel.counts = _bind_counts(lib, parallel=openmp is not None)  # type: ignore[attr-defined]
+    vars(kernel).update(magnitude=_bind_magnitude(lib, parallel=openmp is not None),
+                        counts=_bind_counts(lib, parallel=openmp is not None))
     return kernel
 
 
@@ -228,9 +230,9 @@ def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
         dtype codes (int8, CODES) and room for 2k doubles (abs min, abs max per tensor)."""
         many(ptrs, ns, codes, k, out, threads(), par_min)
 
-    abs_min_max.parallel = parallel  # type: ignore[attr-defined]
-    abs_min_max.host = host  # type: ignore[attr-defined]
-    abs_min_max.host_many = host_many  # type: ignore[attr-defined]
+    # what else the loaded kernel offers, as attributes of the function (read with getattr: a
+    # kernel that tests stand in may offer only the call)
+    vars(abs_min_max).update(parallel=parallel, host=host, host_many=host_many)
     return abs_min_max
 
 

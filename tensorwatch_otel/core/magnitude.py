@@ -294,10 +294,11 @@ def measure_counts(t: torch.Tensor, plan: Plan, histogram: bool) -> Union[Quad, 
             if v.is_contiguous():
                 kernel = KERNEL.get()
                 fn = getattr(kernel, "counts", None)
-                if fn is not None:
+                whole = getattr(kernel, "magnitude", None)  # loaded with counts
+                if fn is not None and whole is not None:
                     args = plan.kernel_args.get(v.dtype) or plan.args(v.dtype)
                     mn, mx, row = fn(v, *args)
-                    return mn, mx, row, (kernel.magnitude(v)[2] if histogram else None)  # type: ignore[union-attr]  # loaded: has counts, so magnitude too
+                    return mn, mx, row, (whole(v)[2] if histogram else None)
             mn, mx = stats._abs_minmax_torch_cpu(v)
             return mn, mx, counts_torch(v, mx, plan), (histogram_torch(v) if histogram else None)
         r = stats.measure(t)

@@ -287,12 +287,11 @@ class Record:
 
     def magnitude(self, k: int) -> Optional[Magnitude]:
         """The histogram of measured tensor k (after readback()), or None."""
-        if k >= len(self._rows) or self._rows[k] is None:
+        row = self._rows[k] if k < len(self._rows) else None
+        if row is None:
             return None
-        from .magnitude import magnitude_of
-
-        mat, r, dt = self._rows[k]  # type: ignore[misc]  # not None: checked above
-        return magnitude_of(mat[r], dt)
+        mat, r, dt = row
+        return _mag.magnitude_of(mat[r], dt)
 
     def _precision(self, k: int) -> Tuple[Optional[Dict[str, float]], Optional[Dict[str, float]], Optional[Magnitude]]:
         """(underflow, overflow, magnitude) of measured tensor k for its TensorStat."""

