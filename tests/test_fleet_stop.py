@@ -343,7 +343,7 @@ def _node(monkeypatch, port):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         monkeypatch.setenv("GROUP_RANK", "0")
         stores[local] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
-        monkeypatch.setattr(fleet, "_opened", itertools.count())  # each process counts its own
+        monkeypatch.setattr(fleet, "NODE_FILES", itertools.count())  # each process counts its own
         fs = fleet.FleetStop(emitted.append, lambda: batch["n"])
         fs.at_batch_start()  # opens the node's file (the leader first: the other waits for its name)
         ranks.append(fs)

@@ -210,9 +210,9 @@ def test_capture_dir_under_a_file_fails_at_watch(clean_env, tmp_path):
 
 
 def test_misspelt_variable_warns_once_naming_the_real_one(clean_env, caplog):
-    import tensorwatch_otel.core.env as twenv
+    from tensorwatch_otel.core.process import forget_said
 
-    clean_env.setattr(twenv, "_warned_unknown", set())
+    forget_said(("unknown variable", "TENSORWATCH_MAX_FRAME"))
     clean_env.setenv("TENSORWATCH_MAX_FRAME", "3")
     caplog.set_level(logging.WARNING, logger="tensorwatch_otel")
     watch(_net(), sinks=[]).detach()

@@ -14,6 +14,7 @@ opaque to inductor, they run between the fused kernels, on the values those prod
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import logging
@@ -26,6 +27,7 @@ import torch
 
 from .copies import Hook, ModuleHook, Unwatched
 from .errors import AbortAfterBatch, NonFiniteDetected
+from .process import said_once
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +85,58 @@ class _Slot:
         self.post = _weak(post)
 
 
-_SLOTS: Dict[int, _Slot] = {}
-# slot -> its module, kept after the slot is released: a graph traced for a watcher since
-# detached, and reused for a new watcher of the same module, reaches the new watcher's slot
-_MODULE_OF: Dict[int, "weakref.ref[torch.nn.Module]"] = {}
-_BY_MODULE: "weakref.WeakKeyDictionary[torch.nn.Module, List[int]]" = weakref.WeakKeyDictionary()
-_ids = itertools.count(1)
+class SlotTable:
+    """Slot number -> its _Slot, for every watcher of the process. A number taken by a graph
+    stays meaningful after its slot is released: it still names its module, so a graph traced
+    for a watcher since detached, and reused for a new watcher of the same module, reaches the
+    new watcher's slot."""
+
+    def __init__(self) -> None:
+        self._slots: Dict[int, _Slot] = {}
+        self._module_of: Dict[int, "weakref.ref[torch.nn.Module]"] = {}
+        self._by_module: "weakref.WeakKeyDictionary[torch.nn.Module, List[int]]" = weakref.WeakKeyDictionary()
+        self._ids = itertools.count(1)
+
+    def new(self, watcher: _Watcher, module: torch.nn.Module, pre: _PreHook, post: Optional[_PostHook]) -> int:
+        slot = next(self._ids)
+        if slot % 1024 == 0:
+            self._forget_freed()
+        self._slots[slot] = _Slot(watcher, module, pre, post)
+        self._module_of[slot] = weakref.ref(module)
+        self._by_module.setdefault(module, []).append(slot)
+        return slot
+
+    def _forget_freed(self) -> None:
+        """Drops the slots of modules freed since (a model dropped without detach(): its slots
+        would keep its watcher and sinks alive)."""
+        for k in [k for k, ref in self._module_of.items() if ref() is None]:
+            del self._module_of[k]
+            self._slots.pop(k, None)
+
+    def release(self, slot: int) -> None:
+        s = self._slots.pop(slot, None)
+        if s is not None:
+            m = s.module()
+            live = self._by_module.get(m) if m is not None else None
+            if live is not None and slot in live:
+                live.remove(slot)
+
+    def set_post(self, slot: int, post: _PostHook) -> None:
+        self._slots[slot].post = _weak(post)
+
+    def live(self, slot: int) -> List[_Slot]:
+        """The slots an op of number `slot` runs: its own, or, released, its module's live ones."""
+        s = self._slots.get(slot)
+        if s is not None:
+            return [s]
+        ref = self._module_of.get(slot)
+        m = ref() if ref is not None else None
+        if m is None:
+            return []
+        return [self._slots[i] for i in self._by_module.get(m, ()) if i in self._slots]
+
+
+SLOTS = SlotTable()
 
 
 class SlotHandle:
@@ -100,56 +148,24 @@ class SlotHandle:
         self.slot = slot
 
     def remove(self) -> None:
-        s = _SLOTS.pop(self.slot, None)
-        if s is not None:
-            m = s.module()
-            live = _BY_MODULE.get(m) if m is not None else None
-            if live is not None and self.slot in live:
-                live.remove(self.slot)
+        SLOTS.release(self.slot)
 
 
 def new_slot(watcher: _Watcher, module: torch.nn.Module, pre: _PreHook, post: Optional[_PostHook] = None) -> int:
-    slot = next(_ids)
-    if slot % 1024 == 0:
-        _forget_freed()
-    _SLOTS[slot] = _Slot(watcher, module, pre, post)
-    _MODULE_OF[slot] = weakref.ref(module)
-    _BY_MODULE.setdefault(module, []).append(slot)
-    return slot
-
-
-def _forget_freed() -> None:
-    """Drops the slots of modules freed since (a model dropped without detach(): its slots
-    would keep its watcher and sinks alive)."""
-    for k in [k for k, ref in _MODULE_OF.items() if ref() is None]:
-        del _MODULE_OF[k]
-        _SLOTS.pop(k, None)
+    return SLOTS.new(watcher, module, pre, post)
 
 
 def set_post(slot: int, post: _PostHook) -> None:
-    _SLOTS[slot].post = _weak(post)
+    SLOTS.set_post(slot, post)
 
 
-def _live(slot: int) -> List[_Slot]:
-    s = _SLOTS.get(slot)
-    if s is not None:
-        return [s]
-    ref = _MODULE_OF.get(slot)
-    m = ref() if ref is not None else None
-    if m is None:
-        return []
-    return [_SLOTS[i] for i in _BY_MODULE.get(m, ()) if i in _SLOTS]
+_live = SLOTS.live
 
 
 # ------------------------------------------------------------------------------ the ops
-_failed = False
-
-
 def _op_failed(exc: Exception) -> None:
     """An error of ours inside a compiled graph: logged once, the graph goes on."""
-    global _failed
-    if not _failed:
-        _failed = True
+    if said_once("compiled op failed"):
         log.error("tensorwatch_otel: recording inside a compiled graph failed (%s: %s); training goes on",
                   type(exc).__name__, exc)
 
@@ -161,7 +177,7 @@ class _Open(threading.local):
         self.stack: List[_Slot] = []
 
 
-_open = _Open()
+OPEN = _Open()
 
 
 def _unwind(stack: List[_Slot], lo: int) -> None:
@@ -194,7 +210,7 @@ ran = _Ran()
 @torch.library.custom_op("tensorwatch::pre", mutates_args=("token",))
 def _pre_op(token: torch.Tensor, slot: int) -> None:
     ran.calls += 1  # (before the hook: the root's, on an unsampled batch, would take hooks off)
-    stack = _open.stack
+    stack = OPEN.stack
     try:
         for s in _live(slot):
             if s in stack:  # its last call never returned (an exception inside the graph)
@@ -225,7 +241,7 @@ def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tens
         except Exception as exc:  # the hook still runs (no values): the batch still ends
             _op_failed(exc)
             args, kwargs, output = (), {}, None
-        stack = _open.stack
+        stack = OPEN.stack
         for s in live:
             if stack and stack[-1] is s:
                 stack.pop()
@@ -233,7 +249,7 @@ def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tens
             if w is not None and w._attached and post is not None:
                 post(s.module(), args, kwargs, output)
     except (NonFiniteDetected, AbortAfterBatch):
-        _unwind(_open.stack, 0)  # the enclosing calls end, as eager's always_call hooks end them
+        _unwind(OPEN.stack, 0)  # the enclosing calls end, as eager's always_call hooks end them
         raise  # by design: the detection (on_detect="raise") leaves the compiled call
     except Exception as exc:
         _op_failed(exc)
@@ -252,8 +268,29 @@ def traced_pre(slot: int) -> None:
         torch.ops.tensorwatch.pre(_TOKEN, slot)
 
 
-_EAGER_CODES: List[types.CodeType] = []  # hooks' code to mark, once dynamo is loaded (hook_guards)
-_configured = False  # hook_guards() ran
+class _EagerCodes:
+    """Hook code objects to mark for dynamo (see run_eagerly_when_called_eagerly): kept until
+    dynamo is loaded at the first watch() (`configure`), marked at once after."""
+
+    def __init__(self) -> None:
+        self.codes: List[types.CodeType] = []
+        self.configured = False
+
+    def add(self, code: types.CodeType) -> None:
+        self.codes.append(code)
+        if self.configured:
+            _mark_eager([code])
+
+    def configure(self) -> bool:
+        """Marks the codes kept so far; False when it ran before."""
+        if self.configured:
+            return False
+        self.configured = True
+        _mark_eager(self.codes)
+        return True
+
+
+EAGER = _EagerCodes()
 
 
 def run_eagerly_when_called_eagerly(code: types.CodeType) -> None:
@@ -266,9 +303,7 @@ def run_eagerly_when_called_eagerly(code: types.CodeType) -> None:
     tensors and runs its eager body anyway. Skipped as a top-level frame (with all it calls), it
     runs eagerly; traced from inside a graph (inlined), it is traced as before. Marked at the
     first watch() (loading dynamo takes about a second: not at import)."""
-    _EAGER_CODES.append(code)
-    if _configured:
-        _mark_eager([code])
+    EAGER.add(code)
 
 
 def _mark_eager(codes: List[types.CodeType]) -> None:
@@ -302,8 +337,8 @@ class PreHook(ModuleHook):
         if _compiling():
             traced_pre(self._slot)
             return None
-        if self._is_root and _open.stack:
-            _unwind(_open.stack, 0)
+        if self._is_root and OPEN.stack:
+            _unwind(OPEN.stack, 0)
         return self._eager(module, args)
 
 
@@ -353,19 +388,20 @@ def _spec(v: object, tensors: List[torch.Tensor], depth: int) -> str:
 # ------------------------------------------------------------------------------ run-time side
 # One parsed value: ("T",), ("N",), ("X",), ("(", [node, ...]) or ("{", [(key, node), ...]).
 _Node = Tuple[Any, ...]
-_PARSED: Dict[str, Tuple[_Node, ...]] = {}  # spec -> its parsed form (one per call site)
 
 
 def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any], object]:
     """(args, kwargs, output) of the hooked call, the real tensors in place as fresh aliases."""
-    parsed = _PARSED.get(spec)
-    if parsed is None:
-        parsed, _ = _parse(spec, 0)
-        if len(_PARSED) < 4096:
-            _PARSED[spec] = parsed
+    parsed = _parsed(spec)
     it = iter(_fresh(tensors))
     args, kwargs, output = (_fill(p, it) for p in parsed)
     return args, kwargs, output
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(spec: str) -> Tuple[_Node, ...]:
+    """`spec`'s parsed form (one spec per call site)."""
+    return _parse(spec, 0)[0]
 
 
 def _fresh(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -442,11 +478,8 @@ def hook_guards() -> None:
     default (`skip_nnmodule_hook_guards=True`, no guard on the hook dicts), and a hooked module
     compiled after a hook-less one of the same class reuses the hook-less graph: either leaves a
     compiled model silently unwatched. Turned off once per process, said at INFO."""
-    global _configured
-    if _configured:
+    if not EAGER.configure():
         return
-    _configured = True
-    _mark_eager(_EAGER_CODES)
     try:
         import torch._dynamo
         from torch._dynamo.utils import counters

@@ -98,20 +98,27 @@ def _compile(cc: str, folder: str, openmp: Optional[str]) -> str:
     raise RuntimeError("; ".join(errors))
 
 
-_running: "set[subprocess.Popen[str]]" = set()  # compiler processes in flight (killed at exit)
-_running_lock = threading.Lock()
-_exiting = False  # set at interpreter exit: no compiler starts after it
+class _Compilers:
+    """Compiler processes in flight, killed at interpreter exit; none starts after it."""
+
+    def __init__(self) -> None:
+        self.running: "set[subprocess.Popen[str]]" = set()
+        self.lock = threading.Lock()
+        self.exiting = False
+
+
+COMPILERS = _Compilers()
 
 
 def _run(cmd: List[str]) -> Tuple[int, str]:
     """Run one compiler command in a session of its own; past COMPILE_TIMEOUT_S the whole
     process group is killed (a driver's cc1/as/ld children too) and TimeoutExpired raised."""
-    with _running_lock:  # started and registered at once: the exit handler sees every compiler
-        if _exiting:
+    with COMPILERS.lock:  # started and registered at once: the exit handler sees every compiler
+        if COMPILERS.exiting:
             raise RuntimeError("the interpreter is exiting")
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
-        _running.add(proc)
+        COMPILERS.running.add(proc)
     try:
         _, stderr = proc.communicate(timeout=COMPILE_TIMEOUT_S)
         return proc.returncode, stderr or ""
@@ -123,8 +130,8 @@ def _run(cmd: List[str]) -> Tuple[int, str]:
             pass
         raise
     finally:
-        with _running_lock:
-            _running.discard(proc)
+        with COMPILERS.lock:
+            COMPILERS.running.discard(proc)
 
 
 def _kill_group(proc: "subprocess.Popen[str]") -> None:
@@ -138,10 +145,9 @@ def _kill_group(proc: "subprocess.Popen[str]") -> None:
 def _kill_running() -> None:
     """The interpreter exits during a build: leave no compiler behind (and do not wait: the
     build's thread reaps its own process)."""
-    global _exiting
-    with _running_lock:
-        _exiting = True
-        procs = list(_running)
+    with COMPILERS.lock:
+        COMPILERS.exiting = True
+        procs = list(COMPILERS.running)
     for proc in procs:
         _kill_group(proc)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-from typing import FrozenSet, Mapping, Optional, Sequence, Set, Tuple
+from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
+
+from .process import said_once
 
 # -- watch() options (read by WatchConfig.build; an argument left at None falls back to them) -----
 #: ``max_frames``: frames in the ring buffer that ends with the first bad one (integer >= 1; 21).
@@ -86,17 +88,14 @@ ALL: Tuple[str, ...] = (
     ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,
 )
 
-_warned_unknown: Set[str] = set()
-
-
 def warn_unknown(environ: Mapping[str, str]) -> None:
     """One warning per process and name for a TENSORWATCH_* variable that is none of ours (a
     misspelt one would otherwise be ignored without a word), naming the closest real one."""
     prefix = "TENSORWATCH_"
     for name in environ:
-        if not isinstance(name, str) or not name.startswith(prefix) or name in ALL or name in _warned_unknown:
+        if not isinstance(name, str) or not name.startswith(prefix) or name in ALL \
+                or not said_once(("unknown variable", name)):
             continue
-        _warned_unknown.add(name)
         close = difflib.get_close_matches(name, ALL, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else "see README.md for the variables"
         logging.getLogger(__name__).warning("tensorwatch_otel: %s is not a tensorwatch_otel variable and is "

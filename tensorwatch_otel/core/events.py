@@ -48,18 +48,23 @@ def merge_kinds(*kinds: str) -> str:
 
 # A tracing sink may say which trace the detecting thread is in (the core imports no tracing
 # library): then the detection joins the application's trace instead of starting its own.
-_trace_id_source: Optional[Callable[[], Optional[str]]] = None
+class _TraceIds:
+    """`source()` returns the 32-hex trace id of the caller's current (sampled) span, or None."""
+
+    source: Optional[Callable[[], Optional[str]]] = None
+
+
+TRACE_IDS = _TraceIds()
 
 
 def set_trace_id_source(source: Optional[Callable[[], Optional[str]]]) -> None:
     """`source()` returns the 32-hex trace id of the caller's current (sampled) span, or None."""
-    global _trace_id_source
-    _trace_id_source = source
+    TRACE_IDS.source = source
 
 
 def new_trace_id() -> str:
     """The current span's trace id when a source knows one, else a random 128-bit id."""
-    source = _trace_id_source
+    source = TRACE_IDS.source
     if source is not None:
         try:
             tid = source()

@@ -344,7 +344,7 @@ class FleetStop:
 # the state, so an answered point's stop is never missed.
 _SIZE = 4096
 _CLEAR, _STOP, _GONE = 0, 1, 2
-_opened = itertools.count()  # node files this process opened: the same sequence on every local rank
+NODE_FILES = itertools.count()  # node files this process opened: the same sequence on every local rank
 
 
 class NodeShare:
@@ -366,7 +366,7 @@ class NodeShare:
             return None
         if local_size <= 1:
             return None
-        key = f"{NODE_KEY}/{group}/{next(_opened)}"
+        key = f"{NODE_KEY}/{group}/{next(NODE_FILES)}"
         store = _store()
         if local == 0:
             folder = "/dev/shm" if os.path.isdir("/dev/shm") else None

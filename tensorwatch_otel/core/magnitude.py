@@ -31,6 +31,7 @@ both; elsewhere the torch ops below, with no host sync.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
@@ -125,18 +126,14 @@ def valid_targets() -> List[str]:
     return sorted(names)
 
 
-_TARGETS: Dict[str, Tuple[float, float, bool]] = {}
-
-
 def target_params(names: Sequence[str]) -> List[Tuple[float, float, bool]]:
-    out: List[Tuple[float, float, bool]] = []
-    for n in names:
-        p = _TARGETS.get(n)
-        if p is None:
-            # a valid target (parse_targets): not None; once per name
-            p = _TARGETS[n] = cast(Tuple[float, float, bool], _target(getattr(torch, n)))
-        out.append(p)
-    return out
+    return [_target_of(n) for n in names]
+
+
+@functools.lru_cache(maxsize=None)
+def _target_of(name: str) -> Tuple[float, float, bool]:
+    # a valid target (parse_targets): not None
+    return cast(Tuple[float, float, bool], _target(getattr(torch, name)))
 
 
 # ---------------------------------------------------------------------------- thresholds
@@ -168,28 +165,18 @@ def _last(pred: Callable[[int], bool], hi: int) -> int:
     return lo
 
 
-_FLUSH: Dict[Tuple[torch.dtype, torch.dtype], int] = {}
-_BELOW: Dict[Tuple[torch.dtype, str], int] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def flush_bits(src: torch.dtype, dst: torch.dtype) -> int:
     """The largest sign-cleared pattern of `src` whose value torch's cast to `dst` makes zero:
     found with torch's own casts (round to nearest even, whatever path the cast takes), so the
     count below it is exactly the elements that cast flushes."""
-    key = (src, dst)
-    u = _FLUSH.get(key)
-    if u is None:
-        u = _FLUSH[key] = _last(lambda b: bool(_value(b, src).to(dst)[0] == 0), _INF_BITS[src] - 1)
-    return u
+    return _last(lambda b: bool(_value(b, src).to(dst)[0] == 0), _INF_BITS[src] - 1)
 
 
+@functools.lru_cache(maxsize=None)
 def _at_most_bits(src: torch.dtype, limit: float) -> int:
     """The largest finite sign-cleared pattern of `src` whose value is <= `limit`."""
-    key = (src, repr(limit))
-    u = _BELOW.get(key)
-    if u is None:
-        u = _BELOW[key] = _last(lambda b: float(_value(b, src).double()[0]) <= limit, _INF_BITS[src] - 1)
-    return u
+    return _last(lambda b: float(_value(b, src).double()[0]) <= limit, _INF_BITS[src] - 1)
 
 
 class Plan:
@@ -247,14 +234,9 @@ class Plan:
         return r
 
 
-_PLANS: Dict[Tuple[str, ...], Plan] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def plan_for(names: Tuple[str, ...]) -> Plan:
-    p = _PLANS.get(names)
-    if p is None:
-        p = _PLANS[names] = Plan(names)
-    return p
+    return Plan(names)
 
 
 # ---------------------------------------------------------------------------- measuring

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, Tuple
+import functools
+from typing import TYPE_CHECKING, Any, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -13,9 +14,7 @@ INPUT_NAMES = tuple(f"input[{i}]" for i in range(64))
 OUTPUT_NAMES = tuple(f"output[{i}]" for i in range(64))
 OUTPUT_NESTED = tuple(tuple(f"output[{i}][{j}]" for j in range(16)) for i in range(16))
 
-_child_cache: Dict[Tuple[str, object], str] = {}
 _CHILD_CACHE_MAX = 100_000
-_dataclass_fields: Dict[type, Tuple[str, ...]] = {}
 
 
 # Path segments that wrappers add around the user's model: torch.compile's OptimizedModule,
@@ -59,26 +58,23 @@ def output_nested(i: int, j: int) -> str:
     return OUTPUT_NESTED[i][j] if i < 16 and j < 16 else f"output[{i}][{j}]"
 
 
+@functools.lru_cache(maxsize=_CHILD_CACHE_MAX)
 def child(parent: str, key: object) -> str:
     """`parent[key]` for an int key, `parent.key` otherwise (cached)."""
-    k = (parent, key)
-    name = _child_cache.get(k)
-    if name is None:
-        name = f"{parent}[{key}]" if isinstance(key, int) else f"{parent}.{key}"
-        if len(_child_cache) < _CHILD_CACHE_MAX:
-            _child_cache[k] = name
-    return name
+    return f"{parent}[{key}]" if isinstance(key, int) else f"{parent}.{key}"
 
 
 def dataclass_fields(obj: object) -> Tuple[str, ...]:
     """Field names of a dataclass instance (cached per type); () for anything else."""
-    tp = type(obj)
-    names = _dataclass_fields.get(tp)
-    if names is None:
-        names = tuple(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) and \
-            not isinstance(obj, type) else ()
-        _dataclass_fields[tp] = names
-    return names
+    if isinstance(obj, type):
+        return ()
+    cls: Any = type(obj)  # (classes are hashable; typeshed does not say so of type[object])
+    return _fields_of(cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _fields_of(tp: Any) -> Tuple[str, ...]:  # a class
+    return tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
 
 
 def module_class_name(module: object) -> str:

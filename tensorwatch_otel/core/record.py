@@ -13,13 +13,14 @@ import torch
 
 from . import magnitude as _mag
 from .histogram_layout import ROW_DTYPE
+from .process import said_once
 from .events import Frame, Magnitude, TensorStat
 from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
 
 
 log = logging.getLogger(__name__)
-_shares_failed = False  # logged once per process
+SHARES_FAILED = "underflow/overflow shares failed"  # said_once's key: logged once per process
 
 # Record.frames items: a measured tensor's name, or (name, note) for a value without statistics
 Item = Union[str, Tuple[str, str]]
@@ -221,9 +222,7 @@ class Record:
         try:
             self._shares(k0, counts, mags, flat[n:], values)
         except Exception as exc:  # the shares must not stop training: NaN, said once
-            global _shares_failed
-            if not _shares_failed:
-                _shares_failed = True
+            if said_once(SHARES_FAILED):
                 log.error("tensorwatch_otel: could not derive the underflow/overflow shares (%s: %s); "
                           "they are NaN, training goes on", type(exc).__name__, exc)
             self._rows += [None] * (len(counts) - (len(self._rows) - k0))

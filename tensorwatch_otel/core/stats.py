@@ -7,15 +7,17 @@ bool, subclasses) are guarded here so the watcher never has to think about them.
 from __future__ import annotations
 
 import array
+import functools
 import logging
 import operator
 import threading
-from typing import Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
 from .cpu_kernel import CODES, KERNEL
 from .events import NOTE_EMPTY, NOTE_NO_DATA
+from .process import said_once
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +26,10 @@ Pair = Tuple[torch.Tensor, torch.Tensor]  # (abs_min, abs_max) as 0-d device ten
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
                                          "float8_e8m0fnu") if hasattr(torch, n))
-_warned_types: Set[type] = set()
 # abs(-128) does not fit in int8 (it stays -128), and the wide unsigned types have no CPU abs or
 # aminmax kernels: widen these first. They are rare (ids and masks are int64 or bool).
-_WIDEN = {d: torch.int64 for d in (torch.int8, torch.int16, torch.int32)}
-_WIDEN.update({getattr(torch, n): torch.float64 for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)})
+_WIDEN = {**{d: torch.int64 for d in (torch.int8, torch.int16, torch.int32)},
+          **{getattr(torch, n): torch.float64 for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)}}
 
 
 def _finfo_max(dtype: torch.dtype) -> Optional[float]:
@@ -39,14 +40,9 @@ def _finfo_max(dtype: torch.dtype) -> Optional[float]:
 
 # largest finite value per dtype, for range_used (None for integer/bool dtypes)
 DTYPE_MAX = {d: _finfo_max(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64) + _FP8}
-DTYPE_NAME: Dict[torch.dtype, str] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def dtype_name(dtype: torch.dtype) -> str:
-    name = DTYPE_NAME.get(dtype)
-    if name is None:
-        name = DTYPE_NAME[dtype] = str(dtype).replace("torch.", "")
-    return name
+    return str(dtype).replace("torch.", "")
 
 
 def _values(t: torch.Tensor) -> Union[torch.Tensor, str, List[torch.Tensor]]:
@@ -138,8 +134,7 @@ def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str, List[torch.Ten
 def _cannot_read(t: torch.Tensor, exc: Exception) -> str:
     """NOTE_NO_DATA, with a warning logged once per tensor type."""
     key = type(t)
-    if key not in _warned_types:
-        _warned_types.add(key)
+    if said_once(("cannot read", key)):
         log.warning("tensorwatch_otel: cannot read values of %s (%s); reported without statistics",
                     key.__name__, exc)
     return NOTE_NO_DATA
