@@ -73,9 +73,11 @@ OPTIONS: Dict[str, str] = {
     "guard_steps": "before each optimizer step of every batch, check the gradients it will consume in one host "
                    "read; an inf/nan there is a detection before any weight changes "
                    "([The step guard](../optimizer-steps.md#the-step-guard))",
-    "target_dtypes": "torch dtype names (`[\"float8_e4m3fn\", \"float16\"]`): every measured tensor also gets the "
-                     "share of its elements each dtype would flush to zero or overflow "
-                     "([Precision headroom](../precision.md))",
+    "target_dtypes": "torch dtype names (`[\"float8_e4m3fn\", \"float16\"]`; any floating dtype `torch.finfo` "
+                     "describes that has a zero; normalized: `torch.half` is `float16`): every measured tensor also "
+                     "gets the share of its elements each dtype would flush to zero or overflow, and the histogram "
+                     "behind them ([Precision headroom](../precision.md)). A name that is not such a dtype is a "
+                     "`ConfigError` naming `target_dtypes`",
 }
 
 #: Defaults the dataclass cannot say in words.
@@ -91,7 +93,8 @@ VARIABLES: Dict[str, str] = {
                               "thread of its own the first time a CPU tensor is measured, torch ops meanwhile and "
                               "without a compiler; a compiler still running after 60 s is killed) or `torch` (torch "
                               "ops only, same values)",
-    "TENSORWATCH_PROMETHEUS_PORT": "with `sinks=None`: serve `/metrics` on this port plus `LOCAL_RANK` (0..65535)",
+    "TENSORWATCH_PROMETHEUS_PORT": "with `sinks=None`: serve `/metrics` on this port plus `LOCAL_RANK` (0..65535; "
+                                   "anything else is an error naming the variable)",
     "TENSORWATCH_PROMETHEUS_ADDR": "address the `/metrics` endpoint binds (`127.0.0.1`; `0.0.0.0` to let a "
                                    "Prometheus on another host scrape)",
     "TENSORWATCH_PROMETHEUS_MAX_SERIES": "`PrometheusMetrics(max_series=)`: (module, tensor) pairs per gauge "
@@ -100,13 +103,17 @@ VARIABLES: Dict[str, str] = {
                                              "process may wait at exit for one more scrape (30; `0` disables; "
                                              "Ctrl-C or a SIGTERM ends it)",
     "TENSORWATCH_PROMETHEUS_DETAIL": "fleet mode, `PrometheusMetrics(detail=)`: `all` (default), `summary` "
-                                     "(per-rank series only) or `top:K` (the K pairs with the largest range used) "
-                                     "([At scale](../at-scale.md#fleet-mode))",
+                                     "(per-rank series only) or `top:K` (the K (module, tensor) pairs with the "
+                                     "largest range used, K >= 1); every rank also serves "
+                                     "`tensorwatch_rank_range_used_max_ratio`, `tensorwatch_detail_cutoff_ratio`, "
+                                     "`tensorwatch_detail_hidden_pairs` ([At scale](../at-scale.md#fleet-mode))",
     "TENSORWATCH_PROMETHEUS_DETAIL_RANKS": "`PrometheusMetrics(detail_ranks=)`: ranks that serve every per-module "
-                                           "series whatever `detail` says, comma-separated (none)",
+                                           "series whatever `detail` says, comma-separated (`0` or `0,512`; none)",
     "TENSORWATCH_METRICS_WINDOW_SECONDS": "`window_s=` of `PrometheusMetrics` and `OtelTelemetry`: the tensor "
                                           "gauges report the extremes over the batches of this many seconds (60; "
-                                          "`0`: the last batch)",
+                                          "OpenTelemetry: 60 or twice the meter provider's longest export interval, "
+                                          "whichever is longer; `0`: the last batch) ([The window]"
+                                          "(../telemetry.md#the-window-no-spike-between-two-scrapes-goes-unseen))",
     "TENSORWATCH_JSONL": "with `sinks=None`: append the JSON lines event log to this path (`{rank}` in it: one "
                          "file per rank)",
     "TENSORWATCH_NETTEST_FAULT": "`nettest` fault injection (`KIND:RANK`), for the test suite only",
