@@ -31,7 +31,7 @@ def test_max_frames_above_the_limit(bad):
 
 
 def test_max_frames_at_the_limit_is_accepted():
-    assert MAX_FRAMES_LIMIT == 100_000  # documented in the README
+    assert MAX_FRAMES_LIMIT == 100_000  # documented in docs/reference/options.md
     model = _model()
     with tw.watch(model, sinks=[], max_frames=MAX_FRAMES_LIMIT) as w:
         model(torch.ones(1, 3))

@@ -556,7 +556,7 @@ def test_documented_endpoints_match_the_collectors_protocol_per_port():
               int(receivers["http"]["endpoint"].rsplit(":", 1)[1]): "http/protobuf"}
     found = []
     for doc in ("deploy/README.md", "deploy/docker-compose.yaml", "deploy/otel-collector/config.yaml",
-                "README.md", "docs/telemetry.md"):
+                "docs/deploy.md", "docs/integrations.md", "docs/telemetry.md"):
         with open(os.path.join(root, doc), encoding="utf-8") as fh:
             for url in re.findall(r"OTEL_EXPORTER_OTLP_ENDPOINT=(http://[A-Za-z0-9.:_-]+)", fh.read()):
                 t = resolve("traces", {"OTEL_EXPORTER_OTLP_ENDPOINT": url})

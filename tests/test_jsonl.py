@@ -36,7 +36,7 @@ from _collect import Collect
 jsonschema = pytest.importorskip("jsonschema")
 
 NUM = {"anyOf": [{"type": "number"}, {"type": "null"}, {"enum": ["inf", "-inf", "nan"]}]}
-# The JSON lines event log as the README documents it: the required fields and their types
+# The JSON lines event log as docs/reference/events.md documents it: the required fields and their types
 SCHEMA = {
     "type": "object",
     "required": ["time", "event", "batch_number", "rank", "module", "module_class", "tensor", "kind", "frames"],

@@ -281,9 +281,10 @@ def test_port_mismatch_hint_fires_on_the_instrument_path(clean_env, caplog):
     assert "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf" in told[0]
 
 
-def test_readme_series_table_lists_every_family_metrics_serves(clean_env):
+def test_metrics_reference_lists_every_family_metrics_serves(clean_env):
     """A real /metrics after a detection and skipped steps: every metric family it serves, and
-    every family the sink can produce, has a row in README.md's series table (docs cannot drift)."""
+    every family the sink can produce, has a row in the series table of docs/reference/metrics.md
+    (generated from the catalogue: the sink and the catalogue cannot drift apart)."""
     import re
 
     from prometheus_client import CollectorRegistry
@@ -291,7 +292,8 @@ def test_readme_series_table_lists_every_family_metrics_serves(clean_env):
     from tensorwatch_otel.core.events import SkippedStepEvent, SkipStreakEvent
     from tensorwatch_otel.sinks import PrometheusMetrics
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    page = os.path.join(os.path.dirname(__file__), "..", "docs", "reference", "metrics.md")
+    readme = open(page, encoding="utf-8").read()
     table = readme[readme.index("| series | type | labels |"):]
     table = table[:table.index("\n\n")]
     documented = set(re.findall(r"`(tensorwatch_[a-z_]+)`", table))
@@ -316,6 +318,6 @@ def test_readme_series_table_lists_every_family_metrics_serves(clean_env):
     assert {"tensorwatch_nonfinite_events_total", "tensorwatch_optimizer_skip_streak",
             "tensorwatch_optimizer_steps_skipped_total"} <= served
     missing = sorted(n for n in served if n not in documented)
-    assert not missing, f"README.md's series table lacks {missing}"
+    assert not missing, f"docs/reference/metrics.md's series table lacks {missing}"
     every = {m.name + ("_total" if m.type == "counter" else "") for m in sink._families(None, 0)}
     assert not sorted(every - documented), sorted(every - documented)

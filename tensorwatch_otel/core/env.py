@@ -19,7 +19,7 @@ from .process import said_once
 ENV_MAX_FRAMES = "TENSORWATCH_MAX_FRAMES"
 #: ``every_n_batches``: watch one batch in N (integer >= 1; 1).
 ENV_EVERY_N_BATCHES = "TENSORWATCH_EVERY_N_BATCHES"
-#: ``on_detect``: ``raise`` (default) or ``report``.
+#: ``on_detect``: ``raise`` (default), ``report`` or ``skip``.
 ENV_ON_DETECT = "TENSORWATCH_ON_DETECT"
 #: ``gradients``: also watch gradients (``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``; off).
 ENV_GRADIENTS = "TENSORWATCH_GRADIENTS"
@@ -97,7 +97,7 @@ def warn_unknown(environ: Mapping[str, str]) -> None:
                 or not said_once(("unknown variable", name)):
             continue
         close = difflib.get_close_matches(name, ALL, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "see README.md for the variables"
+        hint = f"did you mean {close[0]}?" if close else "see docs/reference/options.md for the variables"
         logging.getLogger(__name__).warning("tensorwatch_otel: %s is not a tensorwatch_otel variable and is "
                                             "ignored; %s", name, hint)
 

@@ -24,8 +24,8 @@ The histogram (a "row") of a tensor of dtype D has `row_width(D)` counters (core
 counts exact zeros; row[s], 1 <= s <= NB, counts finite |x| in (2**(s - 1 + OFF), 2**(s + OFF)] (upper-inclusive:
 the OpenTelemetry exponential histogram's scale-0 bucket s - 1 + OFF, OFF = `histogram_layout.row_offset(D)`, the
 bucket of D's smallest subnormal); row[NB + 1] counts inf/nan. It is taken only on the first
-watched batch and every HISTOGRAM_EVERY-th after (counting it costs ~15x the abs min/max: one
-increment per element); the shares never come from it. The CPU kernel (core/cpu_kernel.py) does
+watched batch and every HISTOGRAM_EVERY-th after (counting it costs many times the abs min/max: one
+increment per element; docs/performance.md); the shares never come from it. The CPU kernel (core/cpu_kernel.py) does
 both; elsewhere the torch ops below, with no host sync.
 """
 

@@ -231,7 +231,7 @@ class FrameRecorder:
             if i is None or p._version != versions[i] or p.data_ptr() != ptrs[i] or p.dtype is not dtypes[i]:
                 return False
             hits.append((name, i))
-        # host_readable(y), written out: a call per frame costs ~0.5 us here (measured)
+        # host_readable(y), written out: a call per frame is a cost here (docs/performance.md)
         if y is x or not (y.is_cpu and y.dtype in CODES and y.layout is _STRIDED and y.is_contiguous()
                           and y.numel() and not y.is_inference()):
             return False

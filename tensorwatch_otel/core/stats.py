@@ -293,20 +293,19 @@ def measure_host(t: torch.Tensor) -> Union[Pair, Tuple[float, float], str]:
 def _abs_minmax_device(v: torch.Tensor) -> Pair:
     """CUDA (and ROCm): two reads of `v` and no |x| temporary (no extra device memory, no write
     pass). The ±inf norms are max|x| and min|x| in v's dtype, with NaN-propagating max/min in
-    the CUDA and HIP reduce kernels. On CPU the same ops are exact but not vectorised (30x+
-    slower than a read), so CPU takes the chunked path below."""
+    the CUDA and HIP reduce kernels. On CPU the same ops are exact but not vectorised (far
+    slower than a read: docs/performance.md), so CPU takes the chunked path below."""
     return torch.linalg.vector_norm(v, -_INF), torch.linalg.vector_norm(v, _INF)
 
 
 # CPU without the kernel: |x| goes into a reused buffer, chunk by chunk, so no tensor-sized
-# buffer is allocated (a fresh multi-MB allocation costs page faults: 4x slower on logits).
-# Chunks of 2**20 elements measured fastest (2 threads: 27% less time than 2**18 on 1M-element
-# tensors and logits, the same below 2**18; larger chunks are slower again as the buffer leaves
-# the cache).
+# buffer is allocated (a fresh multi-MB allocation costs page faults). Chunks of 2**20 elements
+# measured fastest; larger chunks are slower again as the buffer leaves the cache (the figures:
+# docs/performance.md, "Measuring one CPU tensor").
 # The extremes of |x| are then taken on its bits read as integers: abs() clears the sign bit
 # (NaN's too, as IEEE 754 defines it), and with the sign bit clear the integer order of bit
 # patterns is the order of magnitudes (subnormals, inf, and NaN above inf included). Integer
-# aminmax skips the NaN bookkeeping of the float kernel: 2x faster for fp32, 3-4x for fp16/bf16.
+# aminmax skips the NaN bookkeeping of the float kernel, so it is faster (docs/performance.md).
 # The patterns viewed back as floats are exact element values. Up to _SMALL elements, the
 # fixed cost of those extra steps outweighs the saving: a fresh abs() and float aminmax.
 _CHUNK = 1 << 20
@@ -319,8 +318,8 @@ _scratch = threading.local()
 def _in_memory_order(v: torch.Tensor) -> torch.Tensor:
     """`v` itself, or, when it is dense memory read in another order (transposed, permuted), a
     contiguous view of the same elements. Abs min and max do not depend on the order, and CPU
-    aminmax would copy a non-contiguous tensor first (a tensor-sized allocation: 15-45x the
-    time of the read on 8M elements)."""
+    aminmax would copy a non-contiguous tensor first (a tensor-sized allocation, many times the
+    time of the read: docs/performance.md)."""
     order = sorted(range(v.dim()), key=v.stride, reverse=True)
     p = v.permute(order)
     return p if p.is_contiguous() else v

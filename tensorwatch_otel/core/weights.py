@@ -31,7 +31,7 @@ from .stats import host_readable, storage_freed
 SMALL = 1 << 16  # elements of the largest row
 ELEMENTS = 1 << 22  # elements of all rows together
 # weights offered in one batch (held until the next read): every small weight of a model
-# within ELEMENTS at once (4096 took a 5000-Linear model four recorded batches to fill)
+# within ELEMENTS at once, so a large model fills the table at its first read (docs/performance.md)
 OFFERS = 1 << 16
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 

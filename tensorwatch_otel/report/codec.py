@@ -1,4 +1,4 @@
-"""Events to and from the JSON lines event log (one object per line; fields in the README)."""
+"""Events to and from the JSON lines event log (one object per line; fields: docs/reference/events.md)."""
 
 from __future__ import annotations
 
