@@ -163,7 +163,7 @@ class StepSkipper:
         gate = _Gate(optimizer, previous)
         try:
             self._gates[optimizer] = gate
-            optimizer.step = gate  # type: ignore[method-assign]
+            vars(optimizer)["step"] = gate  # the instance's own step, in front of its class's
         except Exception as exc:  # an optimizer that takes no attribute: the stand-in serves
             self._gates.pop(optimizer, None)
             log.debug("tensorwatch_otel: no step gate on %s: %s", type(optimizer).__name__, exc)
@@ -180,7 +180,7 @@ class StepSkipper:
                 if gate.previous is None:
                     del optimizer.step
                 else:
-                    optimizer.step = gate.previous  # type: ignore[method-assign]
+                    vars(optimizer)["step"] = gate.previous
         self._gates = weakref.WeakKeyDictionary()
 
 

@@ -11,7 +11,7 @@ import functools
 import logging
 import operator
 import threading
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -99,7 +99,8 @@ def _wrapper_values(t: torch.Tensor) -> Union[torch.Tensor, List[torch.Tensor], 
             continue
         if isinstance(v, torch.Tensor) and type(v) in _PLAIN:
             return v
-    names = t.__tensor_flatten__()[0]  # type: ignore[attr-defined]  # a wrapper subclass (checked above)
+    wrapper: Any = t  # a wrapper subclass (checked above): it has __tensor_flatten__
+    names = wrapper.__tensor_flatten__()[0]
     inner = [getattr(t, n, None) for n in names]
     return [x for x in inner if isinstance(x, torch.Tensor)]
 
