@@ -1,0 +1,158 @@
+"""The device path's fused kernel and slot buffer (core/device_stats.py), run on CPU tensors
+with Triton's interpreter: exact abs min/max against torch on every dtype it reads and on the
+edge values, one launch per call, the buffer reused batch to batch.
+
+TRITON_INTERPRET=1 is set here, before Triton is first imported (the interpreter is chosen when
+a kernel is defined); the module is skipped where Triton is not installed."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed: the fused device kernel cannot be tested")
+
+from tensorwatch_otel.core import device_stats  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not device_stats.triton_interpreting(),
+                                reason="TRITON_INTERPRET is set to something other than 1")
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BLOCK = device_stats._BLOCK_INTERPRETED
+
+
+@pytest.fixture
+def stats():
+    device_stats.force_on_cpu(True)
+    try:
+        yield device_stats.DeviceStats()
+    finally:
+        device_stats.force_on_cpu(False)
+
+
+def _expected(t):
+    """(abs min, abs max) by torch in float64 (exact for these dtypes); NaN anywhere: both NaN."""
+    a = t.detach().double().abs()
+    if torch.isnan(a).any():
+        return math.nan, math.nan
+    return a.min().item(), a.max().item()
+
+
+def _measure(stats, tensors):
+    frame = stats.frame()
+    assert all(frame.add(t) for t in tensors)
+    slots = frame.launch()
+    device_stats.resolve([slots[0], slots[0]], 0)  # the read-back of the batch
+    return [(s.lo, s.hi) for s in slots]
+
+
+def _same(got, want):
+    return all((math.isnan(g) and math.isnan(w)) or g == w for g, w in zip(got, want))
+
+
+def _edge_values(dtype):
+    fi = torch.finfo(dtype)
+    return [0.0, -0.0, fi.tiny, -fi.tiny, fi.tiny / 4, fi.smallest_normal * 2 ** -(fi.bits // 4),
+            fi.max, -fi.max, 1.0, -3.5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_edge_values_exact(stats, dtype):
+    base = torch.tensor(_edge_values(dtype), dtype=dtype)
+    cases = {
+        "edges": base,
+        "negative zero only": torch.tensor([-0.0, -0.0], dtype=dtype),
+        "one element": torch.tensor([-2.5], dtype=dtype),
+        "subnormals only": torch.tensor([torch.finfo(dtype).tiny / 8, -torch.finfo(dtype).tiny / 2], dtype=dtype),
+        "+inf": torch.cat([base, torch.tensor([math.inf], dtype=dtype)]),
+        "-inf": torch.cat([base, torch.tensor([-math.inf], dtype=dtype)]),
+        "nan": torch.cat([base, torch.tensor([math.nan], dtype=dtype)]),
+        "-nan": torch.cat([base, -torch.tensor([math.nan], dtype=dtype)]),
+        "inf and nan": torch.tensor([math.inf, 1.0, math.nan], dtype=dtype),
+    }
+    got = _measure(stats, list(cases.values()))
+    for (name, t), g in zip(cases.items(), got):
+        assert _same(g, _expected(t)), (name, g, _expected(t))
+    assert math.isnan(got[6][0]) and math.isnan(got[6][1])  # NaN anywhere: both NaN
+    assert got[4] == (0.0, math.inf)
+    assert got[2] == (2.5, 2.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sizes_offsets_and_mixed_launches_exact(stats, dtype):
+    g = torch.Generator().manual_seed(7)
+    sizes = (1, 7, BLOCK - 1, BLOCK + 3, 5 * BLOCK + 11)
+    ts = [(torch.randn(n, generator=g) * 100).to(dtype) for n in sizes]
+    big = (torch.randn(3 * BLOCK + 17, generator=g) * 1e3).to(dtype)
+    ts.append(big[5:])  # a storage offset
+    ts.append(big[: 2 * BLOCK].view(2, BLOCK)[1])  # a row of a matrix (offset BLOCK)
+    ts.append(torch.randn(4, 33, generator=g).to(dtype).t().contiguous())
+    ts[2][BLOCK - 2] = 0.0  # the abs min is the last block's last element
+    got = _measure(stats, ts)
+    assert [g for g in got] == [_expected(t) for t in ts]
+
+
+def test_many_dtypes_and_more_tensors_than_one_launch(stats, monkeypatch):
+    launches = []
+    real = device_stats.launch
+    monkeypatch.setattr(device_stats, "launch", lambda *a: (launches.append(len(a[2])), real(*a))[1])
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(50 + i, generator=g).to(DTYPES[i % 3]) * (i + 1) for i in range(device_stats.MAX_TENSORS + 3)]
+    got = _measure(stats, ts)
+    assert got == [_expected(t) for t in ts]
+    assert launches == [device_stats.MAX_TENSORS, 3]
+
+
+def test_odd_tensors_are_not_taken(stats):
+    frame = stats.frame()
+    x = torch.randn(4, 6)
+    odd = [x.t(), torch.randn(3, dtype=torch.float64), torch.empty(0), torch.ones(3, dtype=torch.int64),
+           torch.ones(2, dtype=torch.bool), torch.empty(3, device="meta"), x.to_sparse()]
+    if hasattr(torch, "float8_e4m3fn"):
+        odd.append(torch.randn(4).to(torch.float8_e4m3fn))
+    assert [frame.add(t) for t in odd] == [False] * len(odd)
+    assert frame.launch() == []
+
+
+def test_the_slot_buffer_is_reused_and_grows_geometrically(stats):
+    xs = [torch.full((3,), float(i + 1)) for i in range(device_stats.INITIAL_SLOTS + 5)]
+    frame = stats.frame()
+    first = []
+    for x in xs[:10]:
+        frame.add(x)
+        first += frame.launch()
+    buf = first[0].buffer
+    slots_before = buf.slots
+    for x in xs[10:]:  # past the capacity in the same batch: one growth, earlier slots kept
+        frame.add(x)
+        first += frame.launch()
+    assert buf.capacity == 2 * device_stats.INITIAL_SLOTS and buf.slots is not slots_before
+    device_stats.resolve([first[0]], 0)
+    assert [(s.lo, s.hi) for s in first] == [(float(i + 1), float(i + 1)) for i in range(len(xs))]
+    assert buf.used == 0 and not buf.slots.any()  # reset at the read
+    grown = buf.slots
+    for _ in range(3):  # later batches: the same buffer, nothing grown
+        frame.add(xs[0])
+        s, = frame.launch()
+        device_stats.resolve([s, s], 0)
+        assert (s.lo, s.hi) == (1.0, 1.0)
+    assert buf.slots is grown
+
+
+def test_each_device_buffer_is_read_once_per_batch(stats, monkeypatch):
+    reads = []
+    real = device_stats.SlotBuffer.read
+    monkeypatch.setattr(device_stats.SlotBuffer, "read", lambda self: (reads.append(self.used), real(self))[1])
+    frame = stats.frame()
+    held = []
+    for i in range(5):
+        frame.add(torch.full((4,), -float(i)))
+        held += frame.launch()
+    values = device_stats.resolve([s for s in held for _ in (0, 1)], 0)
+    assert values == [float(i) for i in range(5) for _ in (0, 1)]
+    assert reads == [5]
