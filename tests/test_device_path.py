@@ -1,0 +1,157 @@
+"""The device path wired into the recorder, forced on the CPU under Triton's interpreter (the CUDA
+code on CPU tensors): a watched real model records the frames the default path records (module
+paths, tensor names, exact values in fp32, fp16 and bf16), a detection names the same place,
+target_dtypes keeps working, and the fused kernel is what measured the frames.
+
+TRITON_INTERPRET=1 is set before Triton is first imported; skipped without Triton."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed: the device path cannot be forced on the CPU")
+
+from _collect import Collect  # noqa: E402
+from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
+from tensorwatch_otel.core import device_stats  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from _prenorm import Stack  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not device_stats.triton_interpreting(),
+                                reason="TRITON_INTERPRET is set to something other than 1")
+
+
+def _rows(frames):
+    """Everything a frame says, NaN made comparable."""
+    def v(x):
+        return "nan" if isinstance(x, float) and math.isnan(x) else x
+    return [(f.module, f.module_class, f.phase, t.name, v(t.abs_min), v(t.abs_max), t.dtype, t.note,
+             t.underflow, t.overflow) for f in frames for t in f.tensors]
+
+
+def _train(model, xs, device_path, launches=None, **options):
+    """Frames and events of a few watched training steps (forward, backward, SGD step)."""
+    sink = Collect()
+    device_stats.force_on_cpu(device_path)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with watch(model, sinks=[sink], on_detect="report", trace_batches=range(len(xs)), **options):
+            for x in xs:
+                out = model(x)
+                out.float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        device_stats.force_on_cpu(False)
+    return [f for b in sink.batches for f in b.frames], sink.events
+
+
+def _counting_launches(monkeypatch):
+    launches = []
+    real = device_stats.launch
+    monkeypatch.setattr(device_stats, "launch", lambda buf, first, ts: (launches.append(len(ts)),
+                                                                        real(buf, first, ts))[1])
+    return launches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_watched_stack_records_the_default_paths_frames(dtype, monkeypatch):
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2, d=16, heads=2).to(dtype)
+    twin = Stack(n_blocks=2, d=16, heads=2).to(dtype)
+    twin.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 8, 16, generator=g).to(dtype) for _ in range(3)]
+    default, _ = _train(model, xs, device_path=False)
+    launches = _counting_launches(monkeypatch)
+    forced, _ = _train(twin, xs, device_path=True)
+    assert len(default) == 3 * 23 and _rows(forced) == _rows(default)
+    assert launches and len(launches) <= len(forced)  # the fused kernel measured, once per call at most
+    assert sum(launches) >= 3 * 2 * 23  # every frame's output at least, and the weights
+
+
+def test_a_gpt2_in_bf16_records_the_default_paths_frames(monkeypatch):
+    from _models import batches, build
+
+    a, b = build("gpt2", torch.bfloat16), build("gpt2", torch.bfloat16)
+    kw = batches("gpt2", 2)
+
+    def frames(model, forced):
+        sink = Collect()
+        device_stats.force_on_cpu(forced)
+        try:
+            with watch(model, sinks=[sink], on_detect="report", trace_batches=(0, 1)), torch.no_grad():
+                for k in kw:
+                    model(**k)
+        finally:
+            device_stats.force_on_cpu(False)
+        return [f for bt in sink.batches for f in bt.frames]
+
+    default = frames(a, False)
+    launches = _counting_launches(monkeypatch)
+    forced = frames(b, True)
+    assert _rows(forced) == _rows(default) and len(default) > 20
+    assert launches and len(launches) <= len(forced)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_detection_names_the_same_module_and_tensor(bad):
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+        with torch.no_grad():
+            m[2].weight[3, 5] = bad
+        return m
+
+    x = torch.randn(4, 8)
+    found = []
+    for forced in (False, True):
+        _, events = _train(model(), [x], device_path=forced)
+        ev = [e for e in events if isinstance(e, NonFiniteEvent)][0]
+        found.append((ev.module, ev.tensor, ev.kind, _rows(ev.frames)))
+    assert found[0] == found[1]
+    assert found[0][:2] == ("2", "weight")
+
+
+def test_target_dtypes_keep_their_own_route_and_values(monkeypatch):
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1, d=16, heads=2)
+    twin = Stack(n_blocks=1, d=16, heads=2)
+    twin.load_state_dict(model.state_dict())
+    xs = [torch.randn(2, 8, 16) * 1e3]
+    default, _ = _train(model, xs, device_path=False, target_dtypes=("float16", "float8_e4m3fn"))
+    forced, _ = _train(twin, xs, device_path=True, target_dtypes=("float16", "float8_e4m3fn"))
+    assert _rows(forced) == _rows(default)
+    assert any(t.underflow for f in forced for t in f.tensors)
+
+
+def test_float64_and_odd_tensors_take_the_measure_route():
+    class Odd(nn.Module):
+        def forward(self, x):
+            return x.double() * 2, x.t(), x[:0], (x > 0)
+
+    x = torch.randn(3, 5)
+    default, _ = _train_forward(Odd(), x, False)
+    forced, _ = _train_forward(Odd(), x, True)
+    assert _rows(forced) == _rows(default)
+    assert [t.dtype for t in forced[-1].tensors] == ["float32", "float64", "float32", "", "bool"]
+
+
+def _train_forward(model, x, forced):
+    sink = Collect()
+    device_stats.force_on_cpu(forced)
+    try:
+        with watch(model, sinks=[sink], on_detect="report", trace_batches=(0,)):
+            model(x)
+    finally:
+        device_stats.force_on_cpu(False)
+    return [f for b in sink.batches for f in b.frames], sink.events
