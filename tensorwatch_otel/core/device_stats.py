@@ -12,9 +12,10 @@ tensor until the read-back (`resolve`), which copies each device's used slots to
 buffer.
 
 The backend is chosen once per device: CUDA with Triton importable takes this path; a CPU takes
-it only when forced (`force_on_cpu`, for tests and benchmarks, with TRITON_INTERPRET=1 set
+it only when forced (`set_mode("force")`, for tests and benchmarks, with TRITON_INTERPRET=1 set
 before Triton is first imported: Triton's interpreter then runs the same kernel on CPU
-tensors). Everything else keeps the routes of stats.py.
+tensors); `set_mode("off")` keeps every device on the routes of stats.py (benchmarks compare
+the two). Everything else keeps the routes of stats.py.
 """
 
 from __future__ import annotations
@@ -41,22 +42,26 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 _CPU_KEY = -1  # a buffer's key: the CUDA device index, or this for the CPU
 
-_force_cpu = False
+MODES = ("auto", "force", "off")
+_mode = "auto"
 _kernel_lock = threading.Lock()
 _kernel: Any = None  # a Triton JITFunction (launched as kernel[grid](...))
 _kernel_tried = False
 
 
+def set_mode(mode: str) -> None:
+    """Which devices recorders made from now on measure on the device path: ``auto`` (CUDA with
+    Triton), ``force`` (CPU tensors too, under Triton's interpreter: tests and benchmarks of the
+    CUDA code on a machine without a GPU) or ``off`` (none). Not a user option."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"device path mode {mode!r}: expected one of {', '.join(MODES)}")
+    _mode = mode
+
+
 def force_on_cpu(on: bool) -> None:
-    """Take the device path for CPU tensors too (Triton's interpreter, TRITON_INTERPRET=1): for
-    tests and benchmarks of the CUDA code on a machine without a GPU. Read when a recorder is
-    made."""
-    global _force_cpu
-    _force_cpu = on
-
-
-def forced_on_cpu() -> bool:
-    return _force_cpu
+    """`set_mode("force")` when `on`, else `set_mode("auto")`."""
+    set_mode("force" if on else "auto")
 
 
 def triton_interpreting() -> bool:
@@ -85,9 +90,9 @@ def wanted() -> bool:
     """Whether a new recorder takes the device path for some device: CUDA is available, or the
     path is forced on the CPU under Triton's interpreter (Triton itself is imported later, at
     the first buffer a device needs)."""
-    if _force_cpu:
+    if _mode == "force":
         return triton_interpreting()
-    return torch.cuda.is_available()
+    return _mode == "auto" and torch.cuda.is_available()
 
 
 class SlotStat:
@@ -187,7 +192,7 @@ class DeviceStats:
     kernel, chosen once per device."""
 
     def __init__(self) -> None:
-        self.cpu = _force_cpu and triton_interpreting()
+        self.cpu = _mode == "force" and triton_interpreting()
         self.buffers: Dict[int, Optional[SlotBuffer]] = {}
         self.interpreted = triton_interpreting()
         self._lock = threading.Lock()
