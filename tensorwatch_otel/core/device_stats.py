@@ -143,7 +143,7 @@ class SlotBuffer:
         self.slots = torch.empty(0, dtype=torch.int32, device=device)
         self.host = torch.empty(0, dtype=torch.int32)
         self.issued: List[SlotStat] = []
-        self.event = torch.cuda.Event() if self.cuda else None
+        self.event: Optional[torch.cuda.Event] = torch.cuda.Event() if self.cuda else None
         self._lock = threading.Lock()
         self._grow(INITIAL_SLOTS)
 
@@ -176,11 +176,16 @@ class SlotBuffer:
             if not n:
                 return
             host = self.host[:n]
-            host.copy_(self.slots[:n], non_blocking=self.cuda)
-            if self.event is not None:
-                self.event.record()
-                self.event.synchronize()
-            self.slots[:n].zero_()
+            event = self.event  # (CUDA buffers only)
+            if event is not None:  # on the buffer's device's current stream, where its kernels ran
+                with torch.cuda.device(self.device):
+                    host.copy_(self.slots[:n], non_blocking=True)
+                    event.record()
+                    self.slots[:n].zero_()
+                event.synchronize()
+            else:
+                host.copy_(self.slots[:n])
+                self.slots[:n].zero_()
             values = _decode(host.tolist())
         for j, s in enumerate(issued):
             s.lo = values[2 * j]
