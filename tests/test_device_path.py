@@ -155,3 +155,32 @@ def _train_forward(model, x, forced):
     finally:
         device_stats.force_on_cpu(False)
     return [f for b in sink.batches for f in b.frames], sink.events
+
+
+def test_cpu_tensors_keep_the_cpu_kernel_on_a_device_path_recorder(monkeypatch):
+    """A CPU model watched on a machine with a GPU (the device path on for CUDA tensors only):
+    its frames still go to the CPU kernel in one call per frame, with the weight table."""
+    from tensorwatch_otel.core import cpu_kernel, recorder, stats
+
+    if cpu_kernel.KERNEL.wait() is None:
+        pytest.skip("the CPU statistics kernel could not be built here (no C compiler)")
+    torch.manual_seed(0)
+    model, twin = Stack(n_blocks=1, d=16, heads=2), Stack(n_blocks=1, d=16, heads=2)
+    twin.load_state_dict(model.state_dict())
+    xs = [torch.randn(2, 8, 16) for _ in range(2)]
+    default, _ = _train(model, xs, device_path=False)
+    monkeypatch.setattr(recorder, "device_path_wanted", lambda: True)
+    calls = []
+    real = stats.HostBatch.measure
+    monkeypatch.setattr(stats.HostBatch, "measure", lambda self: (calls.append(len(self.ns)), real(self))[1])
+    launches = _counting_launches(monkeypatch)
+    sink = Collect()
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    with watch(twin, sinks=[sink], on_detect="report", trace_batches=(0, 1)) as w:
+        assert w._recorder._device is not None and type(w._recorder.weights) is recorder.WeightTable
+        for x in xs:
+            twin(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert _rows([f for b in sink.batches for f in b.frames]) == _rows(default)
+    assert launches == [] and calls and max(calls) >= 2

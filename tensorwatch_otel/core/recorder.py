@@ -56,25 +56,69 @@ def _tensor_attributes(v: object) -> Tuple[str, ...]:
 class _FrameBatch(threading.local):
     """One thread's frame in progress: its dense tensors, measured in one kernel call when the
     frame is complete (each thread has its own: a model may be called from several). `gather`
-    is the CPU kernel's HostBatch, or on the device path its DeviceFrame."""
+    takes them: the CPU kernel's HostBatch, or on a device-path recorder this object, which
+    gives each tensor to the fused device kernel when its device takes the device path and to
+    the CPU kernel otherwise (`on_device`: which one, per tensor taken)."""
 
     def __init__(self, device: Optional[DeviceStats]) -> None:
         self.host = HostBatch()
         self.device: Optional[DeviceFrame] = None if device is None else device.frame()
-        self.gather: Union[HostBatch, DeviceFrame] = self.host if self.device is None else self.device
+        self.gather: Union[HostBatch, _FrameBatch] = self.host if self.device is None else self
+        self.on_device: List[bool] = []
         # (stats position, tensor, True for a parameter / False / the position of its twin, version, data_ptr)
         self.pending: List[Tuple[int, torch.Tensor, Union[bool, int], int, int]] = []
         # id -> (stats position, tensor, version) gathered this frame
         self.acts: Dict[int, Tuple[int, torch.Tensor, int]] = {}
         self.on = False
 
+    def add(self, t: torch.Tensor) -> bool:
+        """(A device-path recorder's `gather`.) Take `t` for the device kernel, else for the CPU
+        kernel; False when neither reads it as it is."""
+        device = self.device  # (never None here: gather is self only with a device)
+        if device is not None and device.add(t):
+            self.on_device.append(True)
+            return True
+        if self.host.add(t):
+            self.on_device.append(False)
+            return True
+        return False
+
+    def clear(self) -> None:
+        self.host.clear()
+        if self.device is not None:
+            self.device.clear()
+        self.on_device = []
+
+    def measure(self, pending: List[Tuple[int, torch.Tensor, Union[bool, int], int, int]]) -> List[Any]:
+        """(A device-path recorder's frame end.) The values of the tensors taken, two places per
+        tensor in the order taken: a SlotStat (at both) for the device kernel's, floats for the
+        CPU kernel's (each measured alone when that kernel is not loaded)."""
+        on_device, self.on_device = self.on_device, []
+        device = self.device
+        slots = device.launch() if device is not None and True in on_device else []
+        floats = self.host.measure() if False in on_device else None
+        taken = [t for _, t, twin, _, _ in pending if twin.__class__ is not int]
+        values: List[Any] = []
+        i = j = 0
+        for t, dev in zip(taken, on_device):
+            if dev:
+                values += (slots[i], slots[i])
+                i += 1
+            elif floats is not None:
+                values += floats[j:j + 2]
+                j += 2
+            else:
+                m = measure(t)
+                values += (float("nan"), float("nan")) if isinstance(m, str) else m
+        return values
+
 
 ActSeen = Tuple["weakref.ref[torch.Tensor]", int, StatPair, torch.dtype]
 
 
 class _NoWeightTable(WeightTable):
-    """The weight table of a recorder on the device path: no rows (the weights of a module call
-    are read with its other tensors, by the fused kernel)."""
+    """The weight table of a recorder whose CPU tensors take the device path: no rows (the
+    weights of a module call are read with its other tensors, by the fused kernel)."""
 
     def offer(self, p: torch.Tensor) -> bool:
         return False
@@ -103,7 +147,7 @@ class FrameRecorder:
         self.mags_seen: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
         self._fb = _FrameBatch(self._device)  # the calling thread's frame in progress
         # small dense CPU weights: one kernel call per batch for all of them (core/weights.py)
-        self.weights = WeightTable() if self._device is None else _NoWeightTable()
+        self.weights = _NoWeightTable() if self._device is not None and self._device.cpu else WeightTable()
         self._declined: set[int] = set()  # ids of weights that cannot be rows
         self._hist_batch = (-1, False, 0)  # (batch number, histogram batch?, watched batches seen)
 
@@ -192,8 +236,8 @@ class FrameRecorder:
         fb.pending = []
         fb.acts.clear()
         values: Optional[Sequence[Any]]  # floats, or SlotStats (each at both its places)
-        if fb.device is not None:  # one launch: a SlotStat per tensor, at both its places
-            values = [s for s in fb.device.launch() for _ in (0, 1)]
+        if fb.device is not None:  # the device kernel's SlotStats, and the CPU kernel's floats
+            values = fb.measure(pending)
         else:
             values = fb.host.measure()
         stats = rec.stats
