@@ -47,7 +47,7 @@ def _measure(stats, tensors):
     frame = stats.frame()
     assert all(frame.add(t) for t in tensors)
     slots = frame.launch()
-    device_stats.resolve([slots[0], slots[0]], 0)  # the read-back of the batch
+    slots[0].buffer.read()  # the read-back of the batch
     return [(s.lo, s.hi) for s in slots]
 
 
@@ -132,27 +132,31 @@ def test_the_slot_buffer_is_reused_and_grows_geometrically(stats):
         frame.add(x)
         first += frame.launch()
     assert buf.capacity == 2 * device_stats.INITIAL_SLOTS and buf.slots is not slots_before
-    device_stats.resolve([first[0]], 0)
+    buf.read()
     assert [(s.lo, s.hi) for s in first] == [(float(i + 1), float(i + 1)) for i in range(len(xs))]
     assert buf.used == 0 and not buf.slots.any()  # reset at the read
     grown = buf.slots
     for _ in range(3):  # later batches: the same buffer, nothing grown
         frame.add(xs[0])
         s, = frame.launch()
-        device_stats.resolve([s, s], 0)
+        buf.read()
         assert (s.lo, s.hi) == (1.0, 1.0)
     assert buf.slots is grown
 
 
-def test_each_device_buffer_is_read_once_per_batch(stats, monkeypatch):
+def test_a_record_reads_each_device_buffer_once_per_batch(stats, monkeypatch):
+    from tensorwatch_otel.core.record import Record
+
     reads = []
     real = device_stats.SlotBuffer.read
     monkeypatch.setattr(device_stats.SlotBuffer, "read", lambda self: (reads.append(self.used), real(self))[1])
     frame = stats.frame()
-    held = []
+    rec = Record(0)
     for i in range(5):
         frame.add(torch.full((4,), -float(i)))
-        held += frame.launch()
-    values = device_stats.resolve([s for s in held for _ in (0, 1)], 0)
-    assert values == [float(i) for i in range(5) for _ in (0, 1)]
+        s, = frame.launch()
+        rec.stats += (s, s)
+    rec.stats += (0.5, 2.0)  # a float from the CPU kernel among them
+    rec.readback()
+    assert rec.host == [v for i in range(5) for v in (float(i), float(i))] + [0.5, 2.0]
     assert reads == [5]

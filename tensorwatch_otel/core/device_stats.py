@@ -7,7 +7,7 @@ is the order of the magnitudes, subnormals, inf, and NaN above inf included). Bo
 with atomic max: the abs max as the pattern, the abs min as 0x7FFFFFFF minus the pattern, so a
 zeroed slot is the neutral start of both and the buffer is reset with one fill. The kernel
 reads each element once and makes nothing tensor-sized. The record holds a `SlotStat` per
-tensor until the read-back (`resolve`), which copies each device's used slots to the host once
+tensor until the read-back (Record.readback), which copies each device's used slots to the host once
 (pinned memory, non_blocking, one event on CUDA), gives every slot its values and resets the
 buffer.
 
@@ -21,6 +21,7 @@ the two). Everything else keeps the routes of stats.py.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import struct
 import threading
@@ -97,28 +98,15 @@ def wanted() -> bool:
 
 class SlotStat:
     """One measured tensor's place in a device buffer until the batch's read-back, then its
-    values: `lo` (abs min) and `hi` (abs max) as floats. A record holds it at both of the
-    tensor's positions (abs min at the even one, abs max at the odd one)."""
+    values: `lo` (abs min) and `hi` (abs max) as floats, set (and `read` true) by the first
+    `buffer.read()` after its launch. A record holds it at both of the tensor's places (Record.readback)."""
 
-    __slots__ = ("buffer", "lo", "hi")
+    __slots__ = ("buffer", "lo", "hi", "read")
 
     def __init__(self, buffer: "SlotBuffer") -> None:
         self.buffer = buffer
-        self.lo: Optional[float] = None
-        self.hi: Optional[float] = None
-
-
-def resolve(values: List[Any], first: int) -> List[Any]:
-    """`values` (record statistics from position `first` on) with every SlotStat replaced by its
-    value: abs min at even positions, abs max at odd ones. Each device buffer holding a slot not
-    read yet is read once."""
-    out = list(values)
-    for i, s in enumerate(out):
-        if s.__class__ is SlotStat:
-            if s.hi is None:
-                s.buffer.read()
-            out[i] = s.hi if (first + i) & 1 else s.lo
-    return out
+        self.lo = self.hi = math.nan
+        self.read = False  # lo and hi hold the values
 
 
 def _decode(patterns: Sequence[int]) -> Tuple[float, ...]:
@@ -190,6 +178,7 @@ class SlotBuffer:
         for j, s in enumerate(issued):
             s.lo = values[2 * j]
             s.hi = values[2 * j + 1]
+            s.read = True
 
 
 class DeviceStats:

@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
 import torch
 
 from . import magnitude as _mag
-from .device_stats import SlotStat, resolve
+from .device_stats import SlotStat
 from .events import Frame, Magnitude, TensorStat
 from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
@@ -178,7 +178,7 @@ class Record:
         tensors: List[torch.Tensor] = [s for s in pending if s.__class__ is not float]  # type: ignore[misc]
         if tensors and any(s.__class__ is SlotStat for s in pending):
             # the device path's slots: each device buffer copied to the host once (device_stats)
-            pending = resolve(pending, have)
+            pending = self._slot_values(pending, have)
             tensors = [s for s in pending if s.__class__ is not float]  # type: ignore[misc]
         values: List[float]
         if not tensors:
@@ -199,6 +199,19 @@ class Record:
             return values[-1]
         self.host += values
         return None
+
+    @staticmethod
+    def _slot_values(pending: List[Stat], first: int) -> List[Stat]:
+        """`pending` (the statistics from place `first` on) with each SlotStat replaced by its
+        value: the abs min at a tensor's even place, the abs max at its odd one. A device buffer
+        holding a slot not read yet is read (one copy for all its slots)."""
+        out = list(pending)
+        for i, s in enumerate(out):
+            if isinstance(s, SlotStat):
+                if not s.read:
+                    s.buffer.read()
+                out[i] = s.hi if (first + i) & 1 else s.lo
+        return out
 
     def _readback_magnitudes(self, extra: Optional[torch.Tensor]) -> Optional[float]:
         """readback() with target_dtypes: the counts rows (and histogram rows) travel in the
