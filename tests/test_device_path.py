@@ -184,3 +184,38 @@ def test_cpu_tensors_keep_the_cpu_kernel_on_a_device_path_recorder(monkeypatch):
             opt.zero_grad()
     assert _rows([f for b in sink.batches for f in b.frames]) == _rows(default)
     assert launches == [] and calls and max(calls) >= 2
+
+
+class _InPlaceAfter(nn.Module):
+    """A child's output changed in place by its parent after the child returned, and a module
+    called twice: each frame shows the values as they were when its module returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y.mul_(1e3)  # lin's frame keeps the values before this
+        z = self.norm(y)
+        return self.norm(z + 1) * 2
+
+
+@pytest.mark.parametrize("options", [{}, {"check": "module"}, {"gradients": True}], ids=["batch", "module", "grads"])
+def test_in_place_changes_shared_modules_check_module_and_gradients(options):
+    def frames(forced):
+        torch.manual_seed(0)
+        model = _InPlaceAfter()
+        x = torch.randn(3, 8)
+        return _train(model, [x, x * 2], device_path=forced, **options)[0]
+
+    default = frames(False)
+    forced = frames(True)
+    assert _rows(forced) == _rows(default)
+    lin = [f for f in forced if f.module == "lin" and f.phase == "forward"][0]
+    out = [t for t in lin.tensors if t.name == "output"][0]
+    assert out.abs_max < 100  # before the parent's mul_
+    assert sum(f.module == "norm" and f.phase == "forward" for f in forced) == 4  # called twice a batch
+    if options.get("gradients"):
+        assert any(f.phase == "backward" for f in forced)
