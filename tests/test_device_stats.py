@@ -160,3 +160,45 @@ def test_a_record_reads_each_device_buffer_once_per_batch(stats, monkeypatch):
     rec.readback()
     assert rec.host == [v for i in range(5) for v in (float(i), float(i))] + [0.5, 2.0]
     assert reads == [5]
+
+
+_AOT = r"""
+import json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tensorwatch_otel.core._device_kernel import abs_minmax_slots
+sig = {"slots": "*i32", "xs": ("*fp32", "*bf16", "*fp16"), "ns": ("i64", "i32", "i32"), "first": "i32",
+       "programs": "i32", "BLOCK": "constexpr"}
+out = {}
+for arch in (80, 90):
+    c = triton.compile(ASTSource(abs_minmax_slots, sig, constexprs={"BLOCK": 2048}), target=GPUTarget("cuda", arch, 32))
+    ptx = c.asm["ptx"]
+    out[arch] = {"cvt": sorted(set(re.findall(r"cvt\.[a-z0-9.]+", ptx))), "atom": len(re.findall(r"atom\.", ptx)),
+                 "cubin": len(c.asm["cubin"])}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_kernel_compiles_for_cuda_without_a_gpu():
+    """The same kernel through Triton's CUDA compiler (sm_80 and sm_90, no device needed): it is
+    valid Triton for the real backend, not only for the interpreter; fp16 widens without
+    flushing subnormals (no .ftz), and each of the three tensors has its two atomics."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton has no CUDA backend")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, timeout=300, env=env)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("Triton's CUDA backend has no ptxas here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for arch, r in result.items():
+        assert "cvt.f32.f16" in r["cvt"] and not any(".ftz" in c for c in r["cvt"]), (arch, r)
+        assert r["atom"] == 6 and r["cubin"] > 0, (arch, r)
