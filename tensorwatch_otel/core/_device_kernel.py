@@ -7,7 +7,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The first slot and the program count change from call to call: not specialised on their values
+# (1, multiples of 16). Triton 3.9 still specialises the elements of a tuple (the sizes in `ns`),
+# so variants are per tensor count, dtypes, pointer alignment and size class (1, multiple of 16,
+# other); each is compiled once and cached on disk by Triton.
+@triton.jit(do_not_specialize=["first", "programs"])
 def abs_minmax_slots(slots, xs, ns, first, programs, BLOCK: tl.constexpr):
     """Abs min and abs max of each tensor xs[i] (ns[i] elements) into slot first + i of `slots`:
     slots[2j] keeps 0x7FFFFFFF minus the smallest sign-cleared float32 pattern, slots[2j + 1]
