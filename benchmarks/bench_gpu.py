@@ -135,10 +135,10 @@ def counts(trainer: Trainer) -> Dict[str, int]:
     reads = []
     real_read = device_stats.SlotBuffer.read
 
-    def read(buf):
+    def read(buf, extra=None):
         if buf.used:
             reads.append(buf.used)
-        return real_read(buf)
+        return real_read(buf, extra)
 
     cuda = trainer.x.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -1,9 +1,9 @@
 """A harness that counts what the watcher issues, at the dispatcher: per module call the kernel
 launches (the fused Triton launches, and every aten op that is not a view) and the allocations
 (aten ops whose output has a storage none of their inputs has), per training step the host
-syncs (`_local_scalar_dense`: .item(), bool(), .tolist() of a device tensor), the copies from a
-device to the CPU, and the device path's buffer reads (each one copy of a buffer to the host
-and, on CUDA, one wait on its event).
+syncs (`_local_scalar_dense`: .item(), bool(), .tolist() of a device tensor), the copies to the
+CPU (from a device, or any a record's read-back makes), and the device path's buffer reads
+(each one copy of a buffer to the host and, on CUDA, one wait on its event).
 
 Use it around a model watched after `OpCounts.install(monkeypatch)`: the per-call mode is
 active only inside the recorder's frame() (the hooks' work), and aten ops Triton's
@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensorwatch_otel.core import device_stats
+from tensorwatch_otel.core.record import Record
 from tensorwatch_otel.core.recorder import FrameRecorder
 
 aten = torch.ops.aten
@@ -64,6 +65,7 @@ class OpCounts:
         self.calls: List[List[int]] = []
         self.steps: List[List[int]] = []
         self.aten_ops: List[str] = []  # names of the aten ops counted as per-call launches
+        self.in_readback = False
 
     # -- per call
     def note_call_op(self, func, args, out) -> None:
@@ -84,8 +86,11 @@ class OpCounts:
         if func is aten._local_scalar_dense.default:
             row[0] += 1
         elif func is aten._to_copy.default:
+            # a copy to the host from a device, or any copy to the CPU a record's read-back makes
+            # (on a CPU run the copy a GPU run makes there is a CPU-to-CPU one)
             dev = kwargs.get("device")
-            if dev is not None and torch.device(dev).type == "cpu" and args[0].device.type != "cpu":
+            if dev is not None and torch.device(dev).type == "cpu" and (
+                    args[0].device.type != "cpu" or self.in_readback):
                 row[1] += 1
         elif func is aten.copy_.default:
             if args[0].device.type == "cpu" and args[1].device.type != "cpu":
@@ -116,17 +121,27 @@ class OpCounts:
             finally:
                 counts.paused = was
 
-        def read(buf):
-            if not (buf.used and counts.steps):
-                return real_read(buf)
+        def read(buf, extra=None):
+            if not ((buf.used or extra is not None) and counts.steps):
+                return real_read(buf, extra)
             counts.steps[-1][2] += 1
             was, counts.paused = counts.paused, True  # its copy is counted as a buffer read
             try:
                 with _Mode(_AtBufferRead(counts), per_call=False):
-                    return real_read(buf)
+                    return real_read(buf, extra)
             finally:
                 counts.paused = was
 
+        real_readback = Record.readback
+
+        def readback(rec, *args, **kwargs):
+            was, counts.in_readback = counts.in_readback, True
+            try:
+                return real_readback(rec, *args, **kwargs)
+            finally:
+                counts.in_readback = was
+
+        monkeypatch.setattr(Record, "readback", readback)
         monkeypatch.setattr(FrameRecorder, "frame", frame)
         monkeypatch.setattr(device_stats, "launch", launch)
         monkeypatch.setattr(device_stats.SlotBuffer, "read", read)

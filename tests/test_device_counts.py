@@ -91,4 +91,34 @@ def test_the_harness_sees_the_torch_ops_route(monkeypatch):
     calls = counts.steps[-1][4]
     assert all(c[0] == 0 for c in calls)
     assert sum(c[1] for c in calls) >= 2 * len(calls) and sum(c[2] for c in calls) >= len(calls)
-    assert counts.steps[-1][:3] == [1, 0, 0]  # the guard's sync; the batch's stack copies CPU to CPU
+    assert counts.steps[-1][:3] == [1, 1, 0]  # the guard's sync; the batch's stack copied to the host
+
+
+def test_a_gpt2_with_integer_inputs_still_reads_back_once_per_step(forced, monkeypatch):
+    """Integer tensors (token ids, labels) keep the measure route (exact float64 statistics as
+    0-d tensors): their few aten ops per call are the only ones, and their values travel in the
+    slot buffer's one copy (no second copy for them)."""
+    from _models import batches, build
+
+    model = build("gpt2", torch.bfloat16).train()
+    kw = batches("gpt2", 1)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    counts = OpCounts().install(monkeypatch)
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="report"):
+        for _ in range(3):
+            start = len(counts.calls)
+            with counts.step():
+                model(**kw, labels=kw["input_ids"]).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            counts.steps[-1].append(counts.calls[start:])
+    frames = sink.batches[-1].frames
+    for syncs, copies, reads, read_ops, calls in counts.steps[1:]:
+        assert len(calls) == len(frames) and max(c[0] for c in calls) == 1
+        with_ops = {f.module for f, c in zip(frames, calls) if c[1]}
+        ints = {f.module for f in frames if any(t.dtype == "int64" for t in f.tensors)}
+        # (an integer tensor seen again later in the batch is not measured again)
+        assert with_ops and with_ops <= ints, (with_ops, ints)
+        assert (reads, copies, syncs) == (1, 0, 1)
+        assert read_ops == 3  # the packing of the 0-d statistics with the slots, the copy, the reset

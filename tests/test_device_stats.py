@@ -149,7 +149,8 @@ def test_a_record_reads_each_device_buffer_once_per_batch(stats, monkeypatch):
 
     reads = []
     real = device_stats.SlotBuffer.read
-    monkeypatch.setattr(device_stats.SlotBuffer, "read", lambda self: (reads.append(self.used), real(self))[1])
+    monkeypatch.setattr(device_stats.SlotBuffer, "read",
+                        lambda self, extra=None: (reads.append((self.used, extra)), real(self, extra))[1])
     frame = stats.frame()
     rec = Record(0)
     for i in range(5):
@@ -157,9 +158,15 @@ def test_a_record_reads_each_device_buffer_once_per_batch(stats, monkeypatch):
         s, = frame.launch()
         rec.stats += (s, s)
     rec.stats += (0.5, 2.0)  # a float from the CPU kernel among them
-    rec.readback()
-    assert rec.host == [v for i in range(5) for v in (float(i), float(i))] + [0.5, 2.0]
-    assert reads == [5]
+    big = 2 ** 53 - 1  # an integer tensor's statistics (0-d float64 tensors, stats.measure)
+    rec.stats += (torch.tensor(3.0, dtype=torch.float64), torch.tensor(float(big), dtype=torch.float64))
+    rec.stats += (torch.tensor(0.25, dtype=torch.float16), torch.tensor(1e-40))  # odd tensors' 0-d results
+    scale = rec.readback(torch.tensor(1024.0))  # the loss scale rides along
+    assert rec.host == [v for i in range(5) for v in (float(i), float(i))] + [0.5, 2.0, 3.0, float(big), 0.25,
+                                                                              torch.tensor(1e-40).item()]
+    assert scale == 1024.0
+    (used, extra), = reads  # one read: the slots, and the 0-d tensors in the same copy
+    assert used == 5 and extra.dtype == torch.float64 and extra.numel() == 5
 
 
 _AOT = r"""

@@ -20,12 +20,13 @@ the two). Everything else keeps the routes of stats.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import struct
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -109,6 +110,11 @@ class SlotStat:
         self.read = False  # lo and hi hold the values
 
 
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
 def _decode(patterns: Sequence[int]) -> Tuple[float, ...]:
     """Float values of (abs-min complement, abs-max pattern) pairs: NaN in both when abs max is
     NaN (the contract of stats.measure)."""
@@ -155,30 +161,39 @@ class SlotBuffer:
             self.issued += stats
             return first, stats
 
-    def read(self) -> None:
+    def read(self, extra: Optional[torch.Tensor] = None) -> List[float]:
         """Copy the used slots to the host (one copy), give every issued SlotStat its values and
-        reset the slots for the next batch (one fill)."""
+        reset the slots for the next batch (one fill). `extra`, a 1-d float64 tensor on this
+        buffer's device (the batch's other statistics), travels in the same copy: its values
+        are returned."""
         with self._lock:
             n = 2 * self.used
             issued, self.issued, self.used = self.issued, [], 0
-            if not n:
-                return
-            host = self.host[:n]
+            words = None if extra is None else extra.view(torch.int32)
+            m = 0 if words is None else words.numel()
+            if not n + m:
+                return []
+            if self.host.numel() < n + m:
+                self.host = torch.empty(max(n + m, 2 * self.host.numel()), dtype=torch.int32, pin_memory=self.cuda)
+            host = self.host[:n + m]
             event = self.event  # (CUDA buffers only)
-            if event is not None:  # on the buffer's device's current stream, where its kernels ran
-                with torch.cuda.device(self.device):
-                    host.copy_(self.slots[:n], non_blocking=True)
+            with torch.cuda.device(self.device) if event is not None else _nothing():
+                # on the buffer's device's current stream, where its kernels ran
+                src = self.slots[:n] if words is None else torch.cat([self.slots[:n], words])
+                host.copy_(src, non_blocking=event is not None)
+                if event is not None:
                     event.record()
+                if n:
                     self.slots[:n].zero_()
+            if event is not None:
                 event.synchronize()
-            else:
-                host.copy_(self.slots[:n])
-                self.slots[:n].zero_()
-            values = _decode(host.tolist())
+            values = _decode(host[:n].tolist())
+            rest = host[n:].view(torch.float64).tolist() if m else []
         for j, s in enumerate(issued):
             s.lo = values[2 * j]
             s.hi = values[2 * j + 1]
             s.read = True
+        return rest
 
 
 class DeviceStats:

@@ -204,8 +204,18 @@ class Record:
     def _slot_values(pending: List[Stat], first: int) -> List[Stat]:
         """`pending` (the statistics from place `first` on) with each SlotStat replaced by its
         value: the abs min at a tensor's even place, the abs max at its odd one. A device buffer
-        holding a slot not read yet is read (one copy for all its slots)."""
+        holding a slot not read yet is read (one copy for all its slots); when it is the only
+        one and the 0-d tensors among `pending` are on its device (integer tensors, float64,
+        odd ones) they travel in that copy too."""
         out = list(pending)
+        unread = {s.buffer for s in out if isinstance(s, SlotStat) and not s.read}
+        others = [i for i, s in enumerate(out) if isinstance(s, torch.Tensor)]
+        if len(unread) == 1 and others:
+            buf = next(iter(unread))
+            zero_d = cast(List[torch.Tensor], [out[i] for i in others])
+            if all(t.device == buf.device for t in zero_d):
+                for i, v in zip(others, buf.read(torch.stack(zero_d).to(torch.float64))):
+                    out[i] = v
         for i, s in enumerate(out):
             if isinstance(s, SlotStat):
                 if not s.read:
