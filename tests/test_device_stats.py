@@ -209,3 +209,17 @@ def test_the_kernel_compiles_for_cuda_without_a_gpu():
     for arch, r in result.items():
         assert "cvt.f32.f16" in r["cvt"] and not any(".ftz" in c for c in r["cvt"]), (arch, r)
         assert r["atom"] == 6 and r["cubin"] > 0, (arch, r)
+
+
+def test_the_mode_is_checked_and_force_needs_the_interpreter(monkeypatch):
+    with pytest.raises(ValueError, match="auto, force, off"):
+        device_stats.set_mode("on")
+    try:
+        device_stats.set_mode("off")
+        assert not device_stats.wanted() and not device_stats.DeviceStats().cpu
+        device_stats.set_mode("force")
+        assert device_stats.wanted() and device_stats.DeviceStats().cpu
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # forced, but Triton would compile for a GPU
+        assert not device_stats.wanted() and not device_stats.DeviceStats().cpu
+    finally:
+        device_stats.set_mode("auto")
