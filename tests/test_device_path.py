@@ -219,3 +219,25 @@ def test_in_place_changes_shared_modules_check_module_and_gradients(options):
     assert sum(f.module == "norm" and f.phase == "forward" for f in forced) == 4  # called twice a batch
     if options.get("gradients"):
         assert any(f.phase == "backward" for f in forced)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_on_the_device_path_records_the_eager_frames(monkeypatch):
+    """watch() then torch.compile: the hooks' bodies run the recorder at run time (core/compiled.py),
+    so the fused kernel measures there too, with the eager default path's values."""
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2, d=16, heads=2)
+    x = torch.randn(2, 8, 16)
+    eager, _ = _train_forward(model, x, False)
+    launches = _counting_launches(monkeypatch)
+    sink = Collect()
+    device_stats.force_on_cpu(True)
+    try:
+        with watch(model, sinks=[sink], on_detect="report", trace_batches=(0, 1)):
+            compiled = torch.compile(model, backend="aot_eager")
+            compiled(x)
+            compiled(x)
+    finally:
+        device_stats.force_on_cpu(False)
+    assert _rows(sink.batches[-1].frames) == _rows(eager) and len(eager) == 23
+    assert launches
