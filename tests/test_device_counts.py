@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
+from _interpreted import INTERPRETED, REASON  # first: before Triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the device path cannot be forced on the CPU")
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
 from _collect import Collect  # noqa: E402
 from _op_counts import OpCounts  # noqa: E402
@@ -27,8 +27,6 @@ from tensorwatch_otel.core import cpu_kernel, device_stats  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Stack  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not device_stats.triton_interpreting(),
-                                reason="TRITON_INTERPRET is set to something other than 1")
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ code on CPU tensors): a watched real model records the frames the default path r
 paths, tensor names, exact values in fp32, fp16 and bf16), a detection names the same place,
 target_dtypes keeps working, and the fused kernel is what measured the frames.
 
-TRITON_INTERPRET=1 is set before Triton is first imported; skipped without Triton."""
+TRITON_INTERPRET=1 as tests/_interpreted.py sets it (before Triton is imported); skipped without Triton."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import math
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
+from _interpreted import INTERPRETED, REASON  # first: before Triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the device path cannot be forced on the CPU")
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
 from _collect import Collect  # noqa: E402
 from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
@@ -26,8 +26,6 @@ from tensorwatch_otel.core import device_stats  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Stack  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not device_stats.triton_interpreting(),
-                                reason="TRITON_INTERPRET is set to something other than 1")
 
 
 def _rows(frames):

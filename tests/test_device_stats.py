@@ -2,25 +2,23 @@
 with Triton's interpreter: exact abs min/max against torch on every dtype it reads and on the
 edge values, one launch per call, the buffer reused batch to batch.
 
-TRITON_INTERPRET=1 is set here, before Triton is first imported (the interpreter is chosen when
-a kernel is defined); the module is skipped where Triton is not installed."""
+TRITON_INTERPRET=1 as tests/_interpreted.py sets it (before Triton is imported); skipped where
+Triton is not installed."""
 
 from __future__ import annotations
 
 import math
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
+from _interpreted import INTERPRETED, REASON  # first: before Triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the fused device kernel cannot be tested")
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
 from tensorwatch_otel.core import device_stats  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not device_stats.triton_interpreting(),
-                                reason="TRITON_INTERPRET is set to something other than 1")
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = device_stats._BLOCK_INTERPRETED
@@ -176,12 +174,12 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tensorwatch_otel.core._device_kernel import abs_minmax_slots
+from tensorwatch_otel.core._device_kernel import build
 sig = {"slots": "*i32", "xs": ("*fp32", "*bf16", "*fp16"), "ns": ("i64", "i32", "i32"), "first": "i32",
        "programs": "i32", "BLOCK": "constexpr"}
 out = {}
 for arch in (80, 90):
-    c = triton.compile(ASTSource(abs_minmax_slots, sig, constexprs={"BLOCK": 2048}), target=GPUTarget("cuda", arch, 32))
+    c = triton.compile(ASTSource(build(), sig, constexprs={"BLOCK": 2048}), target=GPUTarget("cuda", arch, 32))
     ptx = c.asm["ptx"]
     out[arch] = {"cvt": sorted(set(re.findall(r"cvt\.[a-z0-9.]+", ptx))), "atom": len(re.findall(r"atom\.", ptx)),
                  "cubin": len(c.asm["cubin"])}

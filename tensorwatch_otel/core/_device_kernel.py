@@ -1,17 +1,16 @@
 """The fused Triton kernel of the device path (core/device_stats.py); importing this module
-imports Triton, so device_stats imports it only when a device first needs it."""
+imports Triton, so device_stats imports it only when a device first needs it. `build()` makes
+the kernel: compiled for the GPU, or run by Triton's interpreter when TRITON_INTERPRET=1 (Triton
+decides when the function is decorated)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import triton
 import triton.language as tl
 
 
-# The first slot and the program count change from call to call: not specialised on their values
-# (1, multiples of 16). Triton 3.9 still specialises the elements of a tuple (the sizes in `ns`),
-# so variants are per tensor count, dtypes, pointer alignment and size class (1, multiple of 16,
-# other); each is compiled once and cached on disk by Triton.
-@triton.jit(do_not_specialize=["first", "programs"])
 def abs_minmax_slots(slots, xs, ns, first, programs, BLOCK: tl.constexpr):
     """Abs min and abs max of each tensor xs[i] (ns[i] elements) into slot first + i of `slots`:
     slots[2j] keeps 0x7FFFFFFF minus the smallest sign-cleared float32 pattern, slots[2j + 1]
@@ -42,3 +41,12 @@ def abs_minmax_slots(slots, xs, ns, first, programs, BLOCK: tl.constexpr):
                 low = tl.maximum(low, tl.where(inside, 0x7FFFFFFF - bits, 0))
             tl.atomic_max(slots + 2 * (first + i), tl.max(low, 0))
             tl.atomic_max(slots + 2 * (first + i) + 1, tl.max(hi, 0))
+
+
+def build() -> Any:
+    """The kernel, as Triton's current TRITON_INTERPRET says (a JITFunction, or its interpreter's
+    twin). The first slot and the program count change from call to call: not specialised on
+    their values (1, multiples of 16). Triton 3.9 still specialises the elements of a tuple (the
+    sizes in `ns`), so variants are per tensor count, dtypes, pointer alignment and size class
+    (1, multiple of 16, other); each is compiled once and cached on disk by Triton."""
+    return triton.jit(do_not_specialize=["first", "programs"])(abs_minmax_slots)

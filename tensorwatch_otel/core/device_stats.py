@@ -47,8 +47,7 @@ _CPU_KEY = -1  # a buffer's key: the CUDA device index, or this for the CPU
 MODES = ("auto", "force", "off")
 _mode = "auto"
 _kernel_lock = threading.Lock()
-_kernel: Any = None  # a Triton JITFunction (launched as kernel[grid](...))
-_kernel_tried = False
+_kernels: Dict[bool, Any] = {}  # interpreted? -> the kernel (launched as kernel[grid](...)), or None
 
 
 def set_mode(mode: str) -> None:
@@ -71,21 +70,25 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def kernel() -> Any:
-    """The Triton kernel, made on first use; None when Triton cannot be imported."""
-    global _kernel, _kernel_tried
-    if _kernel_tried:
-        return _kernel
+def kernel(interpreted: bool) -> Any:
+    """The Triton kernel for GPU tensors (`interpreted` False) or for CPU tensors under Triton's
+    interpreter (True), made on first use; None when Triton cannot be imported, or when
+    TRITON_INTERPRET says otherwise at that first use."""
+    if interpreted in _kernels:
+        return _kernels[interpreted]
+    if triton_interpreting() != interpreted:  # Triton would make the other kind now
+        return None
     with _kernel_lock:
-        if not _kernel_tried:
+        if interpreted not in _kernels:
+            k = None
             try:
                 from . import _device_kernel
-                _kernel = _device_kernel.abs_minmax_slots
+                k = _device_kernel.build()
             except Exception as exc:  # no Triton, or one that cannot build: the torch ops stay
                 log.info("tensorwatch_otel: the fused device statistics kernel is not available (%s: %s); "
                          "device tensors are measured with torch ops", type(exc).__name__, exc)
-            _kernel_tried = True
-    return _kernel
+            _kernels[interpreted] = k
+    return _kernels[interpreted]
 
 
 def wanted() -> bool:
@@ -214,7 +217,7 @@ class DeviceStats:
             return buf  # type: ignore[return-value]  # a SlotBuffer or None (False: not decided)
         with self._lock:
             if key not in self.buffers:
-                ok = (key == _CPU_KEY) == self.interpreted and kernel() is not None
+                ok = (key == _CPU_KEY) == self.interpreted and kernel(self.interpreted) is not None
                 dev = torch.device("cpu") if key == _CPU_KEY else torch.device("cuda", key)
                 self.buffers[key] = SlotBuffer(dev) if ok else None
             return self.buffers[key]
@@ -289,8 +292,8 @@ class DeviceFrame:
 
 def launch(buf: SlotBuffer, first: int, tensors: List[torch.Tensor]) -> None:
     """One kernel launch measuring `tensors` into slots first, first + 1, ... of `buf`."""
-    k = kernel()
-    assert k is not None  # a buffer exists only with the kernel
+    k = kernel(not buf.cuda)
+    assert k is not None  # a buffer exists only with its kernel
     longest = max(t.numel() for t in tensors)
     if buf.cuda:
         block, most = _BLOCK_CUDA, _PROGRAMS_CUDA
