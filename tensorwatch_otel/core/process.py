@@ -30,6 +30,8 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
                       "marked once dynamo is loaded",
     "cpu_kernel.KERNEL": "the CPU statistics kernel, built once per process on a thread of its own",
     "cpu_kernel.COMPILERS": "compiler processes still running, killed with their process groups at exit",
+    "device_stats.DEVICE_PATH": "which devices take the fused device path (a test/benchmark switch) and the "
+                                "fused kernels, built once per process",
     "events.TRACE_IDS": "where events take the current trace id from (the OpenTelemetry sink sets it)",
     "fleet.NODE_FILES": "node files this process opened, numbered in the same sequence on every local rank",
     "quiet._instances": "every quiet-batch switch alive: a sentry pre-hook registered globally consults them",

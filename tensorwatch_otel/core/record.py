@@ -12,6 +12,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
 import torch
 
 from . import magnitude as _mag
+from .device_stats import SlotStat
 from .histogram_layout import ROW_DTYPE
 from .process import said_once
 from .events import Frame, Magnitude, TensorStat
@@ -22,6 +23,9 @@ from .stats import DTYPE_MAX, dtype_name
 log = logging.getLogger(__name__)
 SHARES_FAILED = "underflow/overflow shares failed"  # said_once's key: logged once per process
 
+# Record.stats entries: a 0-d device tensor, a float on the host already (the CPU kernel), or a
+# device buffer's slot until the batch's read-back (core/device_stats.py)
+Stat = Union[torch.Tensor, float, SlotStat]
 # Record.frames items: a measured tensor's name, or (name, note) for a value without statistics
 Item = Union[str, Tuple[str, str]]
 # Record._rows: (host matrix, its row, dtype) of a measured tensor's histogram
@@ -70,8 +74,9 @@ class Record:
     def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
                  targets: Tuple[str, ...] = ()):
         self.batch_number = batch_number
-        # abs_min, abs_max, abs_min, ...: 0-d device tensors, or floats already on the host (CPU)
-        self.stats: List[Union[torch.Tensor, float]] = []
+        # abs_min, abs_max, abs_min, ...: 0-d device tensors, floats already on the host (CPU), or
+        # device buffer slots (the same SlotStat at a tensor's two places)
+        self.stats: List[Stat] = []
         self.dtypes: List[torch.dtype] = []  # one per measured tensor
         self.frames: List[Tuple[ModuleInfo, List[Item], int]] = []  # (info, items, first tensor index)
         self.host: List[float] = []
@@ -98,7 +103,7 @@ class Record:
         """The index the next measured tensor takes (a frame's first, for add_frame)."""
         return len(self.dtypes)
 
-    def add(self, items: List[Item], name: str, result: Union[str, Tuple[Union[torch.Tensor, float], ...]],
+    def add(self, items: List[Item], name: str, result: Union[str, Tuple[Stat, ...]],
             dtype: torch.dtype) -> bool:
         """One tensor of the frame being built: `result` is its (abs min, abs max) pair, or
         the note (a str) of a value without statistics. True when it was a pair."""
@@ -146,9 +151,9 @@ class Record:
             torch.empty(0, dtype=torch.float64)
         return values[0::2], values[1::2]
 
-    def abs_min_entry(self, fi: int, name: str) -> Union[torch.Tensor, float, None]:
-        """The abs-min entry of tensor `name` of frame `fi` as recorded (a 0-d tensor, or a
-        float the CPU kernel wrote), or None."""
+    def abs_min_entry(self, fi: int, name: str) -> Optional[Stat]:
+        """The abs-min entry of tensor `name` of frame `fi` as recorded (a 0-d tensor, a float
+        the CPU kernel wrote, or a device buffer's SlotStat), or None."""
         if not 0 <= fi < len(self.frames):
             return None
         _, items, k = self.frames[fi]
@@ -173,6 +178,10 @@ class Record:
             return None
         # CPU statistics read by the compiled kernel are Python floats already (stats.measure_host)
         tensors: List[torch.Tensor] = [s for s in pending if s.__class__ is not float]  # type: ignore[misc]
+        if tensors and any(s.__class__ is SlotStat for s in pending):
+            # the device path's slots: each device buffer copied to the host once (device_stats)
+            pending = self._slot_values(pending, have)
+            tensors = [s for s in pending if s.__class__ is not float]  # type: ignore[misc]
         values: List[float]
         if not tensors:
             values = pending  # type: ignore[assignment]  # floats only (no tensor among them)
@@ -192,6 +201,29 @@ class Record:
             return values[-1]
         self.host += values
         return None
+
+    @staticmethod
+    def _slot_values(pending: List[Stat], first: int) -> List[Stat]:
+        """`pending` (the statistics from place `first` on) with each SlotStat replaced by its
+        value: the abs min at a tensor's even place, the abs max at its odd one. A device buffer
+        holding a slot not read yet is read (one copy for all its slots); when it is the only
+        one and the 0-d tensors among `pending` are on its device (integer tensors, float64,
+        odd ones) they travel in that copy too."""
+        out = list(pending)
+        unread = {s.buffer for s in out if isinstance(s, SlotStat) and not s.read}
+        others = [i for i, s in enumerate(out) if isinstance(s, torch.Tensor)]
+        if len(unread) == 1 and others:
+            buf = next(iter(unread))
+            zero_d = cast(List[torch.Tensor], [out[i] for i in others])
+            if all(t.device == buf.device for t in zero_d):
+                for i, v in zip(others, buf.read(torch.stack(zero_d).to(torch.float64))):
+                    out[i] = v
+        for i, s in enumerate(out):
+            if isinstance(s, SlotStat):
+                if not s.read:
+                    s.buffer.read()
+                out[i] = s.hi if (first + i) & 1 else s.lo
+        return out
 
     def _readback_magnitudes(self, extra: Optional[torch.Tensor]) -> Optional[float]:
         """readback() with target_dtypes: the counts rows (and histogram rows) travel in the

@@ -5,14 +5,16 @@ On a CPU with the compiled kernel (core/cpu_kernel.py) a module call's dense flo
 gathered while its hook walks them and measured in one kernel call before the hook returns (so
 an output a later in-place op changes is still measured as it was when its module returned);
 their values are Python floats in the record at once: nothing to stack or copy at the batch's
-read-back. Elsewhere (CUDA, odd tensors) each tensor gives two 0-d device tensors, read back
-with the batch."""
+read-back. On the device path (core/device_stats.py: CUDA with Triton) the same gathered tensors
+are measured by one fused kernel launch per module call into the batch's slot buffer, and the
+record holds their slots until the batch's one copy. Elsewhere (odd tensors, float64 on a
+device) each tensor gives two 0-d device tensors, read back with the batch."""
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -20,6 +22,7 @@ from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from .record import Item, ModuleInfo, Record
 from .cpu_kernel import CODES, KERNEL
+from .device_stats import DeviceFrame, DeviceStats, SlotStat, wanted as device_path_wanted
 from .magnitude import HISTOGRAM_EVERY, measure_counts
 from .stats import HostBatch, host_readable, measure_host as measure, nonfinite_kind_of
 from .weights import WeightTable, takes
@@ -34,8 +37,9 @@ _INPUT0 = naming.input_name(0)
 # a tensor's places in Record.stats until its frame's kernel call fills them (_batch_end)
 _UNREAD: Tuple[float, float] = (None, None)  # type: ignore[assignment]  # placeholders, never read
 
-# a measurement: two 0-d device tensors, or two floats on the host (the CPU kernel)
-StatPair = Union[Tuple[torch.Tensor, torch.Tensor], Tuple[float, float]]
+# a measurement: two 0-d device tensors, two floats on the host (the CPU kernel), or a device
+# buffer's slot at both places until the batch's read-back (core/device_stats.py)
+StatPair = Union[Tuple[torch.Tensor, torch.Tensor], Tuple[float, float], Tuple[SlotStat, SlotStat]]
 
 
 def _tensor_attributes(v: object) -> Tuple[str, ...]:
@@ -50,19 +54,77 @@ def _tensor_attributes(v: object) -> Tuple[str, ...]:
 
 
 class _FrameBatch(threading.local):
-    """One thread's frame in progress: its dense CPU tensors, measured in one kernel call when
-    the frame is complete (each thread has its own: a model may be called from several)."""
+    """One thread's frame in progress: its dense tensors, measured in one kernel call when the
+    frame is complete (each thread has its own: a model may be called from several). `gather`
+    takes them: the CPU kernel's HostBatch, or on a device-path recorder this object, which
+    gives each tensor to the fused device kernel when its device takes the device path and to
+    the CPU kernel otherwise (`on_device`: which one, per tensor taken)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Optional[DeviceStats]) -> None:
         self.host = HostBatch()
+        self.device: Optional[DeviceFrame] = None if device is None else device.frame()
+        self.gather: Union[HostBatch, _FrameBatch] = self.host if self.device is None else self
+        self.on_device: List[bool] = []
         # (stats position, tensor, True for a parameter / False / the position of its twin, version, data_ptr)
         self.pending: List[Tuple[int, torch.Tensor, Union[bool, int], int, int]] = []
         # id -> (stats position, tensor, version) gathered this frame
         self.acts: Dict[int, Tuple[int, torch.Tensor, int]] = {}
         self.on = False
 
+    def add(self, t: torch.Tensor) -> bool:
+        """(A device-path recorder's `gather`.) Take `t` for the device kernel, else for the CPU
+        kernel; False when neither reads it as it is."""
+        device = self.device  # (never None here: gather is self only with a device)
+        if device is not None and device.add(t):
+            self.on_device.append(True)
+            return True
+        if self.host.add(t):
+            self.on_device.append(False)
+            return True
+        return False
+
+    def clear(self) -> None:
+        self.host.clear()
+        if self.device is not None:
+            self.device.clear()
+        self.on_device = []
+
+    def measure(self, pending: List[Tuple[int, torch.Tensor, Union[bool, int], int, int]]) -> List[Any]:
+        """(A device-path recorder's frame end.) The values of the tensors taken, two places per
+        tensor in the order taken: a SlotStat (at both) for the device kernel's, floats for the
+        CPU kernel's (each measured alone when that kernel is not loaded)."""
+        on_device, self.on_device = self.on_device, []
+        device = self.device
+        slots = device.launch() if device is not None and True in on_device else []
+        floats = self.host.measure() if False in on_device else None
+        taken = [t for _, t, twin, _, _ in pending if twin.__class__ is not int]
+        values: List[Any] = []
+        i = j = 0
+        for t, dev in zip(taken, on_device):
+            if dev:
+                values += (slots[i], slots[i])
+                i += 1
+            elif floats is not None:
+                values += floats[j:j + 2]
+                j += 2
+            else:
+                m = measure(t)
+                values += (float("nan"), float("nan")) if isinstance(m, str) else m
+        return values
+
 
 ActSeen = Tuple["weakref.ref[torch.Tensor]", int, StatPair, torch.dtype]
+
+
+class _NoWeightTable(WeightTable):
+    """The weight table of a recorder whose CPU tensors take the device path: no rows (the
+    weights of a module call are read with its other tensors, by the fused kernel)."""
+
+    def offer(self, p: torch.Tensor) -> bool:
+        return False
+
+    def state(self) -> None:
+        return None
 
 
 class FrameRecorder:
@@ -71,6 +133,8 @@ class FrameRecorder:
     same object at the same version) is measured once."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        # the device path (core/device_stats.py), decided when the recorder is made
+        self._device = DeviceStats() if device_path_wanted() else None
         # param -> (version, data_ptr, dtype, (mn, mx)); cleared by invalidate_weights()
         self.params_seen: Dict[torch.Tensor, Tuple[int, int, torch.dtype, StatPair]] = {}
         # Replaced parameters (functional_call, re-created weights) would stay alive as keys:
@@ -81,9 +145,9 @@ class FrameRecorder:
         # target_dtypes: id(abs-min tensor) -> (that tensor, its counts row, its histogram row):
         # the rows of a measurement the caches above reuse (core/magnitude.py)
         self.mags_seen: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
-        self._fb = _FrameBatch()  # the calling thread's frame in progress
+        self._fb = _FrameBatch(self._device)  # the calling thread's frame in progress
         # small dense CPU weights: one kernel call per batch for all of them (core/weights.py)
-        self.weights = WeightTable()
+        self.weights = _NoWeightTable() if self._device is not None and self._device.cpu else WeightTable()
         self._declined: set[int] = set()  # ids of weights that cannot be rows
         self._hist_batch = (-1, False, 0)  # (batch number, histogram batch?, watched batches seen)
 
@@ -142,7 +206,7 @@ class FrameRecorder:
             exact = None
         return exact or kind
 
-    def _measured(self, mn: Union[torch.Tensor, float]) -> Optional[torch.Tensor]:
+    def _measured(self, mn: Union[torch.Tensor, float, SlotStat]) -> Optional[torch.Tensor]:
         """The tensor whose measurement gave `mn`, when it is still alive."""
         for p, seen in self.params_seen.items():
             if seen[3][0] is mn:
@@ -155,9 +219,11 @@ class FrameRecorder:
 
     # ------------------------------------------------------------------ a module call
     def _batch_start(self) -> None:
-        """Dense CPU float tensors of one frame go to the kernel in one call (at _batch_end)
-        when it is loaded; each is still measured during the hook that sees it."""
-        self._fb.on = getattr(KERNEL.get(), "host_many", None) is not None
+        """Dense float tensors of one frame go to the kernel in one call (at _batch_end): the
+        CPU kernel when it is loaded, or the fused device kernel on the device path; each is
+        still measured during the hook that sees it."""
+        fb = self._fb
+        fb.on = fb.device is not None or getattr(KERNEL.get(), "host_many", None) is not None
 
     def _batch_end(self, rec: Record) -> None:
         """Measure the frame's gathered tensors (one kernel call) and put their values in the
@@ -169,15 +235,19 @@ class FrameRecorder:
             return
         fb.pending = []
         fb.acts.clear()
-        values = fb.host.measure()
+        values: Optional[Sequence[Any]]  # floats, or SlotStats (each at both its places)
+        if fb.device is not None:  # the device kernel's SlotStats, and the CPU kernel's floats
+            values = fb.measure(pending)
+        else:
+            values = fb.host.measure()
         stats = rec.stats
         params_seen, acts_seen = self.params_seen, self.acts_seen
         if values is None:  # the kernel went away meanwhile (tests): measure each as before
             for pos, t, is_param, _version, _ptr in pending:
-                r = measure(t) if is_param.__class__ is not int else (stats[is_param], stats[is_param + 1])
-                if r.__class__ is str:  # (never for a tensor the kernel took)
-                    r = (float("nan"), float("nan"))
-                stats[pos], stats[pos + 1] = r  # type: ignore[str-unpack, call-overload]  # not a str (above)
+                m = measure(t) if is_param.__class__ is not int else (stats[is_param], stats[is_param + 1])
+                if m.__class__ is str:  # (never for a tensor the kernel took)
+                    m = (float("nan"), float("nan"))
+                stats[pos], stats[pos + 1] = m  # type: ignore[str-unpack, call-overload]  # not a str (above)
             return
         j = 0
         for pos, t, is_param, version, ptr in pending:
@@ -185,7 +255,7 @@ class FrameRecorder:
                 stats[pos] = stats[is_param]
                 stats[pos + 1] = stats[is_param + 1]
                 continue
-            r = (values[j], values[j + 1])
+            r: StatPair = (values[j], values[j + 1])
             j += 2
             stats[pos] = r[0]
             stats[pos + 1] = r[1]
@@ -271,7 +341,7 @@ class FrameRecorder:
         fb = self._fb
         fb.pending = []
         fb.acts.clear()
-        fb.host.clear()
+        fb.gather.clear()
         fb.on = False
         del rec.stats[marks[0]:], rec.dtypes[marks[1]:], rec.frames[marks[2]:]
 
@@ -368,7 +438,7 @@ class FrameRecorder:
             items.append(name)
             return
         fb = self._fb
-        if fb.on and fb.host.add(p):  # measured with the frame's others (_batch_end)
+        if fb.on and fb.gather.add(p):  # measured with the frame's others (_batch_end)
             fb.pending.append((len(rec.stats), p, True, version, ptr))
             rec.stats += _UNREAD
             rec.dtypes.append(p.dtype)
@@ -412,7 +482,7 @@ class FrameRecorder:
                 rec.dtypes.append(t.dtype)
                 items.append(name)
                 return
-            if fb.host.add(t):  # measured with the frame's others (_batch_end)
+            if fb.gather.add(t):  # measured with the frame's others (_batch_end)
                 fb.acts[key] = (len(rec.stats), t, version)
                 fb.pending.append((len(rec.stats), t, False, version, 0))
                 rec.stats += _UNREAD

@@ -1,0 +1,319 @@
+"""The device path of the statistics: a module call's dense 16/32-bit float tensors measured by
+one fused Triton kernel into a per-batch slot buffer per device, read back in one copy per batch.
+
+Each measured tensor gets a slot of two int32s in its device's buffer: the abs min and abs max
+as sign-cleared float32 bit patterns (with the sign bit clear, the integer order of the patterns
+is the order of the magnitudes, subnormals, inf, and NaN above inf included). Both are kept
+with atomic max: the abs max as the pattern, the abs min as 0x7FFFFFFF minus the pattern, so a
+zeroed slot is the neutral start of both and the buffer is reset with one fill. The kernel
+reads each element once and makes nothing tensor-sized. The record holds a `SlotStat` per
+tensor until the read-back (Record.readback), which copies each device's used slots to the host once
+(pinned memory, non_blocking, one event on CUDA), gives every slot its values and resets the
+buffer.
+
+The backend is chosen once per device: CUDA with Triton importable takes this path; a CPU takes
+it only when forced (`set_mode("force")`, for tests and benchmarks, with TRITON_INTERPRET=1 set
+before Triton is first imported: Triton's interpreter then runs the same kernel on CPU
+tensors); `set_mode("off")` keeps every device on the routes of stats.py (benchmarks compare
+the two). Everything else keeps the routes of stats.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import struct
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: dtypes the kernel reads (each converted to float32 exactly); others go through stats.measure
+KERNEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+#: most tensors one launch reads (a module call gathering more takes one launch per this many):
+#: each count is a kernel variant compiled on first use
+MAX_TENSORS = 16
+INITIAL_SLOTS = 1024
+_MASK = 0x7FFFFFFF  # the sign-cleared pattern's largest value; also the abs-min slot's complement base
+_INF_BITS = 0x7F800000
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+_CPU_KEY = -1  # a buffer's key: the CUDA device index, or this for the CPU
+
+MODES = ("auto", "force", "off")
+
+
+class _DevicePath:
+    """The process's choice of devices (`mode`, see set_mode) and its kernels, made once each."""
+
+    def __init__(self) -> None:
+        self.mode = "auto"
+        self.lock = threading.Lock()
+        self.kernels: Dict[bool, Any] = {}  # interpreted? -> the kernel (launched as kernel[grid](...)), or None
+
+
+DEVICE_PATH = _DevicePath()
+
+
+def set_mode(mode: str) -> None:
+    """Which devices recorders made from now on measure on the device path: ``auto`` (CUDA with
+    Triton), ``force`` (CPU tensors too, under Triton's interpreter: tests and benchmarks of the
+    CUDA code on a machine without a GPU) or ``off`` (none). Not a user option."""
+    if mode not in MODES:
+        raise ValueError(f"device path mode {mode!r}: expected one of {', '.join(MODES)}")
+    DEVICE_PATH.mode = mode
+
+
+def force_on_cpu(on: bool) -> None:
+    """`set_mode("force")` when `on`, else `set_mode("auto")`."""
+    set_mode("force" if on else "auto")
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (on CPU tensors): TRITON_INTERPRET=1."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def kernel(interpreted: bool) -> Any:
+    """The Triton kernel for GPU tensors (`interpreted` False) or for CPU tensors under Triton's
+    interpreter (True), made on first use; None when Triton cannot be imported, or when
+    TRITON_INTERPRET says otherwise at that first use."""
+    kernels = DEVICE_PATH.kernels
+    if interpreted in kernels:
+        return kernels[interpreted]
+    if triton_interpreting() != interpreted:  # Triton would make the other kind now
+        return None
+    with DEVICE_PATH.lock:
+        if interpreted not in kernels:
+            k = None
+            try:
+                from . import _device_kernel
+                k = _device_kernel.build()
+            except Exception as exc:  # no Triton, or one that cannot build: the torch ops stay
+                log.info("tensorwatch_otel: the fused device statistics kernel is not available (%s: %s); "
+                         "device tensors are measured with torch ops", type(exc).__name__, exc)
+            kernels[interpreted] = k
+    return kernels[interpreted]
+
+
+def wanted() -> bool:
+    """Whether a new recorder takes the device path for some device: CUDA is available, or the
+    path is forced on the CPU under Triton's interpreter (Triton itself is imported later, at
+    the first buffer a device needs)."""
+    mode = DEVICE_PATH.mode
+    if mode == "force":
+        return triton_interpreting()
+    return mode == "auto" and torch.cuda.is_available()
+
+
+class SlotStat:
+    """One measured tensor's place in a device buffer until the batch's read-back, then its
+    values: `lo` (abs min) and `hi` (abs max) as floats, set (and `read` true) by the first
+    `buffer.read()` after its launch. A record holds it at both of the tensor's places (Record.readback)."""
+
+    __slots__ = ("buffer", "lo", "hi", "read")
+
+    def __init__(self, buffer: "SlotBuffer") -> None:
+        self.buffer = buffer
+        self.lo = self.hi = math.nan
+        self.read = False  # lo and hi hold the values
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _decode(patterns: Sequence[int]) -> Tuple[float, ...]:
+    """Float values of (abs-min complement, abs-max pattern) pairs: NaN in both when abs max is
+    NaN (the contract of stats.measure)."""
+    bits = list(patterns)
+    for j in range(0, len(bits), 2):
+        hi = bits[j + 1]
+        bits[j] = hi if hi > _INF_BITS else _MASK - bits[j]
+    return struct.unpack(f"<{len(bits)}f", struct.pack(f"<{len(bits)}i", *bits))
+
+
+class SlotBuffer:
+    """One device's slots for a batch: preallocated, grown geometrically when a batch needs more,
+    reset by one fill at each read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.capacity = 0
+        self.used = 0
+        self.slots = torch.empty(0, dtype=torch.int32, device=device)
+        self.host = torch.empty(0, dtype=torch.int32)
+        self.issued: List[SlotStat] = []
+        self.event: Optional[torch.cuda.Event] = torch.cuda.Event() if self.cuda else None
+        self._lock = threading.Lock()
+        self._grow(INITIAL_SLOTS)
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self.capacity)
+        slots = torch.zeros(2 * cap, dtype=torch.int32, device=self.device)
+        if self.used:
+            slots[:2 * self.used].copy_(self.slots[:2 * self.used])
+        self.slots = slots
+        self.host = torch.empty(2 * cap, dtype=torch.int32, pin_memory=self.cuda)
+        self.capacity = cap
+
+    def take(self, k: int) -> Tuple[int, List[SlotStat]]:
+        """`k` consecutive slots: the first's index and their SlotStats."""
+        with self._lock:
+            first = self.used
+            if first + k > self.capacity:
+                self._grow(first + k)
+            self.used = first + k
+            stats = [SlotStat(self) for _ in range(k)]
+            self.issued += stats
+            return first, stats
+
+    def read(self, extra: Optional[torch.Tensor] = None) -> List[float]:
+        """Copy the used slots to the host (one copy), give every issued SlotStat its values and
+        reset the slots for the next batch (one fill). `extra`, a 1-d float64 tensor on this
+        buffer's device (the batch's other statistics), travels in the same copy: its values
+        are returned."""
+        with self._lock:
+            n = 2 * self.used
+            issued, self.issued, self.used = self.issued, [], 0
+            words = None if extra is None else extra.view(torch.int32)
+            m = 0 if words is None else words.numel()
+            if not n + m:
+                return []
+            if self.host.numel() < n + m:
+                self.host = torch.empty(max(n + m, 2 * self.host.numel()), dtype=torch.int32, pin_memory=self.cuda)
+            host = self.host[:n + m]
+            event = self.event  # (CUDA buffers only)
+            with torch.cuda.device(self.device) if event is not None else _nothing():
+                # on the buffer's device's current stream, where its kernels ran
+                src = self.slots[:n] if words is None else torch.cat([self.slots[:n], words])
+                host.copy_(src, non_blocking=event is not None)
+                if event is not None:
+                    event.record()
+                if n:
+                    self.slots[:n].zero_()
+            if event is not None:
+                event.synchronize()
+            values = _decode(host[:n].tolist())
+            rest = host[n:].view(torch.float64).tolist() if m else []
+        for j, s in enumerate(issued):
+            s.lo = values[2 * j]
+            s.hi = values[2 * j + 1]
+            s.read = True
+        return rest
+
+
+class DeviceStats:
+    """The device path of one recorder: a slot buffer per device whose backend is the fused
+    kernel, chosen once per device."""
+
+    def __init__(self) -> None:
+        self.cpu = DEVICE_PATH.mode == "force" and triton_interpreting()
+        self.buffers: Dict[int, Optional[SlotBuffer]] = {}
+        self.interpreted = triton_interpreting()
+        self._lock = threading.Lock()
+
+    def buffer(self, key: int) -> Optional[SlotBuffer]:
+        """The buffer of device `key` (a CUDA index, or _CPU_KEY), made on first use; None when
+        that device does not take the device path."""
+        buf = self.buffers.get(key, False)
+        if buf is not False:
+            return buf  # type: ignore[return-value]  # a SlotBuffer or None (False: not decided)
+        with self._lock:
+            if key not in self.buffers:
+                ok = (key == _CPU_KEY) == self.interpreted and kernel(self.interpreted) is not None
+                dev = torch.device("cpu") if key == _CPU_KEY else torch.device("cuda", key)
+                self.buffers[key] = SlotBuffer(dev) if ok else None
+            return self.buffers[key]
+
+    def frame(self) -> "DeviceFrame":
+        return DeviceFrame(self)
+
+
+# launch shape: elements per program and loop step, and most programs per launch
+_BLOCK_CUDA, _PROGRAMS_CUDA = 2048, 1024
+_BLOCK_INTERPRETED, _PROGRAMS_INTERPRETED = 8192, 2
+
+
+class DeviceFrame:
+    """One thread's tensors of a module call gathered for one launch (`add`, then `launch`)."""
+
+    __slots__ = ("stats", "tensors", "keys")
+
+    def __init__(self, stats: DeviceStats) -> None:
+        self.stats = stats
+        self.tensors: List[torch.Tensor] = []
+        self.keys: List[int] = []
+
+    def add(self, t: torch.Tensor) -> bool:
+        """Take `t` when the kernel reads it as it is (a plain dense contiguous non-empty
+        float32/16/bf16 tensor on a device of the device path); False otherwise."""
+        if t.__class__ not in _PLAIN or t.dtype not in KERNEL_DTYPES or t.layout is not _STRIDED \
+                or not t.is_contiguous() or not t.numel():
+            return False
+        if t.is_cuda:
+            key = t.get_device()
+        elif t.is_cpu and self.stats.cpu:
+            key = _CPU_KEY
+        else:
+            return False
+        if self.stats.buffer(key) is None:
+            return False
+        self.tensors.append(t)
+        self.keys.append(key)
+        return True
+
+    def clear(self) -> None:
+        self.tensors = []
+        self.keys = []
+
+    def launch(self) -> List[SlotStat]:
+        """Measure the gathered tensors (one launch per device and MAX_TENSORS tensors) and
+        return their SlotStats in the order they were added; the frame is emptied."""
+        tensors, keys = self.tensors, self.keys
+        self.tensors, self.keys = [], []
+        if not tensors:
+            return []
+        key = keys[0]
+        if keys.count(key) == len(keys):
+            return self._launch(key, tensors)
+        out: List[Optional[SlotStat]] = [None] * len(tensors)
+        for k in dict.fromkeys(keys):
+            idx = [i for i, x in enumerate(keys) if x == k]
+            for i, s in zip(idx, self._launch(k, [tensors[i] for i in idx])):
+                out[i] = s
+        return out  # type: ignore[return-value]  # every place filled above
+
+    def _launch(self, key: int, tensors: List[torch.Tensor]) -> List[SlotStat]:
+        buf = self.stats.buffer(key)
+        assert buf is not None  # add() took these tensors only with a buffer
+        first, stats = buf.take(len(tensors))
+        for i in range(0, len(tensors), MAX_TENSORS):
+            part = tensors[i:i + MAX_TENSORS]
+            launch(buf, first + i, part)
+        return stats
+
+
+def launch(buf: SlotBuffer, first: int, tensors: List[torch.Tensor]) -> None:
+    """One kernel launch measuring `tensors` into slots first, first + 1, ... of `buf`."""
+    k = kernel(not buf.cuda)
+    assert k is not None  # a buffer exists only with its kernel
+    longest = max(t.numel() for t in tensors)
+    if buf.cuda:
+        block, most = _BLOCK_CUDA, _PROGRAMS_CUDA
+    else:
+        block, most = _BLOCK_INTERPRETED, _PROGRAMS_INTERPRETED
+    programs = min(most, -(-longest // block))
+    sizes = tuple(t.numel() for t in tensors)
+    if buf.cuda and buf.device.index != torch.cuda.current_device():
+        with torch.cuda.device(buf.device):
+            k[(programs,)](buf.slots, tuple(tensors), sizes, first, programs, BLOCK=block)
+        return
+    k[(programs,)](buf.slots, tuple(tensors), sizes, first, programs, BLOCK=block)
+

@@ -1,0 +1,122 @@
+"""What the watcher issues on the device path, counted at the dispatcher (tests/_op_counts.py)
+with the path forced on the CPU under Triton's interpreter: per module call at most one kernel
+launch (the fused Triton kernel, no aten op) and no allocation once warm; per training step one
+read of the slot buffer (one copy, on CUDA one event wait) and no other copy. The step guard
+keeps its own read (one sync): it must stop a step before the weights change.
+
+The CPU statistics kernel is switched off here (as in test_sync_count.py) so the step guard
+measures with torch ops as on a GPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from _interpreted import INTERPRETED, REASON  # first: before Triton is imported
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed: the device path cannot be forced on the CPU")
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
+
+from _collect import Collect  # noqa: E402
+from _op_counts import OpCounts  # noqa: E402
+from tensorwatch_otel import watch  # noqa: E402
+from tensorwatch_otel.core import cpu_kernel, device_stats  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from _prenorm import Stack  # noqa: E402
+
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    cpu_kernel.KERNEL.wait()
+    monkeypatch.setattr(cpu_kernel.KERNEL, "_kernel", None)
+    monkeypatch.setattr(cpu_kernel.KERNEL, "_done", True)
+    device_stats.force_on_cpu(True)
+    yield
+    device_stats.force_on_cpu(False)
+
+
+def _counted_training(monkeypatch, steps=4, **options):
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2, d=16, heads=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(2, 8, 16)
+    counts = OpCounts().install(monkeypatch)
+    sink = Collect()
+    with watch(model, sinks=[sink], **options):
+        for _ in range(steps):
+            start = len(counts.calls)
+            with counts.step():
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            counts.steps[-1].append(counts.calls[start:])
+    return counts, sink
+
+
+def test_one_launch_and_no_allocation_per_module_call_one_copy_per_step(forced, monkeypatch):
+    counts, sink = _counted_training(monkeypatch)
+    frames = len(sink.batches[-1].frames)
+    assert frames == 2 * 10 + 3
+    for syncs, copies, reads, read_ops, calls in counts.steps[1:]:  # warm: steps 2 to 4
+        assert len(calls) == frames
+        launches = [c[0] for c in calls]
+        # one fused launch per module call; none for a call whose tensors were all measured
+        # earlier in the batch (an attention block's input and output are its children's)
+        assert set(launches) == {0, 1} and launches.count(1) == frames - 5, launches
+        assert all(c[1:] == [0, 0] for c in calls), counts.aten_ops  # no aten op, no allocation
+        assert (reads, copies) == (1, 0)  # the batch's one buffer read, no other copy to the host
+        assert read_ops == 2  # that read: its copy and the reset of the slots
+        assert syncs == 1  # the step guard's own read
+    assert sink.batches[-1].frames[0].tensors[0].abs_max > 0
+
+
+def test_without_the_step_guard_the_buffer_read_is_the_only_transfer(forced, monkeypatch):
+    counts, _ = _counted_training(monkeypatch, steps=3, guard_steps=False)
+    assert [row[:4] for row in counts.steps[1:]] == [[0, 0, 1, 2]] * 2
+
+
+def test_the_harness_sees_the_torch_ops_route(monkeypatch):
+    """Without the device path (and without the CPU kernel) each tensor costs aten ops: the
+    harness counts them, so the zeros above are measured, not blind."""
+    cpu_kernel.KERNEL.wait()
+    monkeypatch.setattr(cpu_kernel.KERNEL, "_kernel", None)
+    monkeypatch.setattr(cpu_kernel.KERNEL, "_done", True)
+    counts, _ = _counted_training(monkeypatch, steps=2)
+    calls = counts.steps[-1][4]
+    assert all(c[0] == 0 for c in calls)
+    assert sum(c[1] for c in calls) >= 2 * len(calls) and sum(c[2] for c in calls) >= len(calls)
+    assert counts.steps[-1][:3] == [1, 1, 0]  # the guard's sync; the batch's stack copied to the host
+
+
+def test_a_gpt2_with_integer_inputs_still_reads_back_once_per_step(forced, monkeypatch):
+    """Integer tensors (token ids, labels) keep the measure route (exact float64 statistics as
+    0-d tensors): their few aten ops per call are the only ones, and their values travel in the
+    slot buffer's one copy (no second copy for them)."""
+    from _models import batches, build
+
+    model = build("gpt2", torch.bfloat16).train()
+    kw = batches("gpt2", 1)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    counts = OpCounts().install(monkeypatch)
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="report"):
+        for _ in range(3):
+            start = len(counts.calls)
+            with counts.step():
+                model(**kw, labels=kw["input_ids"]).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            counts.steps[-1].append(counts.calls[start:])
+    frames = sink.batches[-1].frames
+    for syncs, copies, reads, read_ops, calls in counts.steps[1:]:
+        assert len(calls) == len(frames) and max(c[0] for c in calls) == 1
+        with_ops = {f.module for f, c in zip(frames, calls) if c[1]}
+        ints = {f.module for f in frames if any(t.dtype == "int64" for t in f.tensors)}
+        # (an integer tensor seen again later in the batch is not measured again)
+        assert with_ops and with_ops <= ints, (with_ops, ints)
+        assert (reads, copies, syncs) == (1, 0, 1)
+        assert read_ops == 3  # the packing of the 0-d statistics with the slots, the copy, the reset

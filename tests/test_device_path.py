@@ -1,0 +1,241 @@
+"""The device path wired into the recorder, forced on the CPU under Triton's interpreter (the CUDA
+code on CPU tensors): a watched real model records the frames the default path records (module
+paths, tensor names, exact values in fp32, fp16 and bf16), a detection names the same place,
+target_dtypes keeps working, and the fused kernel is what measured the frames.
+
+TRITON_INTERPRET=1 as tests/_interpreted.py sets it (before Triton is imported); skipped without Triton."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from _interpreted import INTERPRETED, REASON  # first: before Triton is imported
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed: the device path cannot be forced on the CPU")
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
+
+from _collect import Collect  # noqa: E402
+from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
+from tensorwatch_otel.core import device_stats  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from _prenorm import Stack  # noqa: E402
+
+
+
+def _rows(frames):
+    """Everything a frame says, NaN made comparable."""
+    def v(x):
+        return "nan" if isinstance(x, float) and math.isnan(x) else x
+    return [(f.module, f.module_class, f.phase, t.name, v(t.abs_min), v(t.abs_max), t.dtype, t.note,
+             t.underflow, t.overflow) for f in frames for t in f.tensors]
+
+
+def _train(model, xs, device_path, launches=None, **options):
+    """Frames and events of a few watched training steps (forward, backward, SGD step)."""
+    sink = Collect()
+    device_stats.force_on_cpu(device_path)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with watch(model, sinks=[sink], on_detect="report", trace_batches=range(len(xs)), **options):
+            for x in xs:
+                out = model(x)
+                out.float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        device_stats.force_on_cpu(False)
+    return [f for b in sink.batches for f in b.frames], sink.events
+
+
+def _counting_launches(monkeypatch):
+    launches = []
+    real = device_stats.launch
+    monkeypatch.setattr(device_stats, "launch", lambda buf, first, ts: (launches.append(len(ts)),
+                                                                        real(buf, first, ts))[1])
+    return launches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_watched_stack_records_the_default_paths_frames(dtype, monkeypatch):
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2, d=16, heads=2).to(dtype)
+    twin = Stack(n_blocks=2, d=16, heads=2).to(dtype)
+    twin.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 8, 16, generator=g).to(dtype) for _ in range(3)]
+    default, _ = _train(model, xs, device_path=False)
+    launches = _counting_launches(monkeypatch)
+    forced, _ = _train(twin, xs, device_path=True)
+    assert len(default) == 3 * 23 and _rows(forced) == _rows(default)
+    assert launches and len(launches) <= len(forced)  # the fused kernel measured, once per call at most
+    assert sum(launches) >= 3 * 2 * 23  # every frame's output at least, and the weights
+
+
+def test_a_gpt2_in_bf16_records_the_default_paths_frames(monkeypatch):
+    from _models import batches, build
+
+    a, b = build("gpt2", torch.bfloat16), build("gpt2", torch.bfloat16)
+    kw = batches("gpt2", 2)
+
+    def frames(model, forced):
+        sink = Collect()
+        device_stats.force_on_cpu(forced)
+        try:
+            with watch(model, sinks=[sink], on_detect="report", trace_batches=(0, 1)), torch.no_grad():
+                for k in kw:
+                    model(**k)
+        finally:
+            device_stats.force_on_cpu(False)
+        return [f for bt in sink.batches for f in bt.frames]
+
+    default = frames(a, False)
+    launches = _counting_launches(monkeypatch)
+    forced = frames(b, True)
+    assert _rows(forced) == _rows(default) and len(default) > 20
+    assert launches and len(launches) <= len(forced)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_detection_names_the_same_module_and_tensor(bad):
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+        with torch.no_grad():
+            m[2].weight[3, 5] = bad
+        return m
+
+    x = torch.randn(4, 8)
+    found = []
+    for forced in (False, True):
+        _, events = _train(model(), [x], device_path=forced)
+        ev = [e for e in events if isinstance(e, NonFiniteEvent)][0]
+        found.append((ev.module, ev.tensor, ev.kind, _rows(ev.frames)))
+    assert found[0] == found[1]
+    assert found[0][:2] == ("2", "weight")
+
+
+def test_target_dtypes_keep_their_own_route_and_values(monkeypatch):
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1, d=16, heads=2)
+    twin = Stack(n_blocks=1, d=16, heads=2)
+    twin.load_state_dict(model.state_dict())
+    xs = [torch.randn(2, 8, 16) * 1e3]
+    default, _ = _train(model, xs, device_path=False, target_dtypes=("float16", "float8_e4m3fn"))
+    forced, _ = _train(twin, xs, device_path=True, target_dtypes=("float16", "float8_e4m3fn"))
+    assert _rows(forced) == _rows(default)
+    assert any(t.underflow for f in forced for t in f.tensors)
+
+
+def test_float64_and_odd_tensors_take_the_measure_route():
+    class Odd(nn.Module):
+        def forward(self, x):
+            return x.double() * 2, x.t(), x[:0], (x > 0)
+
+    x = torch.randn(3, 5)
+    default, _ = _train_forward(Odd(), x, False)
+    forced, _ = _train_forward(Odd(), x, True)
+    assert _rows(forced) == _rows(default)
+    assert [t.dtype for t in forced[-1].tensors] == ["float32", "float64", "float32", "", "bool"]
+
+
+def _train_forward(model, x, forced):
+    sink = Collect()
+    device_stats.force_on_cpu(forced)
+    try:
+        with watch(model, sinks=[sink], on_detect="report", trace_batches=(0,)):
+            model(x)
+    finally:
+        device_stats.force_on_cpu(False)
+    return [f for b in sink.batches for f in b.frames], sink.events
+
+
+def test_cpu_tensors_keep_the_cpu_kernel_on_a_device_path_recorder(monkeypatch):
+    """A CPU model watched on a machine with a GPU (the device path on for CUDA tensors only):
+    its frames still go to the CPU kernel in one call per frame, with the weight table."""
+    from tensorwatch_otel.core import cpu_kernel, recorder, stats
+
+    if cpu_kernel.KERNEL.wait() is None:
+        pytest.skip("the CPU statistics kernel could not be built here (no C compiler)")
+    torch.manual_seed(0)
+    model, twin = Stack(n_blocks=1, d=16, heads=2), Stack(n_blocks=1, d=16, heads=2)
+    twin.load_state_dict(model.state_dict())
+    xs = [torch.randn(2, 8, 16) for _ in range(2)]
+    default, _ = _train(model, xs, device_path=False)
+    monkeypatch.setattr(recorder, "device_path_wanted", lambda: True)
+    calls = []
+    real = stats.HostBatch.measure
+    monkeypatch.setattr(stats.HostBatch, "measure", lambda self: (calls.append(len(self.ns)), real(self))[1])
+    launches = _counting_launches(monkeypatch)
+    sink = Collect()
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    with watch(twin, sinks=[sink], on_detect="report", trace_batches=(0, 1)) as w:
+        assert w._recorder._device is not None and type(w._recorder.weights) is recorder.WeightTable
+        for x in xs:
+            twin(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert _rows([f for b in sink.batches for f in b.frames]) == _rows(default)
+    assert launches == [] and calls and max(calls) >= 2
+
+
+class _InPlaceAfter(nn.Module):
+    """A child's output changed in place by its parent after the child returned, and a module
+    called twice: each frame shows the values as they were when its module returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y.mul_(1e3)  # lin's frame keeps the values before this
+        z = self.norm(y)
+        return self.norm(z + 1) * 2
+
+
+@pytest.mark.parametrize("options", [{}, {"check": "module"}, {"gradients": True}], ids=["batch", "module", "grads"])
+def test_in_place_changes_shared_modules_check_module_and_gradients(options):
+    def frames(forced):
+        torch.manual_seed(0)
+        model = _InPlaceAfter()
+        x = torch.randn(3, 8)
+        return _train(model, [x, x * 2], device_path=forced, **options)[0]
+
+    default = frames(False)
+    forced = frames(True)
+    assert _rows(forced) == _rows(default)
+    lin = [f for f in forced if f.module == "lin" and f.phase == "forward"][0]
+    out = [t for t in lin.tensors if t.name == "output"][0]
+    assert out.abs_max < 100  # before the parent's mul_
+    assert sum(f.module == "norm" and f.phase == "forward" for f in forced) == 4  # called twice a batch
+    if options.get("gradients"):
+        assert any(f.phase == "backward" for f in forced)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_on_the_device_path_records_the_eager_frames(monkeypatch):
+    """watch() then torch.compile: the hooks' bodies run the recorder at run time (core/compiled.py),
+    so the fused kernel measures there too, with the eager default path's values."""
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2, d=16, heads=2)
+    x = torch.randn(2, 8, 16)
+    eager, _ = _train_forward(model, x, False)
+    launches = _counting_launches(monkeypatch)
+    sink = Collect()
+    device_stats.force_on_cpu(True)
+    try:
+        with watch(model, sinks=[sink], on_detect="report", trace_batches=(0, 1)):
+            compiled = torch.compile(model, backend="aot_eager")
+            compiled(x)
+            compiled(x)
+    finally:
+        device_stats.force_on_cpu(False)
+    assert _rows(sink.batches[-1].frames) == _rows(eager) and len(eager) == 23
+    assert launches
