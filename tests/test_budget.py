@@ -175,12 +175,12 @@ def test_dropin_measures_every_batch_whatever_the_environment(monkeypatch):
 
 @pytest.fixture
 def slow_frames(monkeypatch):
-    """Every frame takes 2 ms more to record: a measured batch of TwoLinear (3 frames) costs
-    6 ms or more, against a step made 20 ms long: far over a 5% budget, whose room is 1 ms."""
+    """Every frame takes 5 ms more to record: a measured batch of TwoLinear (3 frames) costs
+    15 ms or more, against a step made 40 ms long: far over a 5% budget, whose room is 2 ms."""
     frame = FrameRecorder.frame
 
     def slow(self, *args, **kwargs):
-        time.sleep(0.002)
+        time.sleep(0.005)
         return frame(self, *args, **kwargs)
 
     monkeypatch.setattr(FrameRecorder, "frame", slow)
@@ -194,7 +194,7 @@ def _train(w, model, opt, batches, bad=None):
             loss = loss * math.inf
         loss.backward()
         opt.step()
-        time.sleep(0.02)  # the rest of the step: data, logging
+        time.sleep(0.04)  # the rest of the step: data, logging
 
 
 def test_expensive_measuring_raises_the_interval_and_every_batch_is_still_guarded(slow_frames):
@@ -205,12 +205,12 @@ def test_expensive_measuring_raises_the_interval_and_every_batch_is_still_guarde
     with watch(model, sinks=[sink], max_overhead=0.05) as w:
         _train(w, model, opt, 80)
         n = w.measure_every_n_batches
-        assert n >= 4  # 6 ms of 20 ms at 5%: about 7; a busy machine stretches both
+        assert n >= 3  # 15 ms of 40 ms at 5%: about 8; a busy machine stretches both
         measured = [s.batch_number for s in sink.batches if s.phase == "forward"]
         assert len(measured) < 80 / 2
         assert w.overhead is not None and w.overhead < 0.25
         _to_just_after_a_measured_batch(w, model, opt, sink)
-        bad = w.batch_number  # the batch after a measured one: not measured, the interval being >= 4
+        bad = w.batch_number  # the batch after a measured one: not measured, the interval being >= 3
         before = [p.detach().clone() for p in model.parameters()]
         with pytest.raises(NonFiniteDetected) as err:
             _train(w, model, opt, 1, bad=0)  # an inf gradient
@@ -249,7 +249,7 @@ def test_rate_in_a_prometheus_scrape_and_in_json_lines(slow_frames, tmp_path):
                 parsed = parse_prom(resp.read().decode("utf-8"))
     finally:
         prom.close()
-    assert n >= 4
+    assert n >= 3
     assert sample(parsed, "tensorwatch_measure_every_n_batches", rank="0") == n
     assert sample(parsed, "tensorwatch_overhead_ratio", rank="0") == pytest.approx(overhead)
     lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
@@ -280,7 +280,7 @@ def test_rate_in_opentelemetry_gauges(slow_frames):
         data = reader.get_metrics_data()
     points = {m.name: [p.value for p in m.data.data_points]
               for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
-    assert points["tensorwatch.measure_every_n_batches"][0] >= 4
+    assert points["tensorwatch.measure_every_n_batches"][0] >= 3
     assert 0 < points["tensorwatch.overhead"][0] < 1
     sink.close()
 

@@ -162,8 +162,9 @@ class OverheadBudget:
         if room <= 0:
             if not self._warned:
                 self._warned = True
-                log.warning("tensorwatch_otel: the watcher's work in every batch (the step guard) alone takes "
-                            "%.1f%% of the step, more than max_overhead=%g; measuring one batch in %d",
+                log.warning("tensorwatch_otel: the watcher's work in an unmeasured batch (the step guard, the "
+                            "batch's bookkeeping) alone takes %.1f%% of the step, more than max_overhead=%g; "
+                            "measuring one batch in %d",
                             100 * unmeasured / step, self.max_overhead, self._limit)
             return self._limit
         extra = measured - unmeasured
