@@ -8,7 +8,8 @@ length is the wall time from its start to the next batch's start. The share is t
 seconds over the rest of the step's seconds. On a CPU the hooks' time is their cost; on CUDA it
 is the time to launch their kernels, not the kernels' device time, so the share there is a lower
 bound. Torch's dispatch of a hooked module call and the gradient hooks (`gradients=True`) are
-not timed.
+not timed. Wall time: on a machine shared with other work, preemption stretches the step and the
+watcher's work alike on average, and makes each sample noisier (the medians absorb single ones).
 """
 
 from __future__ import annotations
