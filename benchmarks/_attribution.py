@@ -16,13 +16,14 @@ scrape, which runs on the server's thread: one timed collection spread over the 
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from bench_step import PROMETHEUS_SINKS, Trainer
+from bench_step import INTERVALS, PROMETHEUS_SINKS, Trainer
 
 
 class HookClock:
@@ -131,6 +132,21 @@ def scrape_s(sink) -> Optional[float]:
     return statistics.median(times)
 
 
+def steady_state(total: List[float], hooks: List[float], interval: int) -> dict:
+    """A sampling variant's attributed ratio in steady state: its steps after the first quarter
+    (the budget measures every batch until it knows its costs) cut into blocks of `interval`
+    steps (one measured batch and the unmeasured ones after it, whatever the phase), each block's
+    ratio sum(step) / sum(step - hooks); the median and range over blocks, and all those steps
+    pooled."""
+    skip = max(3, len(total) // 4)
+    t, h = total[skip:], hooks[skip:]
+    blocks = [(sum(t[i:i + interval]), sum(h[i:i + interval])) for i in range(0, len(t) - interval + 1, interval)]
+    ratios = sorted(a / (a - b) for a, b in blocks) or [math.nan]
+    return {"interval": interval, "steady_steps": len(t), "steady_blocks": len(blocks),
+            "steady_pooled": sum(t) / (sum(t) - sum(h)) if t else math.nan,
+            "steady_median": statistics.median(ratios), "steady_min": ratios[0], "steady_max": ratios[-1]}
+
+
 def attribute(variants: Dict[str, Callable[[int], List[float]]], names: List[str], steps: int,
               scrape_interval: float) -> Dict[str, dict]:
     """Per watched variant: hook time per step and the attributed ratio step / (step - hooks),
@@ -154,6 +170,8 @@ def attribute(variants: Dict[str, Callable[[int], List[float]]], names: List[str
                  "dispatch_us_per_call": dispatch * 1e6,
                  "ratio_median": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1],
                  "ratios": ratios}
+        if name == "budget":
+            entry.update(steady_state(total, hooks, INTERVALS.get(name, 1)))
         if name == "prometheus" and PROMETHEUS_SINKS and scrape_interval > 0:
             one = scrape_s(PROMETHEUS_SINKS[-1])
             if one is not None:
@@ -173,4 +191,8 @@ def attribute(variants: Dict[str, Callable[[int], List[float]]], names: List[str
                      f"+{e['scrape_share'] * 100:.2f}%)" if "scrape_ms" in e else "")
             print(f"{name:<16} {e['hook_ms_median']:>13.1f} {e['ratio_median']:>12.3f} {e['ratio_min']:>7.3f} "
                   f"{e['ratio_max']:>7.3f}{extra}")
+            if "steady_pooled" in e:
+                print(f"{'':<16} steady state: one batch in {e['interval']} measured; {e['steady_steps']} steps "
+                      f"in {e['steady_blocks']} blocks of {e['interval']}: median {e['steady_median']:.4f} "
+                      f"(min {e['steady_min']:.4f}, max {e['steady_max']:.4f}), pooled {e['steady_pooled']:.4f}")
     return out

@@ -12,7 +12,7 @@ The unwatched step and the variants that only add hooks (watch, gradients, optim
 prometheus, module, and null: no hooks at all) train one shared copy of the model: a watcher is
 attached for the variant's step and detached after it, outside the timing. Two copies of the
 same model can differ by a few percent in step time (where their memory landed), which a
-shared copy keeps out of these ratios. `sampled` needs one watcher to see consecutive batches
+shared copy keeps out of these ratios. `sampled` and `budget` need one watcher to see consecutive batches
 and the peer cannot detach: each trains a copy of its own (same weights at the start), so their
 ratios also hold that copy-to-copy difference.
 """
@@ -52,7 +52,7 @@ class Copies:
                 sinks = [_prometheus_sink(scrape_interval)] if name == "prometheus" else []
                 self._sinks += sinks
                 self.steps[name] = _toggled(shared, WATCH_OPTIONS[name], sinks)
-            elif name == "sampled":
+            elif name in ("sampled", "budget"):
                 own = Trainer(copy.deepcopy(base), ids, labels, autocast)
                 self._watchers.append(tw.watch(own.model, sinks=[], on_detect="report",
                                                **WATCH_OPTIONS[name]))

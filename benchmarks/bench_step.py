@@ -111,6 +111,7 @@ class Trainer:
 WATCH_OPTIONS = {
     "watch": {},
     "sampled": {"every_n_batches": 10},
+    "budget": {"max_overhead": 0.02},  # bench_paired --max-overhead sets it
     "module": {"check": "module"},
     "gradients": {"gradients": True},
     "optimizer_state": {"optimizer_state": True},
@@ -118,8 +119,10 @@ WATCH_OPTIONS = {
     "fp8": {"target_dtypes": ["float8_e4m3fn"]},  # precision headroom, one target dtype
     "fp8_fp16_bf16": {"target_dtypes": ["float8_e4m3fn", "float16", "bfloat16"]},
 }
-VARIANTS = ("watch", "sampled", "module", "gradients", "optimizer_state", "prometheus", "peer", "null",
+VARIANTS = ("watch", "sampled", "budget", "module", "gradients", "optimizer_state", "prometheus", "peer", "null",
             "fp8", "fp8_fp16_bf16")
+#: variant -> the interval between measured batches its last watcher ended with (budget: its choice)
+INTERVALS: Dict[str, int] = {}
 
 
 def make_variants(base, ids, labels, names: List[str], autocast: Optional[torch.dtype] = None,
@@ -139,10 +142,12 @@ def make_variants(base, ids, labels, names: List[str], autocast: Optional[torch.
     def plain(n):
         return [shared.step() for _ in range(n)]
 
-    def watched(options, sinks=()):
+    def watched(name, options, sinks=()):
         def run(n):
-            with tw.watch(shared.model, sinks=list(sinks), on_detect="report", **options):
-                return [shared.step() for _ in range(n)]
+            with tw.watch(shared.model, sinks=list(sinks), on_detect="report", **options) as w:
+                times = [shared.step() for _ in range(n)]
+                INTERVALS[name] = w.measure_every_n_batches
+                return times
         return run
 
     variants["unwatched"] = plain
@@ -150,9 +155,9 @@ def make_variants(base, ids, labels, names: List[str], autocast: Optional[torch.
         variants["null"] = lambda n: plain(n)
     for name in names:
         if name == "prometheus":
-            variants[name] = watched(WATCH_OPTIONS[name], [_prometheus_sink(scrape_interval)])
+            variants[name] = watched(name, WATCH_OPTIONS[name], [_prometheus_sink(scrape_interval)])
         elif name in WATCH_OPTIONS:
-            variants[name] = watched(WATCH_OPTIONS[name])
+            variants[name] = watched(name, WATCH_OPTIONS[name])
     if "peer" in names:
         from transformers.debug_utils import DebugUnderflowOverflow
 

@@ -24,7 +24,8 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
           flush_timeout_s: Optional[float] = None, optimizer_state: Optional[bool] = None, capture_dir=None,
           grad_scaler=None, max_skipped_steps: Optional[int] = None,
           rerun_on_detect: Optional[bool] = None, guard_steps: Optional[bool] = None,
-          target_dtypes: Optional[Sequence[str]] = None, **unknown) -> Watcher:
+          target_dtypes: Optional[Sequence[str]] = None, max_overhead: Optional[float] = None,
+          **unknown) -> Watcher:
     """Watch every module of `model` for inf/nan and export per-module abs min/max.
 
     An option left at None comes from its environment variable when that is set, else from its
@@ -38,7 +39,8 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     (TENSORWATCH_OPTIMIZER_STATE, False), capture_dir (TENSORWATCH_CAPTURE_DIR, off),
     max_skipped_steps (TENSORWATCH_MAX_SKIPPED_STEPS, 20), rerun_on_detect
     (TENSORWATCH_RERUN_ON_DETECT, False), guard_steps (TENSORWATCH_GUARD_STEPS, True), target_dtypes
-    (TENSORWATCH_TARGET_DTYPES, none). An invalid value raises ConfigError (a ValueError)
+    (TENSORWATCH_TARGET_DTYPES, none), max_overhead (TENSORWATCH_MAX_OVERHEAD, off). An invalid
+    value raises ConfigError (a ValueError)
     naming the option or variable and the valid range.
 
     Statistics stay on the device and come back in one transfer per batch (`check="batch"`);
@@ -61,6 +63,12 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     `underflow` / `overflow`, the share of its non-zero finite elements a cast to each dtype
     flushes to zero / puts beyond its largest value (8-bit floats with per-tensor current
     scaling), and `magnitude`, the power-of-two histogram they come from (core/magnitude.py).
+
+    `max_overhead=0.02`: the watcher times its own work and measures one batch in N, N chosen to
+    keep its share of the step time within 2% (every_n_batches is the shortest interval it
+    chooses, 1000 the longest; the first and traced batches are always measured). The step guard
+    still checks every batch. `Watcher.measure_every_n_batches` and `Watcher.overhead` say where
+    it stands; a change is an INFO log line and a `sampling_rate` event (core/budget.py).
     """
     if unknown:
         check_keywords("watch()", unknown, _OPTIONS)
@@ -73,7 +81,7 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
                                on_detect=on_detect, check=check, flush_timeout_s=flush_timeout_s,
                                strict=strict, optimizer_state=optimizer_state, capture_dir=capture_dir,
                                max_skipped_steps=max_skipped_steps, rerun_on_detect=rerun_on_detect,
-                               guard_steps=guard_steps, target_dtypes=target_dtypes)
+                               guard_steps=guard_steps, target_dtypes=target_dtypes, max_overhead=max_overhead)
     _check_patterns(model, config, include is None, exclude is None)
     owned: List[Sink] = []
     if sinks is not None:

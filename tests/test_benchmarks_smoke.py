@@ -37,6 +37,19 @@ def test_bench_step_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_paired_budget_quick(tmp_path):
+    """The budget variant (max_overhead): its steady-state attributed figures and its chosen interval."""
+    result, stdout = _run("bench_paired.py", tmp_path, "--rounds", "1", "--variants", "budget",
+                          "--attribute-steps", "12", "--max-overhead", "0.001", "--no-counts")
+    assert set(result["variants"]) == {"unwatched", "budget"}
+    a = result["attributed"]["budget"]
+    assert a["interval"] >= 1 and a["steady_steps"] == 9 and a["steady_blocks"] == 9 // a["interval"]
+    if a["steady_blocks"]:
+        assert a["steady_min"] <= a["steady_median"] <= a["steady_max"] and a["steady_pooled"] > 1.0
+    assert "steady state: one batch in" in stdout and "budget: median" in stdout
+
+
+@pytest.mark.slow
 def test_bench_sinks_quick(tmp_path):
     result, stdout = _run("bench_sinks.py", tmp_path, "--rounds", "1", "--steps", "1", "--big-modules", "50")
     assert {"unwatched", "watch", "prometheus", "otel_metrics"} <= set(result["variants"])

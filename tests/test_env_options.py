@@ -34,6 +34,7 @@ GOOD = {
     "TENSORWATCH_MAX_SKIPPED_STEPS": ("7", "max_skipped_steps", 7),
     "TENSORWATCH_RERUN_ON_DETECT": ("on", "rerun_on_detect", True),
     "TENSORWATCH_FLUSH_TIMEOUT_SECONDS": ("0.5", "flush_timeout_s", 0.5),
+    "TENSORWATCH_MAX_OVERHEAD": ("0.02", "max_overhead", 0.02),
 }
 
 # variable -> (bad text, a piece of the message that gives the valid range)
@@ -49,6 +50,7 @@ BAD = {
     "TENSORWATCH_MAX_SKIPPED_STEPS": ("1.5", "integer >= 1"),
     "TENSORWATCH_RERUN_ON_DETECT": ("sometimes", "1, true, yes, on"),
     "TENSORWATCH_FLUSH_TIMEOUT_SECONDS": ("soon", "number >= 0"),
+    "TENSORWATCH_MAX_OVERHEAD": ("2%", "between 0 and 1"),
 }
 
 
@@ -92,6 +94,7 @@ ARGS = {
     "trace_batches": ((), frozenset()), "abort_after_batch": (4, 4), "check": ("batch", "batch"),
     "optimizer_state": (False, False), "capture_dir": ("/tmp/tw-other", "/tmp/tw-other"),
     "max_skipped_steps": (3, 3), "rerun_on_detect": (False, False), "flush_timeout_s": (2, 2.0),
+    "max_overhead": (0.1, 0.1),
 }
 
 

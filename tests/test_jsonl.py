@@ -45,7 +45,7 @@ SCHEMA = {
         "time": {"type": "string"},
         "event": {"enum": ["nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check",
                            "stopped_by_rank", "optimizer_step_skipped", "skipped_steps_streak",
-                           "skipped_nonfinite_step"]},
+                           "skipped_nonfinite_step", "sampling_rate"]},
         "first_rank": {"type": "integer"},  # detections and stops (second wave)
         "stopped_at_batch": {"type": ["integer", "null"]},  # stopped_by_rank
         "trace_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},  # detections: the span's trace
@@ -56,6 +56,10 @@ SCHEMA = {
         "verdict": {"enum": ["model", "compiler", "transient"]},  # rerun_on_detect on a compiled model
         "streak": {"type": "integer"},  # skipped optimizer steps
         "scale": NUM,
+        "every_n_batches": {"type": "integer", "minimum": 1},  # sampling_rate (max_overhead)
+        "overhead": {"type": "number"},
+        "expected_overhead": {"type": "number"},
+        "max_overhead": {"type": "number"},
         "batch_number": {"type": "integer"},
         "rank": {"type": "integer"},
         "module": {"type": "string"},
@@ -349,6 +353,23 @@ def test_first_rank_and_trace_id_round_trip():
     assert "trace_id" not in _strict_loads(_codec.to_line(old))
     with pytest.raises(ValueError, match="integer"):
         _codec.from_dict(dict(d, first_rank="two"))
+
+
+def test_sampling_rate_event_written_and_read_back(tmp_path):
+    from tensorwatch_otel.core.events import SamplingRateEvent
+
+    path = tmp_path / "events.jsonl"
+    log = JsonlLog(str(path))
+    ev = SamplingRateEvent(40, 0, 12, 0.031, 0.018, 0.02, 5.0)
+    log.on_event(ev)
+    log.close()
+    d = _strict_loads(path.read_text(encoding="utf-8"))
+    jsonschema.validate(d, SCHEMA)
+    assert (d["event"], d["batch_number"], d["every_n_batches"], d["overhead"], d["expected_overhead"],
+            d["max_overhead"]) == ("sampling_rate", 40, 12, 0.031, 0.018, 0.02)
+    assert _codec.from_dict(d) == ev
+    with pytest.raises(ValueError, match="every_n_batches"):
+        _codec.from_dict(dict(d, every_n_batches="12"))
 
 
 def test_skipped_step_events_written_and_read_back(tmp_path):

@@ -18,8 +18,8 @@ from tensorwatch_otel import NonFiniteDetected, watch
 from tensorwatch_otel.core.env import ConfigError
 from tensorwatch_otel.core.errors import AbortAfterBatch
 from tensorwatch_otel.core.events import (AbortAfterBatchEvent, BatchTraceEvent, Frame, NonFiniteEvent,
-                                          OverflowCheckEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
-                                          SkipStreakEvent, StoppedByRankEvent, TensorStat)
+                                          OverflowCheckEvent, SamplingRateEvent, SkippedNonFiniteStepEvent,
+                                          SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent, TensorStat)
 
 INF = float("inf")
 NAN = float("nan")
@@ -43,6 +43,7 @@ def _events():
         SkippedStepEvent(6, 2, 3, 1024.0, "lin", "Linear", "weight.grad", "inf,nan", 5.0),
         SkipStreakEvent(7, 0, 8, 0.5, 6.0),
         SkippedNonFiniteStepEvent(8, 1, "lin", "Linear", "input[0]", "inf", 6.5, 2, "forward"),
+        SamplingRateEvent(12, 0, 25, 0.031, 0.018, 0.02, 7.5),
         StoppedByRankEvent(3, 1, 0, "lin", "Linear", "output", "inf", 7.0, stopped_at_batch=4),
     ]
 

@@ -87,7 +87,8 @@ class InputError(Exception):
 def render_event(event) -> str:
     """The text for one event, as the TextReport sink and the peer print it."""
     from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent,
-                               SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent)
+                               SamplingRateEvent, SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent,
+                               StoppedByRankEvent)
     from ..report.text import render_detection, render_trace, skipped_line, stopped_line
 
     if isinstance(event, NonFiniteEvent):
@@ -105,6 +106,10 @@ def render_event(event) -> str:
                 f"(rank {event.rank}, streak {event.streak}{scale}){where}\n")
     if isinstance(event, SkippedNonFiniteStepEvent):
         return skipped_line(event)
+    if isinstance(event, SamplingRateEvent):
+        return (f"measuring one batch in {event.every_n_batches} from batch_number={event.batch_number} "
+                f"(rank {event.rank}; the watcher's share of the step {event.overhead:.2%}, now about "
+                f"{event.expected_overhead:.2%}; max_overhead {event.max_overhead:g})\n")
     if isinstance(event, SkipStreakEvent):
         scale = f", scale {event.scale:g}" if event.scale is not None else ""
         return (f"{event.streak} optimizer steps in a row skipped by batch_number={event.batch_number} "

@@ -112,6 +112,8 @@ class WatchConfig:
     guard_steps: bool = True
     #: torch dtype names (normalized) whose underflow/overflow shares every measured tensor gets
     target_dtypes: Tuple[str, ...] = ()
+    #: the watcher's share of the step time to stay within (0 < x < 1); None: every_n_batches alone
+    max_overhead: Optional[float] = None
 
     @classmethod
     def build(cls, *, max_frames: Optional[int] = None, trace_batches: Union[int, Iterable[int], None] = None,
@@ -123,6 +125,7 @@ class WatchConfig:
               max_skipped_steps: Optional[int] = None, rerun_on_detect: Optional[bool] = None,
               guard_steps: Optional[bool] = None,
               target_dtypes: Union[str, torch.dtype, Iterable[Union[str, torch.dtype]], None] = None,
+              max_overhead: Optional[float] = None,
               environ: Optional[Mapping[str, str]] = None) -> "WatchConfig":
         """Validated options. An option left at None comes from its TENSORWATCH_* variable (see
         core/env.py) when that is set, else from the field's default. ``environ``: the variables
@@ -181,6 +184,11 @@ class WatchConfig:
         name, exclude = pick("exclude", exclude)
         exclude = _patterns(name, exclude)
         target_dtypes = parse_targets(*pick("target_dtypes", target_dtypes))
+        name, max_overhead = pick("max_overhead", max_overhead)
+        if max_overhead is not None and (isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float))
+                                         or not 0 < max_overhead < 1):
+            raise ConfigError(f"{name}={max_overhead!r}: expected a number between 0 and 1 (exclusive), "
+                              "e.g. 0.02 for 2%")
         _env.warn_unknown(env)
         env_rank(env)  # a bad RANK fails when the watcher is built, not in a sink or at a detection
         _env.cpu_kernel_mode(env)  # process-wide, read by core/cpu_kernel.py; a bad value fails here, early
@@ -190,7 +198,8 @@ class WatchConfig:
                    flush_timeout_s=float(flush_timeout_s), strict=bool(strict),
                    optimizer_state=flags["optimizer_state"], capture_dir=capture_dir,
                    max_skipped_steps=max_skipped, rerun_on_detect=flags["rerun_on_detect"],
-                   guard_steps=flags["guard_steps"], target_dtypes=target_dtypes)
+                   guard_steps=flags["guard_steps"], target_dtypes=target_dtypes,
+                   max_overhead=None if max_overhead is None else float(max_overhead))
 
 
 #: Valid ranges of the integer options, (minimum, maximum or None): for arguments and variables alike.
@@ -227,6 +236,7 @@ _ENV_OPTIONS = {
     "rerun_on_detect": (_env.ENV_RERUN_ON_DETECT, _env.parse_bool),
     "guard_steps": (_env.ENV_GUARD_STEPS, _env.parse_bool),
     "target_dtypes": (_env.ENV_TARGET_DTYPES, lambda var, raw: raw),
+    "max_overhead": (_env.ENV_MAX_OVERHEAD, _env.parse_share),
     "flush_timeout_s": (_env.ENV_FLUSH_TIMEOUT_SECONDS, lambda var, raw: _env.parse_float(var, raw, 0.0)),
 }
 

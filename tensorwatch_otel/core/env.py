@@ -49,6 +49,9 @@ ENV_GUARD_STEPS = "TENSORWATCH_GUARD_STEPS"
 #: ``target_dtypes``: comma-separated torch dtype names (``float16,bfloat16,float8_e4m3fn``) each
 #: measured tensor's underflow/overflow shares are computed for (none).
 ENV_TARGET_DTYPES = "TENSORWATCH_TARGET_DTYPES"
+#: ``max_overhead``: the watcher's share of the step time to stay within, a number between 0 and 1
+#: (``0.02``: 2%); it measures one batch in N, N chosen to keep within it (off: every_n_batches).
+ENV_MAX_OVERHEAD = "TENSORWATCH_MAX_OVERHEAD"
 #: How CPU tensors are measured: ``native`` (a one-read kernel compiled on first use with the C
 #: compiler, torch ops when there is none; default) or ``torch`` (torch ops only). Process-wide.
 ENV_CPU_KERNEL = "TENSORWATCH_CPU_KERNEL"
@@ -82,7 +85,7 @@ ALL: Tuple[str, ...] = (
     ENV_MAX_FRAMES, ENV_EVERY_N_BATCHES, ENV_ON_DETECT, ENV_GRADIENTS, ENV_INCLUDE, ENV_EXCLUDE,
     ENV_TRACE_BATCHES, ENV_ABORT_AFTER_BATCH, ENV_CHECK, ENV_OPTIMIZER_STATE, ENV_CAPTURE_DIR,
     ENV_MAX_SKIPPED_STEPS, ENV_RERUN_ON_DETECT, ENV_FLUSH_TIMEOUT_SECONDS, ENV_GUARD_STEPS,
-    ENV_TARGET_DTYPES, ENV_CPU_KERNEL,
+    ENV_TARGET_DTYPES, ENV_MAX_OVERHEAD, ENV_CPU_KERNEL,
     ENV_PROMETHEUS_PORT, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_MAX_SERIES, ENV_PROMETHEUS_LINGER_SECONDS,
     ENV_PROMETHEUS_DETAIL, ENV_PROMETHEUS_DETAIL_RANKS,
     ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,
@@ -135,6 +138,17 @@ def parse_float(name: str, raw: str, minimum: float) -> float:
         value = None
     if value is None or not value >= minimum or not math.isfinite(value):
         raise ConfigError(f"{name}={raw!r}: expected a finite number >= {minimum:g}")
+    return value
+
+
+def parse_share(name: str, raw: str) -> float:
+    """A number strictly between 0 and 1."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1:
+        raise ConfigError(f"{name}={raw!r}: expected a number between 0 and 1 (exclusive), e.g. 0.02 for 2%")
     return value
 
 

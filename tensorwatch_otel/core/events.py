@@ -243,6 +243,21 @@ class SkippedNonFiniteStepEvent:
 
 
 @dataclass(frozen=True)
+class SamplingRateEvent:
+    """max_overhead: the watcher now measures one batch in `every_n_batches`, from `batch_number`
+    on, to keep its share of the step within `max_overhead`. Detection runs on every batch."""
+
+    batch_number: int  # the first batch under the new interval
+    rank: int
+    every_n_batches: int
+    overhead: float  # the watcher's share of the step at the interval before (measured)
+    expected_overhead: float  # its share at the new interval, from the same measurements
+    max_overhead: float
+    time: float
+    event: str = field(default="sampling_rate", init=False)
+
+
+@dataclass(frozen=True)
 class StoppedByRankEvent:
     """This rank stopped because another rank detected inf/nan first (multi-rank runs): the
     fields name the first rank's detection; this rank saw no non-finite value of its own."""
@@ -279,7 +294,7 @@ class OverflowCheckEvent:
 
 
 Event = Union[NonFiniteEvent, BatchTraceEvent, AbortAfterBatchEvent, OverflowCheckEvent, SkippedStepEvent,
-              SkipStreakEvent, SkippedNonFiniteStepEvent, StoppedByRankEvent]
+              SkipStreakEvent, SkippedNonFiniteStepEvent, StoppedByRankEvent, SamplingRateEvent]
 
 
 @dataclass(frozen=True)
@@ -302,10 +317,12 @@ class BatchStats:
     the sink, typically on its own thread (a scrape, a metric collection). Immutable once built.
     """
 
-    __slots__ = ("batch_number", "rank", "time", "_frames", "grad_scale", "steps_skipped", "phase")
+    __slots__ = ("batch_number", "rank", "time", "_frames", "grad_scale", "steps_skipped", "phase",
+                 "every_n_batches", "overhead")
 
     def __init__(self, batch_number: int, rank: int, time: float, frames: Tuple[Frame, ...] | "_LazyFrames",
-                 grad_scale: Optional[float] = None, steps_skipped: int = 0, phase: str = "forward"):
+                 grad_scale: Optional[float] = None, steps_skipped: int = 0, phase: str = "forward",
+                 every_n_batches: Optional[int] = None, overhead: Optional[float] = None):
         self.batch_number = batch_number
         self.rank = rank
         self.time = time
@@ -318,6 +335,10 @@ class BatchStats:
         #: that batch, exported as series of their own (`output.grad`, `weight.exp_avg_sq`) but
         #: not counted as batches
         self.phase = phase
+        #: the watcher measures one batch in this many (every_n_batches, or max_overhead's choice)
+        self.every_n_batches = every_n_batches
+        #: max_overhead: the watcher's measured share of the step (None without a budget)
+        self.overhead = overhead
 
     @property
     def frames(self) -> Tuple[Frame, ...]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, 
 import torch
 
 from .behaviour import Behaviour
+from .budget import FixedSampling, OverheadBudget
 from .config import WatchConfig
 from .errors import AbortAfterBatch, NonFiniteDetected
 from .events import BatchStats, BatchTraceEvent
@@ -114,6 +115,11 @@ class Watcher:
         self._batches = 0  # batches begun, by every thread: the next batch's number
         self._thread = 0  # the thread that began the last batch (a second one turns quiet batches off)
         self._fanout = SinkFanout(sinks, strict=config.strict)
+        # which batches are measured (core/budget.py); with max_overhead it times the watcher's work
+        self._sampling: "FixedSampling | OverheadBudget" = FixedSampling(config.every_n_batches, config.trace_batches) \
+            if config.max_overhead is None else OverheadBudget(config.max_overhead, config.every_n_batches,
+                                                               config.trace_batches, emit=self._fanout.on_event,
+                                                               rank=current_rank())
         self._owned = list(owned_sinks)
         self._lock = threading.Lock()
         self._attached = False
@@ -143,7 +149,8 @@ class Watcher:
         self._hooks = HookSet(model, config, slot_owner=self, pre_hook=self._pre_hook, make_hook=self._make_hook,
                               capture_hook=self._capture_hook if self._capture is not None else None,
                               param_hook=self._backward.param_hook, params_current=self._params_current,
-                              before_step=self._steps.before_step, after_step=self._steps.after_step,
+                              before_step=self._timed(self._steps.before_step),
+                              after_step=self._timed(self._steps.after_step),
                               batch_number=lambda: self.batch_number)
         self._rescan_failed = False
         self._unwrapped: Optional[transforms.UnwrappedRecorder] = None  # made at the first call inside torch.func
@@ -259,8 +266,35 @@ class Watcher:
             pass
 
     def _watches(self, batch: int) -> bool:
-        cfg = self.config
-        return batch % cfg.every_n_batches == 0 or batch in cfg.trace_batches
+        return self._sampling.watches(batch)
+
+    @property
+    def measure_every_n_batches(self) -> int:
+        """The watcher measures one batch in this many: every_n_batches, or the interval
+        max_overhead chose last. Detection runs on every batch."""
+        return self._sampling.every_n_batches
+
+    @property
+    def overhead(self) -> Optional[float]:
+        """With max_overhead: the watcher's share of the step time over the last complete
+        interval (its seconds over the rest of the step's); None without a budget, or before
+        one interval is complete."""
+        return self._sampling.overhead
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn`, its time counted as the watcher's when a budget times it."""
+        sampling = self._sampling
+        if not sampling.timed:
+            return fn
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = sampling.clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sampling.spend(t0)
+        return timed
 
     # ---------------------------------------------------------------- hot path
     def _make_hook(self, info: ModuleInfo, slot: int = 0) -> "ForwardHook":
@@ -291,7 +325,10 @@ class Watcher:
             return
         st = self._tls.st
         if st.depth == 0:
+            sampling = self._sampling
+            t0 = sampling.clock()
             self._outermost_call(st, module)
+            sampling.spend(t0)
         elif st.quiet:
             return  # a hook still on inside a quiet batch (beside other hooks, or put back): not counted
         st.depth += 1
@@ -405,6 +442,14 @@ class Watcher:
         self._check(rec, first)
 
     def _end_batch(self, st: _BatchState) -> None:
+        sampling = self._sampling
+        t0 = sampling.clock()
+        try:
+            self._end_batch_timed(st)
+        finally:
+            sampling.spend(t0)
+
+    def _end_batch_timed(self, st: _BatchState) -> None:
         rec: Record = st.rec  # type: ignore[assignment]  # not None: callers check it
         if st.quiet:
             st.quiet = False
@@ -437,8 +482,9 @@ class Watcher:
         if self._fanout.wants_batches:
             # a Record is a _LazyFrames (materialize()): rows are made by the sink
             self._fanout.on_batch(BatchStats(rec.batch_number, rank, time.time(), rec,  # type: ignore[arg-type]
-                                             grad_scale=scale,
-                                             steps_skipped=self.steps_skipped))
+                                             grad_scale=scale, steps_skipped=self.steps_skipped,
+                                             every_n_batches=self._sampling.every_n_batches,
+                                             overhead=self._sampling.overhead))
         if traced:
             self._fanout.on_event(BatchTraceEvent(rec.batch_number, rank, rec.materialize(), time.time()))
         if cfg.check == "batch" and (self.behaviour.detect_in_traced_batches or not traced):
@@ -494,7 +540,7 @@ class ForwardHook(ModuleHook):
     slot (core/compiled.py), called in its place while dynamo traces. Copied with its module, it
     is a no-op (core/copies.py)."""
 
-    __slots__ = ("_w", "_info", "_slot", "_take", "_tls", "_detect", "_check_module")
+    __slots__ = ("_w", "_info", "_slot", "_take", "_tls", "_detect", "_check_module", "_budget")
 
     def __init__(self, watcher: "Watcher", info: ModuleInfo, slot: int, take: _Take) -> None:
         super().__init__()
@@ -505,6 +551,7 @@ class ForwardHook(ModuleHook):
         self._tls = watcher._tls
         self._detect = watcher._detect
         self._check_module = watcher.config.check == "module"
+        self._budget = watcher._sampling if watcher._sampling.timed else None  # times a measured frame
 
     def __call__(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  output: Any) -> None:
@@ -525,6 +572,8 @@ class ForwardHook(ModuleHook):
         try:
             # (jit.trace: an op run here would be traced into its graph)
             if st.active and info.recorded and outside_backward and _tracing() is None:
+                budget = self._budget
+                t0 = budget.clock() if budget is not None else 0.0
                 rec: Record = st.rec  # type: ignore[assignment]  # active: a batch is open
                 w = self._w
                 try:
@@ -547,6 +596,8 @@ class ForwardHook(ModuleHook):
                     w._check(rec, len(rec.frames) - 1)
                 elif len(rec.stats) > _MAX_PENDING:
                     rec.readback()
+                if budget is not None:
+                    budget.spend(t0)
         finally:  # a detection in the outermost frame must still end the batch
             st.depth -= 1
             if st.depth <= 0:

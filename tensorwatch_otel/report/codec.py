@@ -15,6 +15,7 @@ from ..core.events import (
     Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
+    SamplingRateEvent,
     SkippedNonFiniteStepEvent,
     SkippedStepEvent,
     SkipStreakEvent,
@@ -87,6 +88,9 @@ def to_dict(event: Event) -> Dict[str, Any]:
     elif isinstance(event, SkippedNonFiniteStepEvent):
         d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
                  streak=event.streak, phase=event.phase)
+    elif isinstance(event, SamplingRateEvent):
+        d.update(every_n_batches=event.every_n_batches, overhead=_num(event.overhead),
+                 expected_overhead=_num(event.expected_overhead), max_overhead=event.max_overhead)
     elif isinstance(event, BatchTraceEvent):
         d["frames"] = [_frame(f) for f in event.frames]
     elif isinstance(event, OverflowCheckEvent):
@@ -159,7 +163,7 @@ def _frame_from(d: Dict[str, Any], batch_number: int) -> Frame:
 #: The event types this version reads; a well-formed line of another type (written by a newer
 #: version) is an UnknownEvent line, skipped with a note rather than an error.
 EVENT_TYPES = ("nonfinite_detected", "batch_trace", "abort_after_batch", "overflow_check", "stopped_by_rank",
-               "optimizer_step_skipped", "skipped_steps_streak", "skipped_nonfinite_step")
+               "optimizer_step_skipped", "skipped_steps_streak", "skipped_nonfinite_step", "sampling_rate")
 
 
 class UnknownEvent(ValueError):
@@ -213,12 +217,22 @@ def from_dict(d: Dict[str, Any]) -> Event:
     if kind == "skipped_nonfinite_step":
         return SkippedNonFiniteStepEvent(b, rank, _str(d, "module"), _str(d, "module_class"), _str(d, "tensor"),
                                          _str(d, "kind"), ts, _int(d, "streak", 1), _str(d, "phase", "backward"))
+    if kind == "sampling_rate":
+        return SamplingRateEvent(b, rank, _int(d, "every_n_batches"), _share(d, "overhead"),
+                                 _share(d, "expected_overhead"), _share(d, "max_overhead"), ts)
     if kind == "batch_trace":
         return BatchTraceEvent(b, rank, frames, ts)
     if kind == "abort_after_batch":
         return AbortAfterBatchEvent(b, rank, ts)
     stat = frames[0].tensors[0] if frames and frames[0].tensors else TensorStat(_str(d, "tensor"), None, None)
     return OverflowCheckEvent(b, rank, _str(d, "tensor"), _str(d, "kind"), stat, ts)
+
+
+def _share(d: Dict[str, Any], key: str) -> float:
+    v = _value(d, key)
+    if v is None:
+        raise LineError(f"no {key!r}")
+    return v
 
 
 def _opt_bool(v) -> Optional[bool]:

@@ -10,7 +10,7 @@ from typing import Any, Optional, Tuple
 from ..core.events import map_strings
 from ..core.ports import Sink, SinkFanout
 
-__all__ = ["Sink", "SinkFanout", "utf8_text", "utf8_safe", "StepTally"]
+__all__ = ["Sink", "SinkFanout", "utf8_text", "utf8_safe", "StepTally", "SamplingTally"]
 
 
 def utf8_text(text: str) -> str:
@@ -101,3 +101,20 @@ class StepTally:
     def set_scale(self, t: float, scale: Optional[float], rank: int) -> None:
         if scale is not None and t >= self.scale_time:
             self.scale_time, self.scale, self.rank = t, float(scale), rank
+
+
+class SamplingTally:
+    """The sampling interval and the watcher's measured share of the step (max_overhead), as of
+    the latest batch that carried them; both metric sinks export these two gauges."""
+
+    __slots__ = ("every_n_batches", "overhead")
+
+    def __init__(self) -> None:
+        self.every_n_batches: Optional[int] = None
+        self.overhead: Optional[float] = None
+
+    def on_batch(self, stats) -> None:
+        if stats.every_n_batches is not None:
+            self.every_n_batches = stats.every_n_batches
+        if stats.overhead is not None:
+            self.overhead = stats.overhead

@@ -98,6 +98,12 @@ SERIES: Tuple[Series, ...] = (
     Series("skipped_nonfinite", "counter", "Optimizer steps on_detect=\"skip\" did not run because the gradients "
            "they would consume held inf/nan (or their batch's forward did)", ("rank",),
            "tensorwatch_skipped_nonfinite_steps", "tensorwatch.skipped_nonfinite_steps", "{step}"),
+    Series("measure_every", "gauge", "The watcher measures one batch in this many: every_n_batches, or the "
+           "interval max_overhead chose (detection runs on every batch)", ("rank",),
+           "tensorwatch_measure_every_n_batches", "tensorwatch.measure_every_n_batches", "{batch}"),
+    Series("overhead", "gauge", "max_overhead: the watcher's own time over the rest of the step's, over its "
+           "last complete interval (a measured batch and the unmeasured ones after it)", ("rank",),
+           "tensorwatch_overhead_ratio", "tensorwatch.overhead", "1"),
     # fleet mode of the Prometheus sink (detail=, docs/at-scale.md)
     Series("rank_worst", "gauge", "Largest range used of any (module, tensor) pair of this rank over the "
            "window, labelled with that pair (+Inf for an inf/nan value)", _PAIR + ("dtype", "rank"),

@@ -27,7 +27,7 @@ from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__
 from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # noqa: F401 (re-export)
 from ._aggregate import DEFAULT_WINDOW_S, ENV_WINDOW, ModuleFilter, Patterns, Window, window_seconds
-from ._base import Sink, StepTally, utf8_safe, utf8_text
+from ._base import SamplingTally, Sink, StepTally, utf8_safe, utf8_text
 from ._options import number_option
 from .catalogue import BY_KEY
 
@@ -156,6 +156,9 @@ class OtelTelemetry(Sink):
       and the exponential histogram ``tensorwatch.tensor.magnitude`` (scale 0, cumulative, one
       sampled batch per collection), added to what the SDK meter provider's readers collect
       (see _otel_magnitude.py and _magnitude.py).
+    - Gauges ``tensorwatch.measure_every_n_batches`` ({batch}: one batch in this many is measured)
+      and, with ``watch(max_overhead=...)``, ``tensorwatch.overhead`` (1: the watcher's measured
+      share of the step time).
     Names, units and descriptions come from the metric catalogue (catalogue.py).
     """
 
@@ -188,6 +191,7 @@ class OtelTelemetry(Sink):
         self._cache_lock = threading.Lock()
         self._rank = current_rank()  # a bad RANK fails here, naming it
         self._steps = StepTally(self._rank)  # skipped optimizer steps, streaks, loss scale
+        self._sampling = SamplingTally()  # the interval between measured batches, the measured overhead
         self._shares_capped = False
 
         def counter(key: str):
@@ -216,6 +220,8 @@ class OtelTelemetry(Sink):
         self._nonfinite_skips.add(0, {"tensorwatch.rank": self._rank})
         observed("batches", self._observe_batches)
         observed("batch_number", self._observe_batch_number)
+        observed("measure_every", self._observe_measure_every)
+        observed("overhead", self._observe_overhead)
         self._magnitude_hooks = _attach_magnitudes(meter_provider or metrics.get_meter_provider(), self)
 
         self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=_QUEUE_SIZE)
@@ -237,6 +243,7 @@ class OtelTelemetry(Sink):
 
     def on_batch(self, stats: BatchStats) -> None:
         self._window.add(stats)
+        self._sampling.on_batch(stats)
         if self._steps.on_batch(stats):
             self._count_skips(stats.rank)
 
@@ -481,6 +488,14 @@ class OtelTelemetry(Sink):
         if snap is None:
             return []
         return [Observation(snap.batch_number, {"tensorwatch.rank": snap.rank})]
+
+    def _observe_measure_every(self, options: CallbackOptions) -> Iterable[Observation]:
+        every = self._sampling.every_n_batches
+        return [] if every is None else [Observation(every, {"tensorwatch.rank": self._rank})]
+
+    def _observe_overhead(self, options: CallbackOptions) -> Iterable[Observation]:
+        overhead = self._sampling.overhead
+        return [] if overhead is None else [Observation(overhead, {"tensorwatch.rank": self._rank})]
 
     def _observe_grad_scale(self, options: CallbackOptions) -> Iterable[Observation]:
         scale, rank = self._steps.scale, self._steps.rank

@@ -27,7 +27,7 @@ from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedNonFiniteSt
                            SkipStreakEvent, StoppedByRankEvent, label_for_module)
 from ..core.rank import current_rank
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
-from ._base import Sink, StepTally, utf8_text
+from ._base import SamplingTally, Sink, StepTally, utf8_text
 from ._detail import DetailPolicy, detail_ranks_setting, detail_setting, summary_families
 from ._options import number_option
 from .catalogue import BY_KEY
@@ -137,6 +137,9 @@ class PrometheusMetrics(Sink):
       ``detail_ranks`` (TENSORWATCH_PROMETHEUS_DETAIL_RANKS): ranks that serve all. A rank that
       detected inf/nan serves all from then on. See docs/at-scale.md.
     - The nonfinite counter carries the detection's ``trace_id`` as an OpenMetrics exemplar.
+    - ``tensorwatch_measure_every_n_batches``: one batch in this many is measured; with
+      ``watch(max_overhead=...)`` also ``tensorwatch_overhead_ratio``, the watcher's measured share
+      of the step time.
     See docs/telemetry.md for each.
     """
 
@@ -173,6 +176,7 @@ class PrometheusMetrics(Sink):
         self._nonfinite: Dict[Tuple[str, str, str, int, int], list] = {}
         self._stopped: Dict[Tuple[str, str, str, int, int], int] = {}  # StoppedByRankEvents, same key
         self._steps = StepTally(self._default_rank)  # skipped optimizer steps, streaks, loss scale
+        self._sampling = SamplingTally()  # the interval between measured batches, the measured overhead
         self._lock = threading.Lock()
         self._scraped = threading.Condition(self._lock)
         self._scrapes = 0
@@ -249,6 +253,8 @@ class PrometheusMetrics(Sink):
     def on_batch(self, stats: BatchStats) -> None:
         self._window.add(stats)
         self._steps.on_batch(stats)
+        with self._lock:
+            self._sampling.on_batch(stats)
         if self._want_sigterm:  # a detection came on another thread (backward on a GPU)
             self._note_sigterm()
 
@@ -443,6 +449,7 @@ class PrometheusMetrics(Sink):
         skipped_f, scale_f, streaks_f, streak_f = f("steps_skipped"), f("grad_scale"), f("skip_streaks"), \
             f("skip_streak")
         nonfinite_skips_f = f("skipped_nonfinite")
+        every_f, overhead_f = f("measure_every"), f("overhead")
         batches = 0
         rows, cutoff, hidden = ((), 0.0, 0) if snap is None else \
             self._policy.select(snap.rows, rank, self._detected)
@@ -466,6 +473,7 @@ class PrometheusMetrics(Sink):
             steps = self._steps
             skipped, streaks, streak, scale = steps.skipped, steps.streaks, steps.streak, steps.scale
             nonfinite_skips = steps.nonfinite
+            every, overhead = self._sampling.every_n_batches, self._sampling.overhead
             counts = [(k, list(v)) for k, v in self._nonfinite.items()]
             stopped = list(self._stopped.items())
         skipped_f.add_metric((r,), skipped)
@@ -475,6 +483,10 @@ class PrometheusMetrics(Sink):
             streak_f.add_metric((r,), streak[0])
         if scale is not None:
             scale_f.add_metric((r,), scale)
+        if every is not None:
+            every_f.add_metric((r,), every)
+        if overhead is not None:
+            overhead_f.add_metric((r,), overhead)
         for (module, cls, tensor, ev_rank, first), (n, trace_id, t) in counts:
             labels = (module, cls, tensor, str(ev_rank), str(first))
             if trace_id is not None and _COUNTER_EXEMPLARS:
@@ -484,7 +496,7 @@ class PrometheusMetrics(Sink):
         for (module, cls, tensor, ev_rank, first), n in stopped:
             stopped_f.add_metric((module, cls, tensor, str(ev_rank), str(first)), n)
         return [amax, amin, used, under, over, nonfinite, stopped_f, batches_f, number, dropped_f, skipped_f,
-                scale_f, streaks_f, streak_f, nonfinite_skips_f] + \
+                scale_f, streaks_f, streak_f, nonfinite_skips_f, every_f, overhead_f] + \
             summary_families(None if snap is None else snap.rows, r, cutoff, hidden)
 
 
