@@ -46,6 +46,12 @@ OPTIONS: Dict[str, str] = {
     "every_n_batches": "watch one batch in N (traced batches always); the batches in between run without the "
                        "watcher's hooks, but their optimizer steps are still guarded "
                        "([Unsampled batches](../concepts.md#unsampled-batches))",
+    "max_overhead": "a cost budget, a number between 0 and 1 (`0.02`: 2%): the watcher times its own work and "
+                    "measures one batch in N, the smallest N that keeps its share of the step within the budget "
+                    "(at least `every_n_batches`, at most 1000; the first batch and `trace_batches` always); the "
+                    "step guard still checks every batch. The chosen N is `Watcher.measure_every_n_batches`, the "
+                    "measured share `Watcher.overhead`; a change is logged and written as a `sampling_rate` event "
+                    "([A cost budget](../concepts.md#a-cost-budget))",
     "gradients": "also measure parameter gradients after accumulation and activation gradients in backward order "
                  "(frames with `phase=\"backward\"`) ([Gradients](../concepts.md#gradients-and-optimizer-state))",
     "include": "glob patterns on module paths to watch (`\"encoder.*\"`; the root is `\"(root)\"`); a pattern "
@@ -259,6 +265,10 @@ FIELDS: Dict[str, str] = {
     "stopped_at_batch": "this rank's batch when it stopped",
     "streak": "skipped steps in a row, this one included",
     "scale": "the GradScaler's scale after the skip, when known",
+    "every_n_batches": "`sampling_rate`: the new interval, one batch in this many measured from `batch_number` on",
+    "overhead": "`sampling_rate`: the watcher's measured share of the step over the interval before",
+    "expected_overhead": "`sampling_rate`: the share expected at the new interval",
+    "max_overhead": "`sampling_rate`: the budget (`max_overhead=`)",
 }
 #: What the common fields hold for one event type, where that is not what FIELDS says.
 EVENT_NOTES: Dict[str, str] = {
