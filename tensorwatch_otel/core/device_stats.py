@@ -222,9 +222,9 @@ class DeviceStats:
     def buffer(self, key: int) -> Optional[SlotBuffer]:
         """The buffer of device `key` (a CUDA index, or _CPU_KEY), made on first use; None when
         that device does not take the device path."""
-        buf = self.buffers.get(key, False)
-        if buf is not False:
-            return buf  # type: ignore[return-value]  # a SlotBuffer or None (False: not decided)
+        buffers = self.buffers
+        if key in buffers:
+            return buffers[key]  # a SlotBuffer, or None: decided
         with self._lock:
             if key not in self.buffers:
                 ok = (key == _CPU_KEY) == self.interpreted and kernel(self.interpreted) is not None
@@ -283,12 +283,11 @@ class DeviceFrame:
         key = keys[0]
         if keys.count(key) == len(keys):
             return self._launch(key, tensors)
-        out: List[Optional[SlotStat]] = [None] * len(tensors)
+        by_place: Dict[int, SlotStat] = {}
         for k in dict.fromkeys(keys):
             idx = [i for i, x in enumerate(keys) if x == k]
-            for i, s in zip(idx, self._launch(k, [tensors[i] for i in idx])):
-                out[i] = s
-        return out  # type: ignore[return-value]  # every place filled above
+            by_place.update(zip(idx, self._launch(k, [tensors[i] for i in idx])))
+        return [by_place[i] for i in range(len(tensors))]
 
     def _launch(self, key: int, tensors: List[torch.Tensor]) -> List[SlotStat]:
         buf = self.stats.buffer(key)

@@ -177,15 +177,16 @@ class Record:
         if not pending:
             return None
         # CPU statistics read by the compiled kernel are Python floats already (stats.measure_host)
-        tensors: List[torch.Tensor] = [s for s in pending if s.__class__ is not float]  # type: ignore[misc]
-        if tensors and any(s.__class__ is SlotStat for s in pending):
+        others: List[Stat] = [s for s in pending if s.__class__ is not float]
+        if others and any(s.__class__ is SlotStat for s in others):
             # the device path's slots: each device buffer copied to the host once (device_stats)
             pending = self._slot_values(pending, have)
-            tensors = [s for s in pending if s.__class__ is not float]  # type: ignore[misc]
+            others = [s for s in pending if s.__class__ is not float]
         values: List[float]
-        if not tensors:
-            values = pending  # type: ignore[assignment]  # floats only (no tensor among them)
+        if not others:
+            values = cast(List[float], pending)  # floats only
         else:
+            tensors = cast(List[torch.Tensor], others)  # 0-d tensors only (slots resolved above)
             try:
                 stacked = torch.stack(tensors)
             except RuntimeError:  # stats on several devices (a model split over GPUs)

@@ -245,9 +245,9 @@ class FrameRecorder:
         if values is None:  # the kernel went away meanwhile (tests): measure each as before
             for pos, t, is_param, _version, _ptr in pending:
                 m = measure(t) if is_param.__class__ is not int else (stats[is_param], stats[is_param + 1])
-                if m.__class__ is str:  # (never for a tensor the kernel took)
+                if isinstance(m, str):  # (never for a tensor the kernel took)
                     m = (float("nan"), float("nan"))
-                stats[pos], stats[pos + 1] = m  # type: ignore[str-unpack, call-overload]  # not a str (above)
+                stats[pos], stats[pos + 1] = m
             return
         j = 0
         for pos, t, is_param, version, ptr in pending:
@@ -453,13 +453,13 @@ class FrameRecorder:
         if rec.targets:
             return self._measure(rec, p, name, items)
         r = measure(p)
-        if r.__class__ is str:
+        if isinstance(r, str):
             items.append((name, r))  # a note
             return None
-        rec.stats += r  # type: ignore[arg-type]  # a pair
+        rec.stats += r
         rec.dtypes.append(p.dtype)
         items.append(name)
-        return r  # type: ignore[return-value]  # a pair (not a str: returned above)
+        return r
 
     def tensor(self, rec: Record, t: torch.Tensor, name: str, items: List[Item]) -> None:
         # The weak reference guards against id() reuse after a tensor is freed.
@@ -490,14 +490,14 @@ class FrameRecorder:
                 items.append(name)
                 return
         r = measure(t)
-        if r.__class__ is str:
+        if isinstance(r, str):
             items.append((name, r))
             return
         try:
-            self.acts_seen[key] = (weakref.ref(t), t._version, r, t.dtype)  # type: ignore[assignment]  # not a str
+            self.acts_seen[key] = (weakref.ref(t), t._version, r, t.dtype)
         except (TypeError, RuntimeError):  # no weakref / no version (inference tensors): no reuse
             pass
-        rec.stats += r  # type: ignore[arg-type]  # a pair (not a str: returned above)
+        rec.stats += r
         rec.dtypes.append(t.dtype)
         items.append(name)
 
@@ -531,17 +531,18 @@ class FrameRecorder:
         hist = rec.histogram
         if hist is None:
             hist = self._histogram(rec)
-        r = measure_counts(t, rec.plan, hist)  # type: ignore[arg-type]  # plan: set with targets
-        if r.__class__ is str:
+        plan = rec.plan
+        assert plan is not None  # set whenever targets are (only then is this called)
+        r = measure_counts(t, plan, hist)
+        if isinstance(r, str):
             items.append((name, r))
             return None
-        # below, r is a Quad (a str returned above)
-        pair: Tuple[torch.Tensor, torch.Tensor] = (r[0], r[1])  # type: ignore[assignment]
-        self.mags_seen[id(r[0])] = (r[0], r[2], r[3])  # type: ignore[assignment]
+        pair: Tuple[torch.Tensor, torch.Tensor] = (r[0], r[1])
+        self.mags_seen[id(r[0])] = (r[0], r[2], r[3])
         rec.stats += pair
         rec.dtypes.append(t.dtype)
-        rec.counts.append(r[2])  # type: ignore[arg-type]
-        rec.mags.append(r[3])  # type: ignore[arg-type]
+        rec.counts.append(r[2])
+        rec.mags.append(r[3])
         items.append(name)
         return pair
 
