@@ -1,0 +1,303 @@
+"""Detection in every batch, localization by replay (issue 27, parts 1 and 2): with
+every_n_batches=10, an inf/nan born in an unsampled batch (in a forward activation, in the loss,
+in a gradient) is detected in that batch, by the check of its output or by the step guard, and
+named where a run watching every batch names it: the batch is replayed with every module
+watched. Each test runs the same training twice, every_n_batches=1 and 10, and compares."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from _collect import Collect
+from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
+from tensorwatch_otel.core.events import SkippedNonFiniteStepEvent
+from tensorwatch_otel.sinks import JsonlLog
+
+BAD = 13  # an unsampled batch at every_n_batches=10
+BATCHES = 15
+INF = float("inf")
+
+
+class Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x)
+
+
+class ExpNet(nn.Module):
+    """a -> exp -> b: an exp overflow in `act` reaches the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.act = Exp()
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+class ClampedExpNet(nn.Module):
+    """a -> relu -> b -> exp, clamped: an exp overflow in `act` never reaches the output (the
+    clamp makes it 1e4), but its backward (0 * inf) makes b's gradients NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+        self.act = Exp()
+
+    def forward(self, x):
+        return self.act(self.b(torch.relu(self.a(x)))).clamp(max=1e4)
+
+
+class LossNet(nn.Module):
+    """Returns {"loss", "logits"}, as a transformers model given labels does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        logits = self.b(torch.relu(self.a(x)))
+        return {"loss": (logits - y).square().mean(), "logits": logits}
+
+
+def _data(scenario):
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(BATCHES)]
+    x, y = data[BAD]
+    if scenario in ("activation", "hidden_activation", "in_place"):
+        x = x * 300  # exp overflows in `act`
+    elif scenario == "loss_in_model":
+        y = torch.full_like(y, 1e30)  # (logits - 1e30) ** 2 overflows in the model's loss
+    elif scenario == "loss_outside":
+        y = y.clone()
+        y[0, 0] = INF  # the loss computed outside the model
+    data[BAD] = (x, y)
+    return data
+
+
+MODELS = {"activation": ExpNet, "hidden_activation": ClampedExpNet, "loss_in_model": LossNet,
+          "loss_outside": ExpNet, "gradient": ExpNet}
+
+
+def _train(scenario, every, on_detect="raise", sinks=None, batch_blocks=False, compile_model=False, **kw):
+    """The same training, watched with every_n_batches=`every`: (the detection's exception or
+    None, the sink, the model)."""
+    torch.manual_seed(0)
+    model = MODELS[scenario]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = Collect()
+    called = torch.compile(model, backend="eager") if compile_model else model
+    raised = None
+    with watch(called, sinks=[sink] + list(sinks or ()), every_n_batches=every, on_detect=on_detect, **kw) as w:
+        try:
+            for i, (x, y) in enumerate(_data(scenario)):
+                block = w.batch() if batch_blocks else contextlib.nullcontext()
+                with block:
+                    opt.zero_grad()
+                    if scenario == "loss_in_model":
+                        loss = called(x, y)["loss"]
+                    else:
+                        loss = (called(x) - y).square().mean()
+                    loss.backward()
+                    if scenario == "gradient" and i == BAD:
+                        model.a.weight.grad[0, 0] = INF  # born in a gradient
+                    opt.step()
+        except NonFiniteDetected as exc:
+            raised = exc
+    return raised, sink, model
+
+
+def _place(ev):
+    return (ev.module, ev.tensor, ev.phase, ev.batch_number, ev.kind)
+
+
+def _first_event(sink):
+    events = sink.of(NonFiniteEvent)
+    assert events, "no detection"
+    return events[0]
+
+
+# where a run watching every batch names each (checked live below, not assumed)
+EXPECTED = {"activation": ("act", "output", "forward"), "hidden_activation": ("act", "output", "forward"),
+            "loss_in_model": ("", "output.loss", "forward"), "loss_outside": ("b", "bias.grad", "backward"),
+            "gradient": ("a", "weight.grad", "backward")}
+
+
+@pytest.mark.parametrize("scenario", list(MODELS))
+def test_an_inf_in_an_unsampled_batch_is_named_where_full_watching_names_it(scenario):
+    full, _, _ = _train(scenario, 1)
+    sampled, sink, _ = _train(scenario, 10)
+    assert full is not None and sampled is not None
+    assert full.event.batch_number == BAD
+    assert _place(full.event)[:3] == EXPECTED[scenario]
+    assert _place(sampled.event) == _place(full.event)
+    assert sink.of(NonFiniteEvent) == [sampled.event]
+    if full.event.phase == "forward":  # the replay's frames: the batch's modules up to the place
+        assert [f.module for f in sampled.event.frames] == [f.module for f in full.event.frames
+                                                             if f.batch_number == BAD]
+        assert all(f.batch_number == BAD for f in sampled.event.frames)
+
+
+@pytest.mark.parametrize("scenario", ["activation", "hidden_activation", "loss_outside"])
+def test_report_records_the_same_first_event_and_training_goes_on(scenario):
+    full, full_sink, _ = _train(scenario, 1, on_detect="report")
+    sampled, sink, _ = _train(scenario, 10, on_detect="report")
+    assert full is None and sampled is None
+    assert _place(_first_event(sink)) == _place(_first_event(full_sink))
+
+
+@pytest.mark.parametrize("scenario", ["activation", "hidden_activation", "gradient"])
+def test_skip_skips_the_step_and_names_where_the_inf_was_born(scenario):
+    full, full_sink, full_model = _train(scenario, 1, on_detect="skip")
+    sampled, sink, model = _train(scenario, 10, on_detect="skip")
+    assert full is None and sampled is None
+    (skipped_full,) = full_sink.of(SkippedNonFiniteStepEvent)
+    (skipped,) = sink.of(SkippedNonFiniteStepEvent)
+    keys = ("batch_number", "module", "module_class", "tensor", "kind", "phase")
+    assert [getattr(skipped, k) for k in keys] == [getattr(skipped_full, k) for k in keys]
+    assert [_place(e) for e in sink.of(NonFiniteEvent)] == [_place(e) for e in full_sink.of(NonFiniteEvent)]
+    for p, q in zip(model.parameters(), full_model.parameters()):  # the same steps skipped: the same weights
+        assert torch.isfinite(p).all() and torch.equal(p, q)
+
+
+class BnNet(nn.Module):
+    """Batch statistics and dropout in train mode: what a replay must give back."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.5)
+        self.b = nn.Linear(16, 4)
+        self.act = Exp()
+
+    def forward(self, x, boost=1.0):
+        return self.act(self.b(self.drop(self.bn(self.a(x)))) * boost)
+
+
+def _bn_run(watched):
+    """Batch BAD is a forward whose output overflows, not trained on; the run goes on after it."""
+    torch.manual_seed(0)
+    model = BnNet().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = Collect()
+    g = torch.Generator().manual_seed(1)
+    outs = []
+    ctx = watch(model, sinks=[sink], every_n_batches=10, on_detect="report") if watched else contextlib.nullcontext()
+    with ctx:
+        for i in range(BATCHES + 2):
+            x = torch.randn(4, 8, generator=g)
+            if i == BAD:
+                with torch.no_grad():
+                    model(x, boost=1e3)
+                continue
+            opt.zero_grad()
+            out = model(x)
+            outs.append(out.detach())
+            out.square().mean().backward()
+            opt.step()
+    return model, outs, torch.get_rng_state(), sink
+
+
+def test_the_replay_gives_back_batch_norm_statistics_and_the_rng_stream():
+    ref, ref_outs, ref_rng, _ = _bn_run(False)
+    model, outs, rng, sink = _bn_run(True)
+    (ev,) = sink.of(NonFiniteEvent)
+    assert (ev.module, ev.tensor, ev.batch_number) == ("act", "output", BAD)  # localized: a replay ran
+    for (name, v), (_, r) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(v, r), name  # running_mean/var, num_batches_tracked, weights
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs))  # the dropout masks after it too
+    assert torch.equal(rng, ref_rng)
+
+
+class InPlace(ExpNet):
+    def forward(self, x):
+        x.mul_(1.0)  # the forward changes its input in place: a replay would not see the batch
+        return super().forward(x)
+
+
+def test_inputs_changed_in_place_are_not_replayed_and_the_event_stays_the_calls(caplog):
+    MODELS["in_place"] = InPlace
+    try:
+        with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+            sampled, sink, _ = _train("in_place", 10)
+    finally:
+        del MODELS["in_place"]
+    ev = sampled.event
+    assert (ev.module, ev.phase, ev.batch_number) == ("", "forward", BAD)  # the output's check, unlocalized
+    assert ev.tensor == "output" and ev.kind in ("inf", "nan", "inf,nan")
+    assert sink.of(NonFiniteEvent) == [ev]
+    said = [r.getMessage() for r in caplog.records if "not replayed" in r.getMessage()]
+    assert len(said) == 1 and "changed in place" in said[0]
+
+
+@pytest.mark.parametrize("scenario", ["activation", "hidden_activation", "gradient"])
+def test_a_model_called_inside_watcher_batch_blocks(scenario):
+    full, _, _ = _train(scenario, 1, batch_blocks=True)
+    sampled, _, _ = _train(scenario, 10, batch_blocks=True)
+    assert full.event.batch_number == BAD
+    assert _place(sampled.event) == _place(full.event)
+
+
+def test_a_batch_block_of_several_calls_is_not_replayed_but_still_detected(caplog):
+    torch.manual_seed(0)
+    model = ClampedExpNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        with watch(model, sinks=[Collect()], every_n_batches=10) as w:
+            with pytest.raises(NonFiniteDetected) as ei:
+                for x, y in _data("hidden_activation"):
+                    with w.batch():
+                        opt.zero_grad()
+                        h = torch.relu(model.a(x))  # two outermost calls: a replay of one is not the batch
+                        out = model.act(model.b(h)).clamp(max=1e4)
+                        (out - y).square().mean().backward()
+                        opt.step()
+    assert _place(ei.value.event) == ("b", "bias.grad", "backward", BAD, "nan")  # the guard's
+    assert any("several outermost calls" in r.getMessage() for r in caplog.records)
+
+
+def test_the_jsonl_event_of_a_replayed_batch_carries_its_frames(tmp_path):
+    path = tmp_path / "events.jsonl"
+    sampled, _, _ = _train("hidden_activation", 10, sinks=[JsonlLog(str(path))])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    (ev,) = [d for d in lines if d["event"] == "nonfinite_detected"]
+    assert (ev["module"], ev["tensor"], ev["batch_number"]) == ("act", "output", BAD)
+    assert [f["module"] for f in ev["frames"]] == ["a", "b", "act"]
+    assert ev["frames"][-1]["tensors"][-1] == {**ev["frames"][-1]["tensors"][-1], "name": "output", "abs_max": "inf"}
+
+
+def test_rerun_on_detect_says_the_replayed_batch_reproduces():
+    sampled, _, _ = _train("hidden_activation", 10, rerun_on_detect=True)
+    assert _place(sampled.event)[:2] == ("act", "output")
+    assert sampled.event.reproduced is True
+
+
+@pytest.mark.slow
+def test_a_compiled_model_is_replayed_eagerly_and_named_as_in_eager_full_watching():
+    full, _, _ = _train("hidden_activation", 1)
+    sampled, _, _ = _train("hidden_activation", 10, compile_model=True)
+    assert _place(sampled.event) == _place(full.event)
+
+
+def test_healthy_unsampled_batches_replay_nothing_and_a_bad_one_is_replayed_once(monkeypatch):
+    from tensorwatch_otel.core import detection
+
+    calls = []
+    localize = detection.localize
+    monkeypatch.setattr(detection, "localize", lambda *a: calls.append(a[2]) or localize(*a))
+    raised, sink, _ = _train("activation", 10, on_detect="raise")
+    assert raised is not None and calls == [BAD]
+    calls.clear()
+    raised, sink, _ = _train("activation", 10, on_detect="raise", max_frames=3)
+    assert len(raised.event.frames) == 2 and calls == [BAD]  # a then act: max_frames bounds the replay's too
+
