@@ -301,3 +301,12 @@ def test_healthy_unsampled_batches_replay_nothing_and_a_bad_one_is_replayed_once
     raised, sink, _ = _train("activation", 10, on_detect="raise", max_frames=3)
     assert len(raised.event.frames) == 2 and calls == [BAD]  # a then act: max_frames bounds the replay's too
 
+
+@pytest.mark.parametrize("scenario", ["hidden_activation", "gradient"])
+def test_gradients_true_still_guards_the_unsampled_batches_steps(scenario):
+    """gradients=True records the gradients of the recorded batches only: the step guard reads
+    the others' (before, an unsampled batch's bad gradient reached the weights unseen)."""
+    full, _, _ = _train(scenario, 1)
+    sampled, _, _ = _train(scenario, 10, gradients=True)
+    assert sampled is not None
+    assert _place(sampled.event) == _place(full.event)

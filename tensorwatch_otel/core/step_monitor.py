@@ -197,13 +197,16 @@ class StepMonitor:
             self._skips.step_taken()
             self._host.detect(pending.record, pending.frame)
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
+        batch = self._host.last_batch()
         if pending is None and self._guard is not None and self._host.live() \
-                and not torch.compiler.is_compiling():  # (a compiled optimizer step: no read inside its graph)
+                and not torch.compiler.is_compiling() \
+                and not (self._gradients and self._host.watches(batch)):  # (gradients=True read that batch's)
+            # (a compiled optimizer step: no read inside its graph)
             # after the stop point: a stop already under way (another rank's, or this rank's
             # forward detection) is raised there, not named again at the gradients it spoilt
             # every batch's step, sampled or not: every_n_batches thins the statistics, never
             # the detection (an unchecked step would spread an inf into every weight)
-            self._guard_step(optimizer, self._host.last_batch())
+            self._guard_step(optimizer, batch)
         return None
 
     def _guard_step(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
