@@ -313,3 +313,29 @@ def test_gradients_true_still_guards_the_unsampled_batches_steps(scenario):
     sampled, _, _ = _train(scenario, 10, gradients=True)
     assert sampled is not None
     assert _place(sampled.event) == _place(full.event)
+
+
+@pytest.mark.parametrize("fused", [(), ("cpu",)])  # ("cpu",): the path CUDA tensors take, run here on the CPU
+def test_the_output_check_reads_the_loss_alone_when_there_is_one(fused):
+    from dataclasses import dataclass
+
+    from tensorwatch_otel.core.finite import all_finite, output_tensors
+
+    @dataclass
+    class Out:
+        loss: torch.Tensor
+        logits: torch.Tensor
+
+    loss, logits = torch.tensor(0.5), torch.full((2, 3), INF)
+    for out in ({"loss": loss, "logits": logits}, Out(loss, logits)):
+        (t,) = output_tensors(out)
+        assert t.data_ptr() == loss.data_ptr()  # the logits are not read: the loss was computed from them
+        assert all_finite([t], fused)
+    ids = torch.ones(2, dtype=torch.long)
+    found = output_tensors((logits.half(), [loss, ids], {"loss": None, "h": loss.double()}))
+    assert [t.dtype for t in found] == [torch.float16, torch.float32, torch.float64]  # no integer tensor
+    assert not all_finite(found, fused)
+    assert all_finite(found[1:], fused) and all_finite([], fused)
+    nan = torch.zeros(4, 4)[:, 1]  # (not contiguous: measured apart from the kernel's batch)
+    nan[2] = float("nan")
+    assert not all_finite([loss, nan], fused)

@@ -18,6 +18,8 @@ from . import naming
 from .stats import HostBatch, measure
 
 _INF = float("inf")
+# dtypes one float32 inf-norm takes without narrowing (float64 would not fit: measured alone)
+_FUSED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 MAX_TENSORS = 64  # output tensors looked at: a bounded walk, as the recorder's
 MAX_DEPTH = 4
 
@@ -31,7 +33,7 @@ def all_finite(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) -> bool:
     gathered = "cpu" not in fused and host.add_all(list(tensors))
     for t in () if gathered else tensors:
         if t.__class__ is torch.Tensor and t.device.type in fused and t.layout is torch.strided \
-                and t.is_floating_point():  # (a DTensor's local shard goes through measure)
+                and t.dtype in _FUSED_DTYPES:  # (a DTensor's local shard goes through measure)
             group = groups.get(t.device)
             if group is None:
                 group = groups[t.device] = []
@@ -72,7 +74,7 @@ def _all_finite_each(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) ->
     groups: Dict[torch.device, List[torch.Tensor]] = {}
     for t in tensors:
         if t.__class__ is torch.Tensor and t.device.type in fused and t.layout is torch.strided \
-                and t.is_floating_point():
+                and t.dtype in _FUSED_DTYPES:
             groups.setdefault(t.device, []).append(t)
             continue
         r = measure(t)
