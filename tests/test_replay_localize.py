@@ -339,3 +339,25 @@ def test_the_output_check_reads_the_loss_alone_when_there_is_one(fused):
     nan = torch.zeros(4, 4)[:, 1]  # (not contiguous: measured apart from the kernel's batch)
     nan[2] = float("nan")
     assert not all_finite([loss, nan], fused)
+
+
+@pytest.mark.parametrize("labels", [False, True])
+def test_a_transformers_fp16_overflow_in_an_unsampled_batch_is_named_at_its_module(labels):
+    """A real GPT-2 (tiny, fp16): a Conv1D whose output overflows, in an unsampled batch; its
+    ModelOutput is checked (the loss alone when given labels, else the logits) and replayed."""
+    pytest.importorskip("transformers")
+    from _models import OVERFLOW_AT, batches, build, inject_overflow
+
+    places = []
+    for every in (1, 10):
+        model = build("gpt2", torch.float16)
+        with watch(model, sinks=[Collect()], every_n_batches=every):
+            with pytest.raises(NonFiniteDetected) as ei:
+                for i, kw in enumerate(batches("gpt2", BATCHES)):
+                    if i == BAD:
+                        inject_overflow(model, OVERFLOW_AT["gpt2"])
+                    with torch.no_grad():
+                        model(**(dict(kw, labels=kw["input_ids"]) if labels else kw))
+        places.append(_place(ei.value.event))
+    assert places[1] == places[0]
+    assert places[0][:4] == (OVERFLOW_AT["gpt2"], "output", "forward", BAD)
