@@ -65,8 +65,9 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     the event a recorded batch would have given: the module where the inf/nan was born, and its
     frames. When the replay finds none in the forward (born in a loss computed outside the model,
     or in the backward), the event is the check's own (the step guard's parameter gradient). A
-    batch that cannot be replayed (inputs the forward changed in place, several outermost calls
-    in one `batch()` block, an FSDP-sharded model) keeps that event; said once in the log.
+    batch that cannot be replayed (no call of the root in it, inputs the forward changed in
+    place, an FSDP-sharded model) keeps that event; said once in the log. A `batch()` block that
+    calls the root several times replays the last of those calls.
 
     `target_dtypes=["float8_e4m3fn", "float16"]`: every measured tensor's frame statistic gains
     `underflow` / `overflow`, the share of its non-zero finite elements a cast to each dtype

@@ -248,22 +248,24 @@ def test_a_model_called_inside_watcher_batch_blocks(scenario):
     assert _place(sampled.event) == _place(full.event)
 
 
-def test_a_batch_block_of_several_calls_is_not_replayed_but_still_detected(caplog):
-    torch.manual_seed(0)
-    model = ClampedExpNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
-        with watch(model, sinks=[Collect()], every_n_batches=10) as w:
+def test_a_batch_block_that_calls_the_root_twice_replays_the_call_held_last():
+    """Two root calls in one unsampled batch() block: the overflow is born in the second, whose
+    inputs and RNG states are the ones held: its replay names the module, as full watching does."""
+    places = []
+    for every in (1, 10):
+        torch.manual_seed(0)
+        model = ClampedExpNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with watch(model, sinks=[Collect()], every_n_batches=every) as w:
             with pytest.raises(NonFiniteDetected) as ei:
                 for x, y in _data("hidden_activation"):
                     with w.batch():
                         opt.zero_grad()
-                        h = torch.relu(model.a(x))  # two outermost calls: a replay of one is not the batch
-                        out = model.act(model.b(h)).clamp(max=1e4)
-                        (out - y).square().mean().backward()
+                        warm = model(x / 300 if x.abs().max() > 100 else x)  # a healthy call first
+                        ((model(x) - y).square().mean() + warm.sum() * 0).backward()
                         opt.step()
-    assert _place(ei.value.event) == ("b", "bias.grad", "backward", BAD, "nan")  # the guard's
-    assert any("several outermost calls" in r.getMessage() for r in caplog.records)
+        places.append(_place(ei.value.event))
+    assert places[1] == places[0] == ("act", "output", "forward", BAD, "inf")
 
 
 def test_the_jsonl_event_of_a_replayed_batch_carries_its_frames(tmp_path):
@@ -361,3 +363,20 @@ def test_a_transformers_fp16_overflow_in_an_unsampled_batch_is_named_at_its_modu
         places.append(_place(ei.value.event))
     assert places[1] == places[0]
     assert places[0][:4] == (OVERFLOW_AT["gpt2"], "output", "forward", BAD)
+
+
+def test_a_submodule_called_directly_is_checked_but_not_replayed(caplog):
+    """A batch that is one call of a submodule: its output is checked; the root's inputs were
+    not held for it, so the event is that call's own frame."""
+    torch.manual_seed(0)
+    model = ExpNet()
+    x = torch.randn(4, 16) * 300
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        with watch(model, sinks=[Collect()], every_n_batches=10) as w:
+            for _ in range(3):
+                model(torch.randn(4, 8))
+            with pytest.raises(NonFiniteDetected) as ei:
+                model.act(x)  # batch 3: the submodule alone
+            assert w.batch_number == 4
+    assert _place(ei.value.event)[:4] == ("act", "output", "forward", 3)
+    assert any("not held" in r.getMessage() for r in caplog.records)

@@ -157,16 +157,14 @@ class BatchCapture:
         self._versions: Optional[List[int]] = []
         self._rng: Optional[Dict[str, Any]] = None
         self._batch = -1
-        self._single = True  # the held call is the batch's only outermost call
         self._said = False
         self._said_skipped = False
         self.replays_skipped = 0
 
-    def hold(self, batch_number: int, args: Any, kwargs: Any, first: bool = True) -> None:
-        """The root's inputs of `batch_number`, by reference, and the RNG states now; `first`:
-        this call began the batch (else the batch made other calls before it)."""
+    def hold(self, batch_number: int, args: Any, kwargs: Any) -> None:
+        """The inputs of a root call of batch `batch_number` (its last one), by reference, and
+        the RNG states at its start."""
         self._batch = batch_number
-        self._single = first
         versions: List[int] = []
         try:
             self._args, self._kwargs = _skeleton(args, versions), _skeleton(kwargs, versions)
@@ -175,15 +173,6 @@ class BatchCapture:
             self._args, self._kwargs, self._versions = args, kwargs, None
             log.debug("tensorwatch_otel: inputs held as they are (%s: %s)", type(exc).__name__, exc)
         self._rng = _rng_states()
-
-    def another_call(self, batch_number: int) -> None:
-        """Batch `batch_number` made an outermost call besides the one held (a `batch()` block)."""
-        if self._batch == batch_number:
-            self._single = False
-
-    def single_call(self, batch_number: int) -> bool:
-        """The held call is all of batch `batch_number`: a replay of it is a replay of the batch."""
-        return self._batch == batch_number and self._single
 
     def held(self, batch_number: int) -> Tuple[Any, Any, Optional[Dict[str, Any]]]:
         """(args, kwargs, rng states) held for `batch_number`, or (None, None, None)."""

@@ -111,12 +111,14 @@ def localize(watched: torch.nn.Module, held: BatchCapture, batch_number: int,
              make_watcher: MakeWatcher) -> Optional[NonFiniteEvent]:
     """The first inf/nan a replay of batch `batch_number` finds in the forward, every module
     checked (eagerly, on a compiled model), as the event a recorded batch gives: numbered as
-    that batch, with its frames. None when the replay finds none (the inf/nan was born outside
-    the model's modules' forward: in a loss computed outside, or in the backward) or the batch
-    cannot be replayed (its inputs changed in place, objects a replay cannot give back, several
-    calls in one batch, a failed replay: said once). Buffers and RNG states are restored after."""
-    if not held.single_call(batch_number):
-        _say_skipped(held, batch_number, ["the batch made several outermost calls (a replay runs only the root's)"])
+    that batch, with its frames. The replay is of the batch's root call held last (a `batch()`
+    block that calls the root twice: the second; what it finds is where that call's inf/nan was
+    born). None when the replay finds none (the inf/nan was born outside the model's modules'
+    forward: in a loss computed outside, in the backward, or in another call of the batch) or the
+    batch cannot be replayed (no root call, inputs changed in place, objects a replay cannot give
+    back, a failed replay: said once). Buffers and RNG states are restored after."""
+    if held.held(batch_number)[2] is None:
+        _say_skipped(held, batch_number, ["the inputs, not held (the batch did not call the root)"])
         return None
     if not _replayable(held, batch_number):
         return None

@@ -342,9 +342,7 @@ class Watcher:
             st.inputs = None
             if st.rec is not None:
                 # tensors by reference; inputs are held only with a capture (_capture_hook)
-                self._capture.hold(st.rec.batch_number, args, kwargs, begins)  # type: ignore[union-attr]
-        elif not begins and st.rec is not None and self._capture is not None and _graph_task() == -1:
-            self._capture.another_call(st.rec.batch_number)  # a batch() block's further call: no replay
+                self._capture.hold(st.rec.batch_number, args, kwargs)  # type: ignore[union-attr]
 
     def _params_current(self) -> None:
         """Parameters or submodules replaced since the last look (to_empty(), load_state_dict(
