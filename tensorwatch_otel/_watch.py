@@ -55,9 +55,21 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     `grad_scaler` (a torch.amp.GradScaler) exports its scale and counts its skips.
 
     `guard_steps=True` (the default, when gradients are not watched): before each optimizer
-    step of a watched batch, the gradients the step will consume are checked in one host read;
-    a non-finite one is a detection (phase "backward", tensor `weight.grad`...) raised before the
-    step changes the weights. A step GradScaler skips is not checked (it stays a skipped step).
+    step, the gradients the step will consume are checked in one host read; a non-finite one is
+    a detection (phase "backward", tensor `weight.grad`...) raised before the step changes the
+    weights. A step GradScaler skips is not checked (it stays a skipped step).
+
+    `every_n_batches=N` records statistics in one batch out of N, but detects in every batch: the
+    output of an unsampled batch's outermost call (its loss alone when it carries one, as a
+    transformers ModelOutput does) is checked in one read, and its optimizer step is guarded (with
+    `gradients=True` too). A detection there replays the batch (its inputs held by reference, the
+    RNG states of its start, the weights not yet stepped) with every module watched, and reports
+    the event a recorded batch would have given: the module where the inf/nan was born, and its
+    frames. When the replay finds none in the forward (born in a loss computed outside the model,
+    or in the backward), the event is the check's own (the step guard's parameter gradient). A
+    batch that cannot be replayed (no call of the root in it, inputs the forward changed in
+    place, an FSDP-sharded model) keeps that event; said once in the log. A `batch()` block that
+    calls the root several times replays the last of those calls.
 
     `target_dtypes=["float8_e4m3fn", "float16"]`: every measured tensor's frame statistic gains
     `underflow` / `overflow`, the share of its non-zero finite elements a cast to each dtype

@@ -97,11 +97,10 @@ def test_an_ema_copy_is_not_watched(options, tmp_path):
     with torch.no_grad():
         model.b.weight[0, 0] = math.inf
     with pytest.raises(NonFiniteDetected) as info:
-        for _ in range(every):  # up to the next watched batch
-            model(x)
+        model(x)  # (an unsampled batch's output is checked, and a replay names the module)
     event = info.value.event
     assert (event.module, event.tensor, event.kind) == ("b", "weight", "inf")
-    assert event.batch_number == (6 if every == 3 else 5)
+    assert event.batch_number == 5
     w.detach()
     assert remaining_hooks(model) == {} and remaining_hooks(ema) == {}
 

@@ -332,13 +332,13 @@ def test_parameter_groups_do_not_change_which_gradient_is_named():
 
 
 def test_a_guard_that_fails_logs_once_and_training_goes_on(monkeypatch, caplog):
-    from tensorwatch_otel.core import steps
+    from tensorwatch_otel.core import finite
 
     def broken(t):
         raise RuntimeError("no reading this tensor")
 
-    monkeypatch.setattr(steps, "measure", broken)
-    monkeypatch.setattr(steps.HostBatch, "measure", lambda self: broken(None))  # the CPU kernel's batch
+    monkeypatch.setattr(finite, "measure", broken)  # the guard's read (core/finite.py)
+    monkeypatch.setattr(finite.HostBatch, "measure", lambda self: broken(None))  # the CPU kernel's batch
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

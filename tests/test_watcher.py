@@ -386,16 +386,19 @@ def test_every_n_batches_samples_and_traced_batches_always_watched(monkeypatch):
     w.detach()
 
 
-def test_every_n_batches_unwatched_batch_is_not_checked():
+def test_every_n_batches_unwatched_batch_is_checked_and_localized_by_a_replay():
     model = Chain(Blow())
     sink = Collect()
     w = watch(model, sinks=[sink], every_n_batches=2, on_detect="report")
     x = torch.randn(2, 3)
     model(x)
     model.bad.armed = True
-    model(x)  # batch 1: not watched
+    model(x)  # batch 1: not watched; its output is checked, and the replay names the module
     model(x)  # batch 2: watched
-    assert [e.batch_number for e in sink.of(NonFiniteEvent)] == [2]
+    events = sink.of(NonFiniteEvent)
+    assert [e.batch_number for e in events] == [1, 2]
+    assert [(e.module, e.tensor, e.phase) for e in events] == [("bad", "output", "forward")] * 2
+    assert [b.batch_number for b in sink.batches] == [0, 2]  # statistics of the watched batches only
     w.detach()
 
 

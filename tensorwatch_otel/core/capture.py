@@ -2,7 +2,8 @@
 batch are held by reference (tensors are not copied: their containers are, and each tensor's
 version) with the RNG states at its start; only on a detection are they moved to the CPU and
 written, a bounded number of files per process. The same held inputs feed `rerun_on_detect`'s
-replay, as copies, and only when the forward did not change them in place."""
+replay and the replay that localizes a detection in an unsampled batch (`every_n_batches`), as
+copies, and only when the forward did not change them in place."""
 
 from __future__ import annotations
 
@@ -161,6 +162,8 @@ class BatchCapture:
         self.replays_skipped = 0
 
     def hold(self, batch_number: int, args: Any, kwargs: Any) -> None:
+        """The inputs of a root call of batch `batch_number` (its last one), by reference, and
+        the RNG states at its start."""
         self._batch = batch_number
         versions: List[int] = []
         try:

@@ -7,10 +7,16 @@ replayed (`rerun_on_detect`: reproduced, and on a compiled model which of eager 
 reproduces it), the rank that found it first (multi-rank), the event to the sinks, flushed,
 and NonFiniteDetected raised here or at the ranks' common stop point. `abort_after_batch`
 ends here too.
+
+A detection in a batch `every_n_batches` did not record (its output's check, or the step
+guard's read of its gradients) is localized first: the batch is replayed with every module
+checked, and the forward's first inf/nan, when the replay finds one, is the event, as a
+recorded batch would have given it; else the detection's own record is (core/rerun.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Optional, Tuple
@@ -26,7 +32,7 @@ from .fleet import FleetStop
 from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .record import History, Record
-from .rerun import host, replay_would_block, rerun_verdict
+from .rerun import host, localize, replay_would_block, rerun_verdict
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +46,8 @@ class DetectionPipeline:
     def __init__(self, model: torch.nn.Module, config: WatchConfig, behaviour: Behaviour, fanout: SinkFanout,
                  fleet: FleetStop, kind_of: KindOf, forget_batch: Callable[[], None],
                  history: Callable[[], History], make_probe: MakeProbe,
-                 forward_poisoned: Callable[[NonFiniteEvent], None] = lambda event: None):
+                 forward_poisoned: Callable[[NonFiniteEvent], None] = lambda event: None,
+                 sampled: Callable[[int], bool] = lambda batch: True):
         self._model = model
         self._config = config
         self._behaviour = behaviour
@@ -51,9 +58,11 @@ class DetectionPipeline:
         self._history = history  # the calling thread's finished records
         self._make_probe = make_probe
         self._forward_poisoned = forward_poisoned  # on_detect="skip": that batch's step is to be skipped
-        # the batch's inputs, held by reference until its end (capture_dir / rerun_on_detect)
+        self._sampled = sampled  # batch number -> recorded (a detection in another is localized by a replay)
+        # the batch's inputs, held by reference until the next batch (capture_dir / rerun_on_detect /
+        # the replay of an unsampled batch)
         self.capture = BatchCapture(config.capture_dir or "", current_rank()) \
-            if config.capture_dir or config.rerun_on_detect else None
+            if config.capture_dir or config.rerun_on_detect or config.every_n_batches > 1 else None
         self.replaying = False  # a captured batch is being replayed: the hooks stay out of it
         self.detections = 0
 
@@ -75,27 +84,53 @@ class DetectionPipeline:
         every rank (the step guard's all-reduced gradients), so every rank finds them at this
         point and may raise here. `force`: raised whatever on_detect says (on_detect="skip" that
         can skip no more), the message ending with this note."""
-        cfg = self._config
         rec.detected = True
-        frames = self._ring(rec, fi)
-        last = frames[-1]
-        first = last.first_nonfinite()
-        capture = self.capture.write(rec.batch_number) if self.capture is not None and cfg.capture_dir else None
+        event = self._localized(rec.batch_number)
+        if event is None:
+            frames = self._ring(rec, fi)
+            last = frames[-1]
+            first = last.first_nonfinite()
+            event = NonFiniteEvent(
+                batch_number=rec.batch_number, rank=current_rank(), module=last.module,
+                module_class=last.module_class, tensor=first.name if first else "",
+                kind=self._kind_of(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase)
+        self._publish(event, replicated, force)
+
+    def localized(self, rec: Record) -> Optional[NonFiniteEvent]:
+        """on_detect="skip": the step guard found bad gradients of `rec`'s batch; when that batch
+        was not recorded and its replay finds the inf/nan in the forward, that forward detection
+        is recorded (as a recorded batch's would be) and returned; else None."""
+        event = self._localized(rec.batch_number)
+        if event is not None:
+            rec.detected = True
+            self._publish(event, False, None)
+        return event
+
+    def _localized(self, batch: int) -> Optional[NonFiniteEvent]:
+        """The forward's first inf/nan in a replay of unsampled batch `batch`, or None."""
+        if self._sampled(batch) or self.capture is None or self.replaying or replay_would_block(self._model):
+            return None
+        self.replaying = True
+        try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
+            return localize(self._model, self.capture, batch, self._make_probe)
+        finally:
+            self.replaying = False
+
+    def _publish(self, event: NonFiniteEvent, replicated: bool, force: Optional[str]) -> None:
+        """The rest of a detection: capture file, re-run, first rank, sinks, and the raise."""
+        cfg = self._config
+        capture = self.capture.write(event.batch_number) if self.capture is not None and cfg.capture_dir else None
         reproduced = verdict = None
-        if cfg.rerun_on_detect and rec.phase == "forward" and self.capture is not None \
+        if cfg.rerun_on_detect and event.phase == "forward" and self.capture is not None \
                 and not replay_would_block(self._model):
             self.replaying = True
             try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
-                reproduced, verdict = rerun_verdict(self._model, self.capture, rec.batch_number,
-                                                    last.module, first.name if first else "", self._make_probe)
+                reproduced, verdict = rerun_verdict(self._model, self.capture, event.batch_number,
+                                                    event.module, event.tensor, self._make_probe)
             finally:
                 self.replaying = False
-        event = NonFiniteEvent(
-            batch_number=rec.batch_number, rank=current_rank(), module=last.module,
-            module_class=last.module_class, tensor=first.name if first else "",
-            kind=self._kind_of(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase,
-            capture=capture, reproduced=reproduced, host=host() if reproduced is not None else None,
-            verdict=verdict)
+        event = dataclasses.replace(event, capture=capture, reproduced=reproduced,
+                                    host=host() if reproduced is not None else None, verdict=verdict)
         raising = cfg.on_detect == "raise" or force is not None
         if self._fleet.active():
             event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
@@ -107,7 +142,7 @@ class DetectionPipeline:
             exc = NonFiniteDetected(self._behaviour.detection_message(event) + (force or ""), event)
             if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
                 raise exc
-        elif cfg.on_detect == "skip" and rec.phase == "forward" and torch.is_grad_enabled():
+        elif cfg.on_detect == "skip" and event.phase == "forward" and torch.is_grad_enabled():
             # the forward cannot be undone, but the step that would consume its gradients can
             self._forward_poisoned(event)
 

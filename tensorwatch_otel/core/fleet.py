@@ -94,11 +94,12 @@ class FleetStop:
     `emit(event)` records an event durably (the watcher's sinks, flushed); `batch_number()` is
     the watcher's batch counter; `model` the watched model (to see DDP's `no_sync()`). With
     `stops=False` (on_detect="report") detections are still published, for their first_rank,
-    but nothing is checked per batch and nobody stops.
+    but nothing is checked per batch and nobody stops. `publishes=False` (a replay's probe
+    watcher, whose findings belong to the detection that asked for the replay): none is.
     """
 
     def __init__(self, emit: Callable[[object], None], batch_number: Callable[[], int], stops: bool = True,
-                 model: Optional[torch.nn.Module] = None):
+                 model: Optional[torch.nn.Module] = None, publishes: bool = True):
         self._emit = emit
         self._batch_number = batch_number
         self._model = model
@@ -107,6 +108,7 @@ class FleetStop:
         self._done = False  # this watcher has raised its stop
         self._stops = stops
         self._failed = False  # the store failed once: back to raising at once
+        self._publishes = publishes
         self._stepped = False  # an optimizer step was polled since the last batch start
         self._unsynced = False  # the last batch ran DDP's backward without its all-reduce
         self._synced = False  # the last batch ran DDP's backward with its all-reduce
@@ -120,7 +122,7 @@ class FleetStop:
     # ------------------------------------------------------------------ the detecting rank
     def active(self) -> bool:
         """Detections are published: a multi-rank run with a usable store."""
-        return not self._failed and not self._done and _dist() is not None
+        return self._publishes and not self._failed and not self._done and _dist() is not None
 
     def publish(self, event: NonFiniteEvent) -> NonFiniteEvent:
         """Publish this rank's detection; `event` with first_rank set (the first to publish wins).

@@ -4,10 +4,15 @@ weights from its batch-start RNG state, every module checked as it returns. The 
 in the same place is a numeric problem (fix the model, the data, the scale); none is a
 transient fault: suspect the device (the event names the rank and host). On a compiled model
 the batch is replayed eagerly and then compiled, and the event's `verdict` says which of the
-two reproduces it: "model", "compiler" or "transient" (see rerun_verdict)."""
+two reproduces it: "model", "compiler" or "transient" (see rerun_verdict).
+
+The same replay localizes a detection made in a batch `every_n_batches` did not record (by the
+check of its output, or by the step guard): `localize` runs the batch once with every module
+checked and returns the event a recorded batch would have given (see core/detection.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import socket
@@ -100,6 +105,37 @@ def rerun_verdict(watched: torch.nn.Module, held: BatchCapture, batch_number: in
     if found is None:
         return None, None
     return (True, VERDICT_COMPILER) if found[1] else (False, VERDICT_TRANSIENT)
+
+
+def localize(watched: torch.nn.Module, held: BatchCapture, batch_number: int,
+             make_watcher: MakeWatcher) -> Optional[NonFiniteEvent]:
+    """The first inf/nan a replay of batch `batch_number` finds in the forward, every module
+    checked (eagerly, on a compiled model), as the event a recorded batch gives: numbered as
+    that batch, with its frames. The replay is of the batch's root call held last (a `batch()`
+    block that calls the root twice: the second; what it finds is where that call's inf/nan was
+    born). None when the replay finds none (the inf/nan was born outside the model's modules'
+    forward: in a loss computed outside, in the backward, or in another call of the batch) or the
+    batch cannot be replayed (no root call, inputs changed in place, objects a replay cannot give
+    back, a failed replay: said once). Buffers and RNG states are restored after."""
+    if held.held(batch_number)[2] is None:
+        _say_skipped(held, batch_number, ["the inputs, not held (the batch did not call the root)"])
+        return None
+    if not _replayable(held, batch_number):
+        return None
+    model = naming.unwrap_root(watched)
+
+    def eager(args: Args, kwargs: Kwargs) -> Any:
+        if "torch._dynamo" not in sys.modules:  # torch.compile never ran: nothing to keep from compiling
+            return model(*args, **kwargs)
+        with torch.compiler.set_stance("force_eager"):
+            return model(*args, **kwargs)
+
+    found = _replay(model, held, batch_number, eager, make_watcher, grad=False)
+    if found is None or found[0] is None:
+        return None
+    event = found[0]
+    frames = tuple(dataclasses.replace(f, batch_number=batch_number) for f in event.frames)
+    return dataclasses.replace(event, batch_number=batch_number, frames=frames)
 
 
 def compiled_callable(watched: torch.nn.Module) -> Optional[Callable[..., Any]]:
@@ -202,8 +238,9 @@ def _holds_nonfinite(out: Any, depth: int = 0) -> bool:
 def _say_skipped(held: BatchCapture, batch_number: int, problems: List[str]) -> None:
     """One warning per watcher (its capture holder); later skips at debug level."""
     level = logging.WARNING if held.replay_skipped() == 1 else logging.DEBUG
-    log.log(level, "tensorwatch_otel: rerun_on_detect skipped for batch %d: a replay would not see these inputs "
-            "as the batch did, or could not give them back as it found them: %s", batch_number,
+    log.log(level, "tensorwatch_otel: batch %d not replayed (rerun_on_detect, or localizing a detection in an "
+            "unsampled batch): a replay would not see these inputs as the batch did, or could not give them "
+            "back as it found them: %s", batch_number,
             ", ".join(problems[:8]) + (f" and {len(problems) - 8} more" if len(problems) > 8 else ""))
 
 
@@ -214,8 +251,9 @@ def replay_would_block(model: torch.nn.Module) -> bool:
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
     if sharded(model):
-        log.warning("tensorwatch_otel: rerun_on_detect skipped: the model is sharded (FSDP) over several "
-                    "ranks, and a replay on this rank alone would wait for the others")
+        log.warning("tensorwatch_otel: no replay (rerun_on_detect, or localizing a detection in an unsampled "
+                    "batch): the model is sharded (FSDP) over several ranks, and a replay on this rank alone "
+                    "would wait for the others")
         return True
     return False
 

@@ -32,12 +32,13 @@ class StepHost:
     """What the monitor needs of its watcher, as plain callables (no back reference)."""
 
     __slots__ = ("detect", "escalate", "emit", "phase_stats", "check", "last_batch", "watches", "live",
-                 "weights_changed", "generation")
+                 "weights_changed", "generation", "localize")
 
     def __init__(self, *, detect: Callable[..., None], escalate: Callable[..., None], emit: Callable[[Any], None],
                  phase_stats: Callable[[Record], None], check: Callable[[Record, int], None],
                  last_batch: Callable[[], int], watches: Callable[[int], bool], live: Callable[[], bool],
-                 weights_changed: Callable[[], None], generation: Callable[[], int]):
+                 weights_changed: Callable[[], None], generation: Callable[[], int],
+                 localize: Callable[[Record], Optional[NonFiniteEvent]] = lambda rec: None):
         self.detect = detect  # (record, frame index, replicated=False, force=None): a detection
         self.escalate = escalate  # (event, note, recorded=True): raise a detection on_detect="skip" made
         self.emit = emit  # an event to the sinks
@@ -48,6 +49,9 @@ class StepHost:
         self.live = live  # attached, and not replaying a captured batch
         self.weights_changed = weights_changed  # a step wrote the weights: measure them again
         self.generation = generation  # bumped when the model's parameters were replaced
+        # (bad gradients' record) -> the forward detection a replay of their unsampled batch found and
+        # recorded, or None (on_detect="skip": the skip then names where the inf/nan was born)
+        self.localize = localize
 
 
 class _Bad:
@@ -193,13 +197,16 @@ class StepMonitor:
             self._skips.step_taken()
             self._host.detect(pending.record, pending.frame)
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
+        batch = self._host.last_batch()
         if pending is None and self._guard is not None and self._host.live() \
-                and not torch.compiler.is_compiling():  # (a compiled optimizer step: no read inside its graph)
+                and not torch.compiler.is_compiling() \
+                and not (self._gradients and self._host.watches(batch)):  # (gradients=True read that batch's)
+            # (a compiled optimizer step: no read inside its graph)
             # after the stop point: a stop already under way (another rank's, or this rank's
             # forward detection) is raised there, not named again at the gradients it spoilt
             # every batch's step, sampled or not: every_n_batches thins the statistics, never
             # the detection (an unchecked step would spread an inf into every weight)
-            self._guard_step(optimizer, self._host.last_batch())
+            self._guard_step(optimizer, batch)
         return None
 
     def _guard_step(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
@@ -296,6 +303,10 @@ class StepMonitor:
             bad = self._guard_verdict(optimizer, batch)
             if bad is not None and poisoned is not None:
                 bad = _Bad.of_event(poisoned)  # the place it began
+            elif bad is not None and bad.rec is not None:
+                born = self._host.localize(bad.rec)  # an unsampled batch's forward, replayed
+                if born is not None:
+                    bad = _Bad.of_event(born)
         if self._fleet.gradients_sharded(self._host.generation()) \
                 and self._fleet.any_rank(bad is not None) and bad is None:
             bad = _Bad(batch)  # another rank's shard: every rank skips the same step

@@ -17,7 +17,6 @@ each watcher keeps the handles and removes them on detach.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import time
 import weakref
@@ -29,7 +28,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .events import SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent, merge_kinds
 from .record import Item, ModuleInfo, Record
 from .skip import is_stand_in
-from .stats import HostBatch, measure
+from .finite import all_finite
+from .stats import measure
 
 if TYPE_CHECKING:
     from .param_index import ParamIndex
@@ -130,7 +130,6 @@ class StepTracker:
         self.handles = []
 
 
-_INF = float("inf")
 #: Devices whose gradients the guard checks with one fused inf-norm (a launch or two for all of
 #: them); elsewhere (CPU) the statistics kernel reads all of them in one call, which is faster there.
 FUSED_DEVICES = ("cuda",)
@@ -187,63 +186,8 @@ class StepGuard:
 
     @staticmethod
     def _all_finite(watched: Watched) -> bool:
-        tops: List[torch.Tensor] = []  # a 0-d tensor per gradient (or per device group): non-finite iff a bad value
-        fused: Dict[torch.device, List[torch.Tensor]] = {}
-        host = HostBatch()  # dense CPU gradients: one kernel call for all of them
         grads = [g for g in map(_grad_of, map(_first, watched)) if g is not None]
-        # the common CPU case, gathered with no Python per gradient; else one by one below
-        # (a device in FUSED_DEVICES takes the fused path below)
-        gathered = "cpu" not in FUSED_DEVICES and host.add_all(grads)
-        add = host.add
-        for p, _, _ in () if gathered else watched:
-            g = p.grad
-            if g is None:
-                continue
-            if g.__class__ is torch.Tensor and g.device.type in FUSED_DEVICES and g.layout is torch.strided \
-                    and g.is_floating_point():  # (a DTensor's local shard goes through measure)
-                group = fused.get(g.device)
-                if group is None:
-                    group = fused[g.device] = []
-                group.append(g)
-                continue
-            if add(g):
-                continue
-            r = measure(g)
-            if r.__class__ is not str:
-                tops.append(r[1])  # type: ignore[arg-type]  # abs max: inf or NaN when any element is
-        if len(host.ns):
-            values = host.measure()
-            if values is None:  # the kernel is not loaded (yet): a read each, as below
-                return StepGuard._all_finite_each(watched, tops, fused)
-            if not math.isfinite(sum(values)):  # NaN or inf anywhere (abs values: no inf - inf)
-                return False
-        for group_grads in fused.values():
-            # max |g| of every gradient in one launch (NaN propagates), as float32
-            tops.extend(torch._foreach_norm(group_grads, _INF, dtype=torch.float32))
-        if not tops:
-            return True
-        try:
-            flag = torch.stack(tops).isfinite().all()
-        except RuntimeError:  # gradients on several devices (a model split over GPUs): a read each
-            by_device: Dict[torch.device, List[torch.Tensor]] = {}
-            for t in tops:
-                by_device.setdefault(t.device, []).append(t)
-            return all(bool(torch.stack(ts).isfinite().all()) for ts in by_device.values())
-        return bool(flag)
-
-    @staticmethod
-    def _all_finite_each(watched: Watched, tops: List[torch.Tensor],
-                         fused: Dict[torch.device, List[torch.Tensor]]) -> bool:
-        """_all_finite without the kernel for CPU gradients: measure() each of them."""
-        for p, _, _ in watched:
-            g = p.grad
-            if g is not None and g.__class__ is torch.Tensor and g.device.type == "cpu":
-                r = measure(g)
-                if r.__class__ is not str:
-                    tops.append(r[1])  # type: ignore[arg-type]  # abs max
-        for grads in fused.values():
-            tops.extend(torch._foreach_norm(grads, _INF, dtype=torch.float32))
-        return not tops or bool(torch.stack([t.to("cpu") for t in tops]).isfinite().all())
+        return all_finite(grads, FUSED_DEVICES)
 
     @staticmethod
     def _locate(watched: Watched, batch: int) -> Record:

@@ -12,6 +12,7 @@ thread's batch starts. The sinks are given to it (the port in core/ports.py): th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -39,7 +40,8 @@ from .compiled import run_eagerly_when_called_eagerly, traced_post
 from .copies import ModuleHook
 from . import transforms
 from .step_monitor import StepHost, StepMonitor
-from .steps import StepGuard
+from .steps import FUSED_DEVICES, StepGuard
+from .finite import all_finite, output_tensors
 from .optim_state import OptimizerStateReader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,7 +108,8 @@ class Watcher:
 
     def __init__(self, model: torch.nn.Module, sinks: Sequence[Sink], config: WatchConfig,
                  owned_sinks: Sequence[Sink] = (), behaviour: Optional[Behaviour] = None,
-                 grad_scaler: Any = None) -> None:
+                 grad_scaler: Any = None, local: bool = False) -> None:
+        """`local`: a replay's probe; its detections are not published to the other ranks."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -127,12 +130,13 @@ class Watcher:
         self._recorder = FrameRecorder(model)
         self.grad_scaler = grad_scaler
         self._fleet = FleetStop(lambda e: self._detect.durable(e), lambda: self._batches,
-                                 config.on_detect == "raise", model=model)
+                                 config.on_detect == "raise" and not local, model=model, publishes=not local)
         # ring, capture, replay, fleet, flush, raise (core/detection.py)
         self._detect = DetectionPipeline(model, config, self.behaviour, self._fanout, self._fleet,
                                          self._recorder.kind, lambda: self._recorder.acts_seen.clear(),
                                          lambda: self._tls.st.history, self._probe,
-                                         forward_poisoned=lambda e: self._steps.forward_poisoned(e))
+                                         forward_poisoned=lambda e: self._steps.forward_poisoned(e),
+                                         sampled=self._watches)
         self._check = self._detect.check
         self._detected = self._detect.detected
         # optimizer steps, skips, the loss scale, the step guard (core/step_monitor.py)
@@ -140,7 +144,7 @@ class Watcher:
             detect=self._detected, escalate=self._detect.escalate, emit=self._fanout.on_event,
             phase_stats=self._phase_stats, check=self._check, last_batch=self._last_batch, watches=self._watches,
             live=lambda: self._attached and not self._replaying, weights_changed=self._recorder.invalidate_weights,
-            generation=lambda: self._hooks.index.generation),
+            generation=lambda: self._hooks.index.generation, localize=self._detect.localized),
             self._fleet, grad_scaler, config.max_skipped_steps, config.gradients, skip=config.on_detect == "skip")
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._last_batch()),
@@ -164,10 +168,10 @@ class Watcher:
         hooks = self._hooks
         hooks.place()
         cfg = self.config
-        # gradients=True localizes bad gradients in the backward: the step guard would add nothing,
-        # except to on_detect="skip", whose verdict is on the gradients the step consumes (DDP's
-        # all-reduced ones, a GradScaler's unscaled ones)
-        guard = cfg.guard_steps and (not cfg.gradients or cfg.on_detect == "skip")
+        # gradients=True localizes bad gradients in the backward of a recorded batch: the step guard
+        # adds the batches every_n_batches does not record, and on_detect="skip", whose verdict is
+        # on the gradients the step consumes (DDP's all-reduced ones, a GradScaler's unscaled ones)
+        guard = cfg.guard_steps and (not cfg.gradients or cfg.on_detect == "skip" or cfg.every_n_batches > 1)
         self._steps.use(StepGuard(hooks.index) if guard else None,
                         OptimizerStateReader(hooks.index) if cfg.optimizer_state else None)
         self._attached = True
@@ -398,9 +402,38 @@ class Watcher:
                 st.inputs = (args, kwargs)
 
     def _probe(self, model: torch.nn.Module, sink: Sink) -> "Watcher":
-        """A silent watcher that checks every module as it returns (for the re-run)."""
-        return Watcher(model, [sink], WatchConfig.build(check="module", on_detect="report", max_frames=1,
-                                                        guard_steps=False, environ={}))
+        """A silent watcher that checks every module as it returns (for a replay): the modules,
+        frames and statistics this watcher records, every batch, forwards only."""
+        config = dataclasses.replace(self.config, check="module", on_detect="report", every_n_batches=1,
+                                     trace_batches=frozenset(), abort_after_batch=None, gradients=False,
+                                     optimizer_state=False, capture_dir=None, rerun_on_detect=False,
+                                     guard_steps=False, strict=False, max_overhead=None)
+        return Watcher(model, [sink], config, local=True)
+
+    def _check_output(self, st: _BatchState, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                      output: Any, take: "_Take") -> None:
+        """An unsampled batch's outermost call returned: its output (the loss alone when it
+        carries one) checked for inf/nan in one read. A bad one is a detection, localized by a
+        replay of the batch when it can be (core/detection.py), else named at this call's frame."""
+        if not self._attached or self._replaying or _transforms():
+            return
+        grad = _grad_enabled()
+        try:
+            _set_grad(False)
+            try:
+                tensors = output_tensors(output)
+                if not tensors or all_finite(tensors, FUSED_DEVICES):
+                    return
+                rec = Record(st.rec.batch_number, targets=self.config.target_dtypes)  # type: ignore[union-attr]
+                take(rec, info, args, kwargs, output)  # the call's frame, for an event the replay cannot give
+                rec.readback()
+            finally:
+                _set_grad(grad)
+        except Exception as exc:  # a check that fails must not stop training
+            self._hook_failed(info, exc)
+            return
+        fi = rec.first_nonfinite_frame(0)
+        self._detect.detected(rec, 0 if fi is None else fi)
 
     def _hook_failed(self, info: ModuleInfo, exc: Exception) -> None:
         self._failed_hooks += 1
@@ -570,9 +603,15 @@ class ForwardHook(ModuleHook):
         info = self._info
         outside_backward = _graph_task() == -1  # inside: checkpoint recomputation, not a batch
         try:
+            budget = self._budget
+            if not st.active:  # the outermost call of an unsampled batch (inner ones returned above)
+                if outside_backward and st.rec is not None and _tracing() is None:
+                    t0 = budget.clock() if budget is not None else 0.0
+                    self._w._check_output(st, info, args, kwargs, output, self._take)
+                    if budget is not None:
+                        budget.spend(t0)
             # (jit.trace: an op run here would be traced into its graph)
-            if st.active and info.recorded and outside_backward and _tracing() is None:
-                budget = self._budget
+            elif info.recorded and outside_backward and _tracing() is None:
                 t0 = budget.clock() if budget is not None else 0.0
                 rec: Record = st.rec  # type: ignore[assignment]  # active: a batch is open
                 w = self._w

@@ -1,0 +1,128 @@
+"""Whether a set of tensors holds inf/nan, in one host read: the gradients an optimizer step
+will consume (core/steps.py), the output of an unsampled batch's outermost call (core/watcher.py).
+
+Dense CPU float tensors go to the statistics kernel in one call (their values are on the host at
+once: no read of their own); tensors on a device in `fused` get one inf-norm launch per device;
+anything else is measured alone. One stack and one read then answer for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from . import naming
+from .stats import HostBatch, measure
+
+_INF = float("inf")
+# dtypes one float32 inf-norm takes without narrowing (float64 would not fit: measured alone)
+_FUSED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
+MAX_TENSORS = 64  # output tensors looked at: a bounded walk, as the recorder's
+MAX_DEPTH = 4
+
+
+def all_finite(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) -> bool:
+    """True when no tensor of `tensors` holds inf or NaN. Call under no_grad."""
+    tops: List[torch.Tensor] = []  # a 0-d tensor per tensor (or per device group): non-finite iff a bad value
+    groups: Dict[torch.device, List[torch.Tensor]] = {}
+    host = HostBatch()
+    # the common CPU case, gathered with no Python per tensor; else one by one below
+    gathered = "cpu" not in fused and host.add_all(list(tensors))
+    for t in () if gathered else tensors:
+        if t.__class__ is torch.Tensor and t.device.type in fused and t.layout is torch.strided \
+                and t.dtype in _FUSED_DTYPES:  # (a DTensor's local shard goes through measure)
+            group = groups.get(t.device)
+            if group is None:
+                group = groups[t.device] = []
+            group.append(t)
+            continue
+        if host.add(t):
+            continue
+        r = measure(t)
+        if r.__class__ is not str:
+            tops.append(r[1])  # type: ignore[arg-type]  # abs max: inf or NaN when any element is
+    if len(host.ns):
+        values = host.measure()
+        if values is None:  # the kernel is not loaded (yet): a read each
+            return _all_finite_each(tensors, fused)
+        if not math.isfinite(sum(values)):  # NaN or inf anywhere (abs values: no inf - inf)
+            return False
+    for group_tensors in groups.values():
+        # max |x| of every tensor in one launch (NaN propagates), as float32
+        tops.extend(torch._foreach_norm(group_tensors, _INF, dtype=torch.float32))
+    return _tops_finite(tops)
+
+
+def _tops_finite(tops: List[torch.Tensor]) -> bool:
+    if not tops:
+        return True
+    try:
+        return bool(torch.stack(tops).isfinite().all())
+    except RuntimeError:  # tensors on several devices (a model split over GPUs): a read each
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for t in tops:
+            by_device.setdefault(t.device, []).append(t)
+        return all(bool(torch.stack(ts).isfinite().all()) for ts in by_device.values())
+
+
+def _all_finite_each(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) -> bool:
+    """all_finite without the kernel: CPU tensors measured each, the rest fused as above."""
+    tops: List[torch.Tensor] = []
+    groups: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in tensors:
+        if t.__class__ is torch.Tensor and t.device.type in fused and t.layout is torch.strided \
+                and t.dtype in _FUSED_DTYPES:
+            groups.setdefault(t.device, []).append(t)
+            continue
+        r = measure(t)
+        if r.__class__ is not str:
+            tops.append(r[1].to("cpu"))  # type: ignore[union-attr]  # abs max
+    for group_tensors in groups.values():
+        tops.extend(t.to("cpu") for t in torch._foreach_norm(group_tensors, _INF, dtype=torch.float32))
+    return _tops_finite(tops)
+
+
+def output_tensors(output: Any) -> List[torch.Tensor]:
+    """The floating tensors an unsampled batch's output check reads: the loss alone when the
+    output carries one (a `loss` key or attribute, as transformers' ModelOutput has: computed
+    from every logit the training uses, so a bad logit it leaves out can only show in the
+    gradients, which the step guard reads), else every floating tensor of the output (tensors,
+    lists, tuples, mappings, dataclass fields and tensor attributes; a bounded walk)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None) \
+        if output.__class__ is not torch.Tensor else None
+    if isinstance(loss, torch.Tensor) and (loss.is_floating_point() or loss.is_complex()):
+        return [loss.detach()]
+    found: List[torch.Tensor] = []
+    _walk(output, found, 0)
+    return found
+
+
+def _walk(v: Any, found: List[torch.Tensor], depth: int) -> None:
+    if len(found) >= MAX_TENSORS:
+        return
+    if isinstance(v, torch.Tensor):
+        if v.is_floating_point() or v.is_complex():
+            found.append(v.detach())
+        return
+    if depth >= MAX_DEPTH or v is None or isinstance(v, (str, bytes, int, float, bool)):
+        return
+    if isinstance(v, (list, tuple)):
+        for x in v[:MAX_TENSORS]:
+            _walk(x, found, depth + 1)
+    elif isinstance(v, Mapping):
+        for x in list(v.values())[:MAX_TENSORS]:
+            _walk(x, found, depth + 1)
+    else:
+        fields = naming.dataclass_fields(v)
+        if fields:
+            for f in fields[:MAX_TENSORS]:
+                _walk(getattr(v, f, None), found, depth + 1)
+            return
+        attrs = getattr(v, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(v, (torch.nn.Module, type)):
+            for k, x in list(attrs.items())[:MAX_TENSORS]:
+                if isinstance(x, torch.Tensor) and isinstance(k, str) and k[:1] != "_":
+                    _walk(x, found, depth + 1)
