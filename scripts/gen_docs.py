@@ -43,9 +43,11 @@ OPTIONS: Dict[str, str] = {
                   "batches); 1 to 100000",
     "trace_batches": "batches (0-indexed) whose every frame is recorded (`batch_trace` events, spans, log)",
     "abort_after_batch": "raise `AbortAfterBatch` (a `ValueError`) once that batch has finished",
-    "every_n_batches": "watch one batch in N (traced batches always); the batches in between run without the "
-                       "watcher's hooks, but their optimizer steps are still guarded "
-                       "([Unsampled batches](../concepts.md#unsampled-batches))",
+    "every_n_batches": "record statistics in one batch in N (traced batches always); the batches in between run "
+                       "without the watcher's hooks but are still checked (their output in one read, their "
+                       "optimizer step by the step guard), and a detection there is localized by a replay "
+                       "([Unsampled batches](../concepts.md#unsampled-batches), "
+                       "[Detection in every batch](../concepts.md#detection-in-every-batch-localization-by-replay))",
     "max_overhead": "a cost budget, a number between 0 and 1 (`0.02`: 2%): the watcher times its own work and "
                     "measures one batch in N, the smallest N that keeps its share of the step within the budget "
                     "(at least `every_n_batches`, at most 1000; the first batch and `trace_batches` always); the "
@@ -78,7 +80,8 @@ OPTIONS: Dict[str, str] = {
                        "([Rerunning](../concepts.md#rerunning-a-detection))",
     "guard_steps": "before each optimizer step of every batch, check the gradients it will consume in one host "
                    "read; an inf/nan there is a detection before any weight changes "
-                   "([The step guard](../optimizer-steps.md#the-step-guard))",
+                   "([The step guard](../optimizer-steps.md#the-step-guard)). With `gradients=True` and "
+                   "`every_n_batches` > 1 it checks the steps of the batches `gradients=True` does not record",
     "target_dtypes": "torch dtype names (`[\"float8_e4m3fn\", \"float16\"]`; any floating dtype `torch.finfo` "
                      "describes that has a zero; normalized: `torch.half` is `float16`): every measured tensor also "
                      "gets the share of its elements each dtype would flush to zero or overflow, and the histogram "
