@@ -9,7 +9,7 @@ import dataclasses
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Tuple, Union
 
 # Notes for values that have no statistics. The report prints them right-aligned in 17 columns.
 NOTE_NONE = "None"
@@ -357,11 +357,10 @@ class BatchStats:
                 yield StatRow(fr.module, fr.module_class, t.name, t.dtype, t.abs_min, t.abs_max, t.range_used)
 
 
-class _LazyFrames:
-    """Protocol for a deferred frame list (the watcher's batch record)."""
+class _LazyFrames(Protocol):
+    """A deferred frame list (the watcher's batch record, core/record.py's Record)."""
 
-    def materialize(self) -> Tuple[Frame, ...]:  # pragma: no cover - interface
-        raise NotImplementedError
+    def materialize(self) -> Tuple[Frame, ...]: ...
 
 
 def map_strings(obj: Any, fn: Callable[[str], str]) -> Any:

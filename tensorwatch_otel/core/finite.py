@@ -42,8 +42,8 @@ def all_finite(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) -> bool:
         if host.add(t):
             continue
         r = measure(t)
-        if r.__class__ is not str:
-            tops.append(r[1])  # type: ignore[arg-type]  # abs max: inf or NaN when any element is
+        if not isinstance(r, str):
+            tops.append(r[1])  # abs max: inf or NaN when any element is
     if len(host.ns):
         values = host.measure()
         if values is None:  # the kernel is not loaded (yet): a read each
@@ -78,8 +78,8 @@ def _all_finite_each(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) ->
             groups.setdefault(t.device, []).append(t)
             continue
         r = measure(t)
-        if r.__class__ is not str:
-            tops.append(r[1].to("cpu"))  # type: ignore[union-attr]  # abs max
+        if not isinstance(r, str):
+            tops.append(r[1].to("cpu"))  # abs max
     for group_tensors in groups.values():
         tops.extend(t.to("cpu") for t in torch._foreach_norm(group_tensors, _INF, dtype=torch.float32))
     return _tops_finite(tops)

@@ -377,9 +377,10 @@ class Watcher:
         if st.inputs is not None:
             args, kwargs = st.inputs
             st.inputs = None
-            if st.rec is not None:
+            capture = self._capture
+            if st.rec is not None and capture is not None:
                 # tensors by reference; inputs are held only with a capture (_capture_hook)
-                self._capture.hold(st.rec.batch_number, args, kwargs)  # type: ignore[union-attr]
+                capture.hold(st.rec.batch_number, args, kwargs)
 
     def _params_current(self) -> None:
         """Parameters or submodules replaced since the last look (to_empty(), load_state_dict(
@@ -424,7 +425,8 @@ class Watcher:
                 tensors = output_tensors(output)
                 if not tensors or all_finite(tensors, FUSED_DEVICES):
                     return
-                rec = Record(st.rec.batch_number, targets=self.config.target_dtypes)  # type: ignore[union-attr]
+                assert st.rec is not None  # (the caller checked)
+                rec = Record(st.rec.batch_number, targets=self.config.target_dtypes)
                 take(rec, info, args, kwargs, output)  # the call's frame, for an event the replay cannot give
                 rec.readback()
             finally:
@@ -446,7 +448,8 @@ class Watcher:
     # ---------------------------------------------------------------- batch end
     def _end_call(self, st: _BatchState, root: bool) -> None:
         """This thread's outermost watched call ended (its batch is `st.rec`)."""
-        rec: Record = st.rec  # type: ignore[assignment]  # not None: checked by the caller
+        rec = st.rec
+        assert rec is not None  # (checked by the caller)
         if st.held:
             self._check_call(st)  # inside batch(): the batch goes on
         elif root or self.behaviour.outermost_call_ends_batch or rec.batch_number in self.config.trace_batches:
@@ -465,7 +468,8 @@ class Watcher:
     def _check_call(self, st: _BatchState) -> None:
         """Inside batch(): check the frames the outermost call just added (one read-back), so a
         detection raises before a backward or step that would follow it in the same batch."""
-        rec: Record = st.rec  # type: ignore[assignment]  # not None: inside a call of this batch
+        rec = st.rec
+        assert rec is not None  # (inside a call of this batch)
         first, st.checked = st.checked, len(rec.frames)
         cfg = self.config
         if not st.active or first == st.checked or cfg.check != "batch" or not (
@@ -483,7 +487,8 @@ class Watcher:
             sampling.spend(t0)
 
     def _end_batch_timed(self, st: _BatchState) -> None:
-        rec: Record = st.rec  # type: ignore[assignment]  # not None: callers check it
+        rec = st.rec
+        assert rec is not None  # (callers check it)
         if st.quiet:
             st.quiet = False
             st.entry = None
@@ -514,7 +519,7 @@ class Watcher:
         rank = current_rank()
         if self._fanout.wants_batches:
             # a Record is a _LazyFrames (materialize()): rows are made by the sink
-            self._fanout.on_batch(BatchStats(rec.batch_number, rank, time.time(), rec,  # type: ignore[arg-type]
+            self._fanout.on_batch(BatchStats(rec.batch_number, rank, time.time(), rec,
                                              grad_scale=scale, steps_skipped=self.steps_skipped,
                                              every_n_batches=self._sampling.every_n_batches,
                                              overhead=self._sampling.overhead))
@@ -528,7 +533,7 @@ class Watcher:
         """Gradients and optimizer state to the metric sinks, as series of their own."""
         if self._fanout.wants_batches:
             self._fanout.on_batch(BatchStats(rec.batch_number, current_rank(), time.time(),
-                                             rec, phase=rec.phase))  # type: ignore[arg-type]  # a _LazyFrames
+                                             rec, phase=rec.phase))
 
     @property
     def steps_skipped(self) -> int:
@@ -613,7 +618,8 @@ class ForwardHook(ModuleHook):
             # (jit.trace: an op run here would be traced into its graph)
             elif info.recorded and outside_backward and _tracing() is None:
                 t0 = budget.clock() if budget is not None else 0.0
-                rec: Record = st.rec  # type: ignore[assignment]  # active: a batch is open
+                rec = st.rec
+                assert rec is not None  # (a call of an open batch)
                 w = self._w
                 try:
                     grad = _grad_enabled()
