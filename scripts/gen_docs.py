@@ -244,6 +244,16 @@ def metrics_page() -> str:
     out.append("\n## Labels and attributes\n\n| Prometheus label | OpenTelemetry attribute |\n|---|---|\n")
     for label, attr in cat.ATTRIBUTES.items():
         out.append(f"| `{label}` | `{attr}` |\n")
+    out.append("\n## Spans\n\nOne span per event of these types (the JSON lines `event`), in the instrumentation "
+               f"scope `tensorwatch_otel`; each frame is a span event `{cat.FRAME_EVENT}`.\n\n"
+               "| event | span | what it is |\n|---|---|---|\n")
+    for event_type, (span, what) in cat.SPANS.items():
+        out.append(f"| `{event_type}` | `{span}` | {_cell(what)} |\n")
+    out.append("\n## Span attributes\n\nBesides the attributes above (`tensorwatch.module.path`, "
+               "`tensorwatch.module.class`, `tensorwatch.tensor`, `tensorwatch.rank`, `tensorwatch.first_rank`):\n\n"
+               "| attribute | holds |\n|---|---|\n")
+    for attr, what in cat.SPAN_ATTRIBUTES.values():
+        out.append(f"| `{attr}` | {_cell(what)} |\n")
     return "".join(out)
 
 

@@ -337,3 +337,57 @@ def test_watch_end_to_end_gauges_and_trace(otel):
     key = (("tensorwatch.module.class", "Linear"), ("tensorwatch.module.path", "head"), ("tensorwatch.rank", 0),
            ("tensorwatch.tensor", "weight"))
     assert got[key] == pytest.approx(model.head.weight.detach().abs().max().item())
+
+
+def test_every_span_name_and_attribute_comes_from_the_catalogue(otel):
+    """Each event type the core makes, through the sink: every span name is in catalogue.SPANS,
+    every span, span event and metric attribute in ATTRIBUTES or SPAN_ATTRIBUTES (the
+    target_dtypes arrays by their prefix), so the reference page generated from the catalogue
+    lists everything a backend receives."""
+    import time as _time
+
+    from tensorwatch_otel.core import events as ev
+    from tensorwatch_otel.sinks import catalogue as cat
+
+    frames = linear_frames(3, bad_at=2)
+    shares = frame("s", "Linear", ev.TensorStat("w", 0.1, 1.0, "float32", "", 0.1, {"float16": 0.5},
+                                                 {"float16": 0.0}))
+    now = _time.time()
+    events = [
+        ev.NonFiniteEvent(0, 0, "layers.2", "Linear", "output", "inf", frames + (shares,), now, capture="c",
+                          reproduced=True, host="h", verdict="model"),
+        ev.BatchTraceEvent(1, 0, frames, now),
+        ev.OverflowCheckEvent(2, 0, "ctx", "nan", stat("x", 0.0, float("nan")), now),
+        ev.AbortAfterBatchEvent(3, 0, now),
+        ev.StoppedByRankEvent(4, 0, 1, "a", "Linear", "weight", "inf", now, stopped_at_batch=5),
+        ev.SkippedStepEvent(5, 0, 1, 1024.0, "a", "Linear", "weight.grad", "inf", now),
+        ev.SkipStreakEvent(6, 0, 3, 2.0, now),
+        ev.SkippedNonFiniteStepEvent(7, 0, "a", "Linear", "weight.grad", "nan", now),
+        ev.SamplingRateEvent(8, 0, 4, 0.03, 0.01, 0.02, now),
+    ]
+    sink = otel.sink()
+    for e in events:
+        sink.on_event(e)
+    sink.flush()
+    known = set(cat.ATTRIBUTES.values()) | {a for a, _ in cat.SPAN_ATTRIBUTES.values()}
+    prefixes = (cat.span_attribute("underflow") + ".", cat.span_attribute("overflow") + ".")
+    spans = otel.finished()
+    assert {s.name for s in spans} == {name for name, _ in cat.SPANS.values()}
+    seen = set()
+    for s in spans:
+        seen.update(s.attributes)
+        for e in s.events:
+            assert e.name == cat.FRAME_EVENT
+            seen.update(e.attributes)
+        for link in s.links:
+            seen.update(link.attributes)
+    data = otel.reader.get_metrics_data()
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                for p in m.data.data_points:
+                    seen.update(p.attributes)
+    stray = {a for a in seen if a not in known and not a.startswith(prefixes)}
+    assert not stray, f"attributes not in sinks/catalogue.py: {sorted(stray)}"
+    assert {cat.span_attribute(k) for k in ("report", "capture", "verdict", "ctx", "stopped_at_batch",
+                                            "skip_streak", "grad_scale", "frame_index")} <= seen

@@ -133,7 +133,32 @@ class Frame:
 
 
 @dataclass(frozen=True)
-class NonFiniteEvent:
+class Place:
+    """Where an event's inf/nan is: the module path ("" for the root or when unknown), its class,
+    the tensor's name in the frame and what it held ("inf", "nan", "inf,nan"; "" when unknown).
+    Every event about an inf/nan has one (`event.place`); the sinks label it the same way."""
+
+    module: str
+    module_class: str
+    tensor: str
+    kind: str
+
+
+class Placed:
+    """An event with the fields `module`, `module_class`, `tensor` and `kind`: `place` holds them."""
+
+    module: str
+    module_class: str
+    tensor: str
+    kind: str
+
+    @property
+    def place(self) -> Place:
+        return Place(self.module, self.module_class, self.tensor, self.kind)
+
+
+@dataclass(frozen=True)
+class NonFiniteEvent(Placed):
     """The first inf/nan: where it appeared and the frames that led to it (oldest first)."""
 
     batch_number: int
@@ -192,7 +217,7 @@ class AbortAfterBatchEvent:
 
 
 @dataclass(frozen=True)
-class SkippedStepEvent:
+class SkippedStepEvent(Placed):
     """An optimizer step that did not happen while the gradients held inf/nan (a GradScaler
     skip, or any loop that reset the gradients without calling optimizer.step()). Not a
     detection: the bad values were never consumed."""
@@ -223,7 +248,7 @@ class SkipStreakEvent:
 
 
 @dataclass(frozen=True)
-class SkippedNonFiniteStepEvent:
+class SkippedNonFiniteStepEvent(Placed):
     """on_detect="skip": an optimizer step the watcher did not let run, because the gradients it
     would have consumed held inf/nan, or because that batch's forward went non-finite (its
     gradients are poisoned). The weights and the optimizer's state are as they were before it.
@@ -258,7 +283,7 @@ class SamplingRateEvent:
 
 
 @dataclass(frozen=True)
-class StoppedByRankEvent:
+class StoppedByRankEvent(Placed):
     """This rank stopped because another rank detected inf/nan first (multi-rank runs): the
     fields name the first rank's detection; this rank saw no non-finite value of its own."""
 

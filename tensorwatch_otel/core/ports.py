@@ -18,7 +18,10 @@ class Sink:
 
     - ``on_batch(stats)``: once per watched batch, after its statistics came back. Keep a
       reference and return; materialise ``stats.rows()`` lazily (e.g. at scrape time).
-    - ``on_event(event)``: detections, traced batches, aborts, overflow checks. For a
+    - ``on_event(event)``: detections, traced batches, aborts, overflow checks, skips. By
+      default it calls ``handle_<event type>(event)`` (``handle_nonfinite_detected``,
+      ``handle_batch_trace``, ...: the JSON lines ``event`` names) when the sink defines it, so
+      a sink handles the types it cares about and a new type needs no edit elsewhere. For a
       detection that will raise, the event must be durable when this returns (or after
       ``flush``).
     - ``flush(timeout_s)``: push out what is buffered, bounded in time.
@@ -32,7 +35,9 @@ class Sink:
         pass
 
     def on_event(self, event: Event) -> None:
-        pass
+        handle = getattr(self, "handle_" + event.event, None)
+        if handle is not None:
+            handle(event)
 
     def flush(self, timeout_s: float = 5.0) -> None:
         pass

@@ -12,6 +12,7 @@ from ..core.events import (
     AbortAfterBatchEvent,
     BatchTraceEvent,
     Event,
+    Placed,
     Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
@@ -65,9 +66,11 @@ def to_dict(event: Event) -> Dict[str, Any]:
     d: Dict[str, Any] = {"time": rfc3339(event.time), "event": event.event,
                          "batch_number": event.batch_number, "rank": event.rank,
                          "module": "", "module_class": "", "tensor": "", "kind": "", "frames": []}
+    if isinstance(event, Placed):  # where the inf/nan is: the same four fields for every such event
+        place = event.place
+        d.update(module=place.module, module_class=place.module_class, tensor=place.tensor, kind=place.kind)
     if isinstance(event, NonFiniteEvent):
-        d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
-                 frames=[_frame(f) for f in event.frames], first_rank=event.first_rank)
+        d.update(frames=[_frame(f) for f in event.frames], first_rank=event.first_rank)
         if event.trace_id:
             d["trace_id"] = event.trace_id
         d["phase"] = event.phase
@@ -78,16 +81,13 @@ def to_dict(event: Event) -> Dict[str, Any]:
         if event.verdict is not None:
             d["verdict"] = event.verdict
     elif isinstance(event, StoppedByRankEvent):
-        d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
-                 first_rank=event.first_rank, stopped_at_batch=event.stopped_at_batch)
+        d.update(first_rank=event.first_rank, stopped_at_batch=event.stopped_at_batch)
     elif isinstance(event, SkippedStepEvent):
-        d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
-                 streak=event.streak, scale=_num(event.scale))
+        d.update(streak=event.streak, scale=_num(event.scale))
     elif isinstance(event, SkipStreakEvent):
         d.update(streak=event.streak, scale=_num(event.scale))
     elif isinstance(event, SkippedNonFiniteStepEvent):
-        d.update(module=event.module, module_class=event.module_class, tensor=event.tensor, kind=event.kind,
-                 streak=event.streak, phase=event.phase)
+        d.update(streak=event.streak, phase=event.phase)
     elif isinstance(event, SamplingRateEvent):
         d.update(every_n_batches=event.every_n_batches, overhead=_num(event.overhead),
                  expected_overhead=_num(event.expected_overhead), max_overhead=event.max_overhead)

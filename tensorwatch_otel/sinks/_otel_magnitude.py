@@ -21,7 +21,7 @@ from opentelemetry.sdk.metrics.export import (AggregationTemporality, Buckets, E
                                               ScopeMetrics)
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from .catalogue import BY_KEY
+from .catalogue import ATTRIBUTES, BY_KEY
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ def data_points(rows: list, rank: int, encode: Callable[[str], str]) -> List[Exp
     now = time.time_ns()
     out = []
     for module, cls, tensor, zeros, offset, counts, start in rows:
-        attrs = {"tensorwatch.module.path": encode(module), "tensorwatch.module.class": encode(cls),
-                 "tensorwatch.tensor": encode(tensor), "tensorwatch.rank": rank}
+        attrs = {ATTRIBUTES["module"]: encode(module), ATTRIBUTES["module_class"]: encode(cls),
+                 ATTRIBUTES["tensor"]: encode(tensor), ATTRIBUTES["rank"]: rank}
         positive = Buckets(offset=offset, bucket_counts=list(counts)) if counts else _EMPTY
         # sum, min and max are unknown (only the buckets are counted): left unset in OTLP
         out.append(ExponentialHistogramDataPoint(

@@ -13,9 +13,12 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, Sta
 from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, Event, Frame, NonFiniteEvent,
                            OverflowCheckEvent, SkippedNonFiniteStepEvent, SkipStreakEvent, StoppedByRankEvent,
                            label_for_module)
+from .catalogue import FRAME_EVENT, SPANS, place_attributes, span_attribute as _a
 
 #: The detection's span (otel_env's export backoff always lets a batch holding one through).
-DETECTION_SPAN = "tensorwatch.nonfinite_detected"
+DETECTION_SPAN = SPANS["nonfinite_detected"][0]
+_BATCH, _RANK, _FIRST_RANK, _KIND, _PHASE = _a("batch_number"), _a("rank"), _a("first_rank"), _a("kind"), _a("phase")
+_STREAK = _a("skip_streak")
 _SDK_DEFAULT_EVENT_LIMIT = 128
 
 
@@ -40,8 +43,8 @@ def _precision_attributes(tensors) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     nan = float("nan")
     for k in targets:
-        out[f"tensorwatch.underflow.{k}"] = [float((t.underflow or {}).get(k, nan)) for t in tensors]
-        out[f"tensorwatch.overflow.{k}"] = [float((t.overflow or {}).get(k, nan)) for t in tensors]
+        out[f"{_a('underflow')}.{k}"] = [float((t.underflow or {}).get(k, nan)) for t in tensors]
+        out[f"{_a('overflow')}.{k}"] = [float((t.overflow or {}).get(k, nan)) for t in tensors]
     return out
 
 
@@ -62,19 +65,19 @@ def frame_attributes(fr: Frame, index: int) -> Dict[str, Any]:
         hi.append(float(t.abs_max))
         dtypes.append(t.dtype)
     attrs: Dict[str, Any] = {
-        "tensorwatch.frame.index": index,
-        "tensorwatch.module.path": label_for_module(fr.module),
-        "tensorwatch.module.class": fr.module_class,
-        "tensorwatch.batch_number": fr.batch_number,
-        "tensorwatch.phase": fr.phase,
-        "tensorwatch.tensors": names,
-        "tensorwatch.abs_min": lo,
-        "tensorwatch.abs_max": hi,
-        "tensorwatch.dtypes": dtypes,
+        _a("frame_index"): index,
+        _a("module"): label_for_module(fr.module),
+        _a("module_class"): fr.module_class,
+        _BATCH: fr.batch_number,
+        _PHASE: fr.phase,
+        _a("tensors"): names,
+        _a("abs_min"): lo,
+        _a("abs_max"): hi,
+        _a("dtypes"): dtypes,
         **_precision_attributes([t for t in fr.tensors if t.abs_min is not None and t.abs_max is not None]),
     }
     if notes:
-        attrs["tensorwatch.notes"] = notes
+        attrs[_a("notes")] = notes
     return attrs
 
 
@@ -108,98 +111,83 @@ class SpanBuilder:
         self._provider = provider
 
     def emit(self, event: Event, ctx) -> None:
-        if isinstance(event, NonFiniteEvent):
-            self._detection_span(event, ctx)
-        elif isinstance(event, BatchTraceEvent):
-            self._trace_spans(event, ctx)
-        elif isinstance(event, OverflowCheckEvent):
-            t = int(event.time * 1e9)
-            span = self._tracer.start_span("tensorwatch.overflow_check", context=ctx, start_time=t, attributes={
-                "tensorwatch.ctx": event.ctx, "tensorwatch.nonfinite.kind": event.kind,
-                "tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank})
-            if event.kind:
-                span.set_status(Status(StatusCode.ERROR, f"{event.ctx} has {event.kind}"))
-            span.end(end_time=t)
-        elif isinstance(event, AbortAfterBatchEvent):
-            t = int(event.time * 1e9)
-            span = self._tracer.start_span("tensorwatch.abort_after_batch", context=ctx, start_time=t, attributes={
-                "tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank})
-            span.end(end_time=t)
-        elif isinstance(event, StoppedByRankEvent):
-            t = int(event.time * 1e9)
-            attrs = {"tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank,
-                     "tensorwatch.first_rank": event.first_rank,
-                     "tensorwatch.module.path": label_for_module(event.module),
-                     "tensorwatch.module.class": event.module_class, "tensorwatch.tensor": event.tensor,
-                     "tensorwatch.nonfinite.kind": event.kind}
-            if event.stopped_at_batch is not None:
-                attrs["tensorwatch.stopped_at_batch"] = event.stopped_at_batch
-            span = self._tracer.start_span("tensorwatch.stopped_by_rank", context=ctx, start_time=t,
-                                           attributes=attrs)
-            span.set_status(Status(StatusCode.ERROR, f"stopped: rank {event.first_rank} detected {event.kind} "
-                                                     f"during batch {event.batch_number}"))
-            span.end(end_time=t)
-        elif isinstance(event, SkippedNonFiniteStepEvent):
-            self._skipped_span(event, ctx)
-        elif isinstance(event, SkipStreakEvent):
-            t = int(event.time * 1e9)
-            attrs = {"tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank,
-                     "tensorwatch.optimizer.skip_streak": event.streak}
-            if event.scale is not None:
-                attrs["tensorwatch.grad_scale"] = float(event.scale)
-            span = self._tracer.start_span("tensorwatch.skipped_steps_streak", context=ctx, start_time=t,
-                                           attributes=attrs)
-            span.set_status(Status(StatusCode.ERROR, f"{event.streak} optimizer steps in a row skipped "
-                                                     f"(inf/nan gradients) up to batch {event.batch_number}"))
-            span.end(end_time=t)
+        """The span(s) of `event`: `_span_<event type>`, none for a type without one."""
+        build = getattr(self, "_span_" + event.event, None)
+        if build is not None:
+            build(event, ctx)
 
-    def _skipped_span(self, event: SkippedNonFiniteStepEvent, ctx) -> None:
+    def _instant(self, event: Event, ctx, attrs: Dict[str, Any], error: str = "") -> None:
+        """A span of no duration at the event's time, named as SPANS says (status ERROR: `error`)."""
         t = int(event.time * 1e9)
-        attrs = {"tensorwatch.batch_number": event.batch_number, "tensorwatch.rank": event.rank,
-                 "tensorwatch.module.path": label_for_module(event.module) if event.module or event.tensor else "",
-                 "tensorwatch.module.class": event.module_class, "tensorwatch.tensor": event.tensor,
-                 "tensorwatch.nonfinite.kind": event.kind, "tensorwatch.phase": event.phase,
-                 "tensorwatch.optimizer.skip_streak": event.streak}
-        span = self._tracer.start_span("tensorwatch.skipped_nonfinite_step", context=ctx, start_time=t,
-                                       attributes=attrs)
-        # not an error: the step was skipped on purpose and training goes on (the alert is a warning)
+        span = self._tracer.start_span(SPANS[event.event][0], context=ctx, start_time=t, attributes=attrs)
+        if error:
+            span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=t)
+
+    def _span_overflow_check(self, event: OverflowCheckEvent, ctx) -> None:
+        self._instant(event, ctx, {_a("ctx"): event.ctx, _KIND: event.kind, _BATCH: event.batch_number,
+                                   _RANK: event.rank},
+                      f"{event.ctx} has {event.kind}" if event.kind else "")
+
+    def _span_abort_after_batch(self, event: AbortAfterBatchEvent, ctx) -> None:
+        self._instant(event, ctx, {_BATCH: event.batch_number, _RANK: event.rank})
+
+    def _span_stopped_by_rank(self, event: StoppedByRankEvent, ctx) -> None:
+        attrs = {_BATCH: event.batch_number, _RANK: event.rank, _FIRST_RANK: event.first_rank,
+                 **place_attributes(event.place), _KIND: event.kind}
+        if event.stopped_at_batch is not None:
+            attrs[_a("stopped_at_batch")] = event.stopped_at_batch
+        self._instant(event, ctx, attrs, f"stopped: rank {event.first_rank} detected {event.kind} "
+                                         f"during batch {event.batch_number}")
+
+    def _span_skipped_steps_streak(self, event: SkipStreakEvent, ctx) -> None:
+        attrs: Dict[str, Any] = {_BATCH: event.batch_number, _RANK: event.rank, _STREAK: event.streak}
+        if event.scale is not None:
+            attrs[_a("grad_scale")] = float(event.scale)
+        self._instant(event, ctx, attrs, f"{event.streak} optimizer steps in a row skipped "
+                                         f"(inf/nan gradients) up to batch {event.batch_number}")
+
+    def _span_skipped_nonfinite_step(self, event: SkippedNonFiniteStepEvent, ctx) -> None:
+        place = place_attributes(event.place)
+        if not (event.module or event.tensor):  # another rank's finding: no place of this rank's
+            place[_a("module")] = ""
+        # not an error: the step was skipped on purpose and training goes on (the alert is a warning)
+        self._instant(event, ctx, {_BATCH: event.batch_number, _RANK: event.rank, **place, _KIND: event.kind,
+                                   _PHASE: event.phase, _STREAK: event.streak})
 
     def _add_frames(self, span, frames: Sequence[Frame], t0: int, first_index: int) -> None:
         # 1 ns apart: backends that sort span events by time keep the ring buffer's order.
         for i, fr in enumerate(frames):
-            span.add_event("tensorwatch.frame", frame_attributes(fr, first_index + i), timestamp=t0 + i)
+            span.add_event(FRAME_EVENT, frame_attributes(fr, first_index + i), timestamp=t0 + i)
 
-    def _detection_span(self, event: NonFiniteEvent, ctx) -> None:
+    def _span_nonfinite_detected(self, event: NonFiniteEvent, ctx) -> None:
         links = None
         if isinstance(ctx, tuple):  # (context in the event's trace, the caller's span context)
             ctx, caller = ctx
             if caller.is_valid:
-                links = [Link(caller, {"tensorwatch.link": "training step"})]
+                links = [Link(caller, {_a("link"): "training step"})]
         t0 = int(event.time * 1e9)
         limit = _event_limit(self._provider or trace.get_tracer_provider())
         frames = event.frames
         omitted = max(0, len(frames) - limit)
-        attrs = {
-            "tensorwatch.module.path": label_for_module(event.module),
-            "tensorwatch.module.class": event.module_class,
-            "tensorwatch.tensor": event.tensor,
-            "tensorwatch.batch_number": event.batch_number,
-            "tensorwatch.rank": event.rank,
-            "tensorwatch.first_rank": event.rank if event.first_rank is None else event.first_rank,
-            "tensorwatch.nonfinite.kind": event.kind,
-            "tensorwatch.report": _render_detection(event),
-            "tensorwatch.phase": event.phase,
+        attrs: Dict[str, Any] = {
+            **place_attributes(event.place),
+            _BATCH: event.batch_number,
+            _RANK: event.rank,
+            _FIRST_RANK: event.rank if event.first_rank is None else event.first_rank,
+            _KIND: event.kind,
+            _a("report"): _render_detection(event),
+            _PHASE: event.phase,
         }
         if event.capture:
-            attrs["tensorwatch.capture"] = event.capture
+            attrs[_a("capture")] = event.capture
         if event.reproduced is not None:
-            attrs["tensorwatch.reproduced"] = event.reproduced
-            attrs["host.name"] = event.host or ""
+            attrs[_a("reproduced")] = event.reproduced
+            attrs[_a("host")] = event.host or ""
         if event.verdict is not None:
-            attrs["tensorwatch.verdict"] = event.verdict
+            attrs[_a("verdict")] = event.verdict
         if omitted:  # the most recent frames matter most; the report attribute has them all
-            attrs["tensorwatch.frames.omitted"] = omitted
+            attrs[_a("frames_omitted")] = omitted
         span = self._tracer.start_span(DETECTION_SPAN, context=ctx, start_time=t0,
                                        attributes=attrs, links=links)
         self._add_frames(span, frames[omitted:], t0, omitted)
@@ -208,7 +196,7 @@ class SpanBuilder:
                                                  f"{event.tensor} during batch {event.batch_number}"))
         span.end(end_time=t0 + len(frames))
 
-    def _trace_spans(self, event: BatchTraceEvent, ctx) -> None:
+    def _span_batch_trace(self, event: BatchTraceEvent, ctx) -> None:
         t0 = int(event.time * 1e9)
         limit = _event_limit(self._provider or trace.get_tracer_provider())
         frames = event.frames
@@ -217,12 +205,12 @@ class SpanBuilder:
         for p in range(parts):
             chunk = frames[p * limit:(p + 1) * limit]
             parent = ctx if first is None else trace.set_span_in_context(first, ctx)
-            span = self._tracer.start_span("tensorwatch.batch_trace", context=parent, start_time=t0, attributes={
-                "tensorwatch.batch_number": event.batch_number,
-                "tensorwatch.rank": event.rank,
-                "tensorwatch.trace.part": p + 1,
-                "tensorwatch.trace.parts": parts,
-                "tensorwatch.frame.count": len(frames),
+            span = self._tracer.start_span(SPANS["batch_trace"][0], context=parent, start_time=t0, attributes={
+                _BATCH: event.batch_number,
+                _RANK: event.rank,
+                _a("trace_part"): p + 1,
+                _a("trace_parts"): parts,
+                _a("frame_count"): len(frames),
             })
             self._add_frames(span, chunk, t0, p * limit)
             if first is None:

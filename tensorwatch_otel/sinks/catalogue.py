@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from ..core.events import Place, label_for_module
+
 __all__ = ["Series", "SERIES", "BY_KEY", "ATTRIBUTES", "WINDOW_TEXT", "prometheus_names", "otel_attributes",
-           "collector_name"]
+           "collector_name", "SPANS", "FRAME_EVENT", "SPAN_ATTRIBUTES", "span_attribute", "place_attributes"]
 
 #: Prometheus label -> OpenTelemetry attribute of the same value.
 ATTRIBUTES: Dict[str, str] = {
@@ -138,3 +140,67 @@ def collector_name(series: Series) -> Optional[str]:
     if series.unit == "1" and not name.endswith("_ratio"):
         name += "_ratio"
     return name + "_total" if series.kind == "counter" else name
+
+
+# -- spans -----------------------------------------------------------------------------------------
+#: event type (the JSON lines "event") -> the span OtelTelemetry makes of it, with what it is
+SPANS: Dict[str, Tuple[str, str]] = {
+    "nonfinite_detected": ("tensorwatch.nonfinite_detected", "the first inf/nan: status ERROR, the place, the "
+                           "report, the frames that led to it as `tensorwatch.frame` span events"),
+    "batch_trace": ("tensorwatch.batch_trace", "a traced batch: every frame as a `tensorwatch.frame` span event "
+                    "(split over several spans, children of the first, past the SDK's event limit)"),
+    "overflow_check": ("tensorwatch.overflow_check", "a `detect_overflow(var, ctx)` call (status ERROR when it "
+                       "found inf/nan)"),
+    "abort_after_batch": ("tensorwatch.abort_after_batch", "`abort_after_batch` was reached"),
+    "stopped_by_rank": ("tensorwatch.stopped_by_rank", "this rank stopped because another rank detected first "
+                        "(status ERROR, the first rank's place)"),
+    "skipped_steps_streak": ("tensorwatch.skipped_steps_streak", "`max_skipped_steps` optimizer steps in a row "
+                             "skipped (status ERROR)"),
+    "skipped_nonfinite_step": ("tensorwatch.skipped_nonfinite_step", "a step `on_detect=\"skip\"` did not run "
+                               "(not an error: training goes on)"),
+}
+#: the span event each frame becomes
+FRAME_EVENT = "tensorwatch.frame"
+
+#: span and span-event attributes beyond ATTRIBUTES: key -> (attribute name, what it holds)
+SPAN_ATTRIBUTES: Dict[str, Tuple[str, str]] = {
+    "batch_number": ("tensorwatch.batch_number", "the batch (int)"),
+    "kind": ("tensorwatch.nonfinite.kind", "`inf`, `nan` or `inf,nan`"),
+    "report": ("tensorwatch.report", "the full text report"),
+    "phase": ("tensorwatch.phase", "`forward`, `backward` or `optimizer`"),
+    "capture": ("tensorwatch.capture", "the capture file (`capture_dir`)"),
+    "reproduced": ("tensorwatch.reproduced", "`rerun_on_detect`: whether a replay found the same inf/nan"),
+    "host": ("host.name", "`rerun_on_detect`: the host that ran the batch"),
+    "verdict": ("tensorwatch.verdict", "`rerun_on_detect` on a compiled model: `model`, `compiler`, `transient`"),
+    "frames_omitted": ("tensorwatch.frames.omitted", "frames past the SDK's event limit left out (the report has "
+                       "them all)"),
+    "link": ("tensorwatch.link", "on the link to the training step's span: `training step`"),
+    "ctx": ("tensorwatch.ctx", "`detect_overflow`'s ctx string"),
+    "stopped_at_batch": ("tensorwatch.stopped_at_batch", "this rank's batch when it stopped"),
+    "skip_streak": ("tensorwatch.optimizer.skip_streak", "skipped steps in a row, this one included"),
+    "grad_scale": ("tensorwatch.grad_scale", "the GradScaler's scale, when known"),
+    "trace_part": ("tensorwatch.trace.part", "a traced batch's span: its number (from 1)"),
+    "trace_parts": ("tensorwatch.trace.parts", "a traced batch's spans"),
+    "frame_count": ("tensorwatch.frame.count", "a traced batch's frames"),
+    "frame_index": ("tensorwatch.frame.index", "a frame's place in its span's ring (from 0)"),
+    "tensors": ("tensorwatch.tensors", "a frame's tensors with statistics (string[])"),
+    "abs_min": ("tensorwatch.abs_min", "their abs min, parallel to `tensorwatch.tensors` (double[])"),
+    "abs_max": ("tensorwatch.abs_max", "their abs max (double[])"),
+    "dtypes": ("tensorwatch.dtypes", "their dtypes (string[])"),
+    "notes": ("tensorwatch.notes", "tensors without statistics, `name: why` (string[])"),
+    "underflow": ("tensorwatch.underflow", "`target_dtypes`: `tensorwatch.underflow.<dtype>`, shares parallel to "
+                  "`tensorwatch.tensors` (double[])"),
+    "overflow": ("tensorwatch.overflow", "`target_dtypes`: `tensorwatch.overflow.<dtype>` (double[])"),
+}
+
+
+def span_attribute(key: str) -> str:
+    """The attribute name of SPAN_ATTRIBUTES' `key`, or of ATTRIBUTES' label `key`."""
+    found = SPAN_ATTRIBUTES.get(key)
+    return found[0] if found is not None else ATTRIBUTES[key]
+
+
+def place_attributes(place: Place) -> Dict[str, str]:
+    """The module path (`(root)` for the root), class and tensor of `place` as attributes."""
+    return {ATTRIBUTES["module"]: label_for_module(place.module), ATTRIBUTES["module_class"]: place.module_class,
+            ATTRIBUTES["tensor"]: place.tensor}

@@ -21,7 +21,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
-                           SkipStreakEvent, StoppedByRankEvent, label_for_module, set_trace_id_source)
+                           SkipStreakEvent, StoppedByRankEvent, set_trace_id_source)
 from ..core.rank import current_rank
 from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__
@@ -29,7 +29,15 @@ from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # no
 from ._aggregate import DEFAULT_WINDOW_S, ENV_WINDOW, ModuleFilter, Patterns, Window, window_seconds
 from ._base import SamplingTally, Sink, StepTally, utf8_safe, utf8_text
 from ._options import number_option
-from .catalogue import BY_KEY
+from .catalogue import ATTRIBUTES, BY_KEY, place_attributes
+
+_RANK, _FIRST_RANK = ATTRIBUTES["rank"], ATTRIBUTES["first_rank"]
+_MODULE, _CLASS, _TENSOR = ATTRIBUTES["module"], ATTRIBUTES["module_class"], ATTRIBUTES["tensor"]
+
+
+def _utf8(attrs: dict) -> dict:
+    """String attribute values made valid UTF-8 (a module name may hold lone surrogates)."""
+    return {k: utf8_text(v) for k, v in attrs.items()}
 
 __all__ = ["OtelTelemetry", "SCOPE", "DEFAULT_MAX_SERIES"]
 
@@ -211,13 +219,13 @@ class OtelTelemetry(Sink):
         observed("overflow", self._observe_overflow)
         self._stopped = counter("stopped_by_rank")
         self._skipped = counter("steps_skipped")
-        self._skipped.add(0, {"tensorwatch.rank": self._rank})  # the series exists from zero
+        self._skipped.add(0, {_RANK: self._rank})  # the series exists from zero
         observed("grad_scale", self._observe_grad_scale)
         self._streaks = counter("skip_streaks")
-        self._streaks.add(0, {"tensorwatch.rank": self._rank})
+        self._streaks.add(0, {_RANK: self._rank})
         observed("skip_streak", self._observe_streak)
         self._nonfinite_skips = counter("skipped_nonfinite")
-        self._nonfinite_skips.add(0, {"tensorwatch.rank": self._rank})
+        self._nonfinite_skips.add(0, {_RANK: self._rank})
         observed("batches", self._observe_batches)
         observed("batch_number", self._observe_batch_number)
         observed("measure_every", self._observe_measure_every)
@@ -250,49 +258,51 @@ class OtelTelemetry(Sink):
     def _count_skips(self, rank: int) -> None:
         n = self._steps.take_new()
         if n:
-            self._skipped.add(n, {"tensorwatch.rank": rank})
+            self._skipped.add(n, {_RANK: rank})
 
     def on_event(self, event: Event) -> None:
         if self._closed:
             return
-        if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
-            streak = isinstance(event, SkipStreakEvent)
-            self._steps.on_skip(event, streak)
-            if streak:
-                self._streaks.add(1, {"tensorwatch.rank": event.rank})
-            else:
-                self._count_skips(event.rank)
-            if isinstance(event, SkippedStepEvent):
-                return  # one per skip: the counter says it; a streak gets a span
-        if isinstance(event, SkippedNonFiniteStepEvent):
-            self._nonfinite_skips.add(1, {"tensorwatch.rank": event.rank})  # and a span, below
         ctx = otel_context.get_current()
-        if isinstance(event, StoppedByRankEvent):
-            self._stopped.add(1, {
-                "tensorwatch.module.path": utf8_text(label_for_module(event.module)),
-                "tensorwatch.module.class": utf8_text(event.module_class),
-                "tensorwatch.tensor": utf8_text(event.tensor),
-                "tensorwatch.rank": event.rank,
-                "tensorwatch.first_rank": event.first_rank,
-            })
-        if isinstance(event, NonFiniteEvent):
-            first = event.rank if event.first_rank is None else event.first_rank
-            # In the detection's trace, so the exemplar names the span's trace id: a child of the
-            # current span when the event took its trace id, else a trace of its own.
-            current = trace.get_current_span(ctx).get_span_context()
-            joined = current.is_valid and format(current.trace_id, "032x") == event.trace_id
-            dctx = _detection_context(event.trace_id, ctx) if event.trace_id and not joined else None
-            self._nonfinite.add(1, {
-                "tensorwatch.module.path": utf8_text(label_for_module(event.module)),
-                "tensorwatch.module.class": utf8_text(event.module_class),
-                "tensorwatch.tensor": utf8_text(event.tensor),
-                "tensorwatch.rank": event.rank,
-                "tensorwatch.first_rank": first,
-            }, context=dctx or ctx)
-            if dctx is not None:
-                ctx = (dctx, trace.get_current_span(ctx).get_span_context())
+        count = getattr(self, "_count_" + event.event, None)  # the metrics an event type moves
+        if count is not None:
+            ctx = count(event, ctx)
+            if ctx is None:  # no span for it
+                return
         # The caller's context makes the span a child of the training step's span, if any.
         self._enqueue((event, ctx))
+
+    def _count_optimizer_step_skipped(self, event: SkippedStepEvent, ctx: Any) -> Any:
+        self._steps.on_skip(event, False)
+        self._count_skips(event.rank)
+        return None  # one per skip: the counter says it; a streak gets a span
+
+    def _count_skipped_steps_streak(self, event: SkipStreakEvent, ctx: Any) -> Any:
+        self._steps.on_skip(event, True)
+        self._streaks.add(1, {_RANK: event.rank})
+        return ctx
+
+    def _count_skipped_nonfinite_step(self, event: SkippedNonFiniteStepEvent, ctx: Any) -> Any:
+        self._nonfinite_skips.add(1, {_RANK: event.rank})  # and a span
+        return ctx
+
+    def _count_stopped_by_rank(self, event: StoppedByRankEvent, ctx: Any) -> Any:
+        self._stopped.add(1, {**_utf8(place_attributes(event.place)), _RANK: event.rank,
+                              _FIRST_RANK: event.first_rank})
+        return ctx
+
+    def _count_nonfinite_detected(self, event: NonFiniteEvent, ctx: Any) -> Any:
+        first = event.rank if event.first_rank is None else event.first_rank
+        # In the detection's trace, so the exemplar names the span's trace id: a child of the
+        # current span when the event took its trace id, else a trace of its own.
+        current = trace.get_current_span(ctx).get_span_context()
+        joined = current.is_valid and format(current.trace_id, "032x") == event.trace_id
+        dctx = _detection_context(event.trace_id, ctx) if event.trace_id and not joined else None
+        self._nonfinite.add(1, {**_utf8(place_attributes(event.place)), _RANK: event.rank, _FIRST_RANK: first},
+                            context=dctx or ctx)
+        if dctx is not None:
+            return (dctx, trace.get_current_span(ctx).get_span_context())
+        return ctx
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Spans of events seen so far are handed to the span processor, then both providers
@@ -429,8 +439,7 @@ class OtelTelemetry(Sink):
             rank = snap.rank
             out = []
             for module, cls, tensor, dtype, lo, hi, ru, shares in snap.rows:
-                attrs = {"tensorwatch.module.path": utf8_text(module), "tensorwatch.module.class": utf8_text(cls),
-                         "tensorwatch.tensor": utf8_text(tensor), "tensorwatch.rank": rank}
+                attrs = {_MODULE: utf8_text(module), _CLASS: utf8_text(cls), _TENSOR: utf8_text(tensor), _RANK: rank}
                 out.append((attrs, dtype, lo, hi, ru, shares))
             self._rows_cache = (snap.version, out)
             return out
@@ -446,11 +455,11 @@ class OtelTelemetry(Sink):
         return [Observation(e[2], e[0]) for e in self._entries() if self._finite(e[2])]
 
     def _observe_range_used(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(e[4], dict(e[0], **{"tensorwatch.dtype": e[1]}))
+        return [Observation(e[4], dict(e[0], **{ATTRIBUTES["dtype"]: e[1]}))
                 for e in self._entries() if self._finite(e[4])]
 
     def _observe_shares(self, which: int) -> Iterable[Observation]:
-        out = [Observation(share[which], dict(attrs, **{"tensorwatch.target_dtype": utf8_text(share[0])}))
+        out = [Observation(share[which], dict(attrs, **{ATTRIBUTES["target_dtype"]: utf8_text(share[0])}))
                for attrs, _, _, _, _, shares in self._entries() for share in shares if share[which] is not None]
         if len(out) > self.max_series:
             # One point per pair and target dtype: kept under the SDK's cardinality limit like
@@ -481,30 +490,30 @@ class OtelTelemetry(Sink):
         snap = self._window.snapshot()
         if snap is None:
             return []
-        return [Observation(snap.batches, {"tensorwatch.rank": snap.rank})]
+        return [Observation(snap.batches, {_RANK: snap.rank})]
 
     def _observe_batch_number(self, options: CallbackOptions) -> Iterable[Observation]:
         snap = self._window.snapshot()
         if snap is None:
             return []
-        return [Observation(snap.batch_number, {"tensorwatch.rank": snap.rank})]
+        return [Observation(snap.batch_number, {_RANK: snap.rank})]
 
     def _observe_measure_every(self, options: CallbackOptions) -> Iterable[Observation]:
         every = self._sampling.every_n_batches
-        return [] if every is None else [Observation(every, {"tensorwatch.rank": self._rank})]
+        return [] if every is None else [Observation(every, {_RANK: self._rank})]
 
     def _observe_overhead(self, options: CallbackOptions) -> Iterable[Observation]:
         overhead = self._sampling.overhead
-        return [] if overhead is None else [Observation(overhead, {"tensorwatch.rank": self._rank})]
+        return [] if overhead is None else [Observation(overhead, {_RANK: self._rank})]
 
     def _observe_grad_scale(self, options: CallbackOptions) -> Iterable[Observation]:
         scale, rank = self._steps.scale, self._steps.rank
         if scale is None or not self._finite(scale):
             return []
-        return [Observation(scale, {"tensorwatch.rank": rank})]
+        return [Observation(scale, {_RANK: rank})]
 
     def _observe_streak(self, options: CallbackOptions) -> Iterable[Observation]:
         streak = self._steps.streak
         if streak is None:
             return []
-        return [Observation(streak[0], {"tensorwatch.rank": streak[1]})]
+        return [Observation(streak[0], {_RANK: streak[1]})]

@@ -13,6 +13,7 @@ import time
 import weakref
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
+from .catalogue import ATTRIBUTES
 from ._otlp_check import DEFAULT_PROTOCOL, PROTOCOLS, OtlpConfigError, Target  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def make_resource(rank: int):
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
     detected = OTELResourceDetector().detect().attributes
-    attrs: dict = {"tensorwatch.rank": int(rank)}
+    attrs: dict = {ATTRIBUTES["rank"]: int(rank)}
     if "service.name" not in detected:
         # the SDK would say unknown_service; the shipped Jaeger links look for this name
         attrs["service.name"] = DEFAULT_SERVICE_NAME

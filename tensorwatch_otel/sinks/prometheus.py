@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
 from ..core import env as _env
-from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
+from ..core.events import (BatchStats, NonFiniteEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
                            SkipStreakEvent, StoppedByRankEvent, label_for_module)
 from ..core.rank import current_rank
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
@@ -258,37 +258,44 @@ class PrometheusMetrics(Sink):
         if self._want_sigterm:  # a detection came on another thread (backward on a GPU)
             self._note_sigterm()
 
-    def on_event(self, event: Event) -> None:
-        if isinstance(event, SkippedNonFiniteStepEvent):
-            with self._lock:
-                self._steps.nonfinite += 1
-            return
-        if isinstance(event, (SkippedStepEvent, SkipStreakEvent)):
-            streak = isinstance(event, SkipStreakEvent)
-            with self._lock:
-                self._steps.on_skip(event, streak)
-                if streak:  # may precede the exception that ends the run: linger for it
-                    self._unscraped_detection = True
-            if streak:
-                self._note_sigterm()
-            return
-        if not isinstance(event, (NonFiniteEvent, StoppedByRankEvent)):
-            return
-        first = event.first_rank
-        key = (label_for_module(event.module), event.module_class, event.tensor, event.rank,
-               event.rank if first is None else first)
+    # the event types it counts (Sink.on_event calls handle_<event type>)
+    def handle_skipped_nonfinite_step(self, event: SkippedNonFiniteStepEvent) -> None:
         with self._lock:
-            if isinstance(event, StoppedByRankEvent):
-                self._stopped[key] = self._stopped.get(key, 0) + 1
-            else:
-                self._detected = True
-                entry = self._nonfinite.setdefault(key, [0, None, None])
-                entry[0] += 1
-                if event.trace_id:
-                    entry[1], entry[2] = event.trace_id, event.time
-            # a detection, or this rank stops now: let the next scrape see it
-            self._unscraped_detection = True
+            self._steps.nonfinite += 1
+
+    def handle_optimizer_step_skipped(self, event: SkippedStepEvent) -> None:
+        with self._lock:
+            self._steps.on_skip(event, False)
+
+    def handle_skipped_steps_streak(self, event: SkipStreakEvent) -> None:
+        with self._lock:
+            self._steps.on_skip(event, True)
+            self._unscraped_detection = True  # may precede the exception that ends the run: linger for it
         self._note_sigterm()
+
+    def handle_nonfinite_detected(self, event: NonFiniteEvent) -> None:
+        with self._lock:
+            self._detected = True
+            entry = self._nonfinite.setdefault(self._key(event), [0, None, None])
+            entry[0] += 1
+            if event.trace_id:
+                entry[1], entry[2] = event.trace_id, event.time
+            self._unscraped_detection = True  # let the next scrape see it
+        self._note_sigterm()
+
+    def handle_stopped_by_rank(self, event: StoppedByRankEvent) -> None:
+        key = self._key(event)
+        with self._lock:
+            self._stopped[key] = self._stopped.get(key, 0) + 1
+            self._unscraped_detection = True  # this rank stops now: let the next scrape see it
+        self._note_sigterm()
+
+    @staticmethod
+    def _key(event: Union[NonFiniteEvent, StoppedByRankEvent]) -> Tuple[str, str, str, int, int]:
+        """The detection counters' labels: module (`(root)` for the root), class, tensor, rank, first rank."""
+        place, first = event.place, event.first_rank
+        return (label_for_module(place.module), place.module_class, place.tensor, event.rank,
+                event.rank if first is None else first)
 
     def close(self) -> None:
         if self._closed:

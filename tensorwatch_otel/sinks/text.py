@@ -30,19 +30,23 @@ class TextReport(Sink):
         out.write(text)
         out.flush()
 
-    def on_event(self, event) -> None:
-        if isinstance(event, NonFiniteEvent):
-            self._reports += 1
-            self._write(render_detection(event) if self._reports == 1 else summary_line(event))
-        elif isinstance(event, StoppedByRankEvent):
-            self._write(stopped_line(event))
-        elif isinstance(event, BatchTraceEvent):
-            if self.all_ranks or event.rank == 0:
-                self._write(render_trace(event))
-        elif isinstance(event, SkipStreakEvent):
-            self._write(streak_line(event))
-        elif isinstance(event, SkippedNonFiniteStepEvent):
-            self._write(skipped_line(event))
+    # the event types it prints (Sink.on_event calls handle_<event type>)
+    def handle_nonfinite_detected(self, event: NonFiniteEvent) -> None:
+        self._reports += 1
+        self._write(render_detection(event) if self._reports == 1 else summary_line(event))
+
+    def handle_stopped_by_rank(self, event: StoppedByRankEvent) -> None:
+        self._write(stopped_line(event))
+
+    def handle_batch_trace(self, event: BatchTraceEvent) -> None:
+        if self.all_ranks or event.rank == 0:
+            self._write(render_trace(event))
+
+    def handle_skipped_steps_streak(self, event: SkipStreakEvent) -> None:
+        self._write(streak_line(event))
+
+    def handle_skipped_nonfinite_step(self, event: SkippedNonFiniteStepEvent) -> None:
+        self._write(skipped_line(event))
 
 
 def streak_line(event: SkipStreakEvent) -> str:
