@@ -56,3 +56,22 @@ def test_frames_written_through_the_record_read_back_in_order():
         [("weight", 0.5, 2.0, ""), ("input[0]", None, None, "not a tensor"), ("output", 0.25, 8.0, "")]
     rec.drop_frame(0)
     assert list(rec.measured()) == []
+
+
+def test_sinks_read_a_record_through_batch_stats_columns():
+    from tensorwatch_otel.core.events import BatchStats
+
+    info = ModuleInfo("lin", torch.nn.Linear(2, 2), False, True)
+    rec = Record(3)
+    items: list = []
+    first = rec.first_free()
+    rec.add(items, "weight", (0.5, 2.0), torch.float32)
+    rec.add_frame(info, items, first)
+    rec.readback()
+    stats = BatchStats(3, 0, 0.0, rec)
+    cols = stats.columns()
+    assert cols is rec and [(i.path, n, k) for i, n, k, _ in cols.measured()] == [("lin", "weight", 0)]
+    mins, maxs = cols.host_extremes()
+    assert (mins.tolist(), maxs.tolist()) == ([0.5], [2.0])
+    assert len(stats.frames) == 1 and stats.columns() is None  # frames built: read those
+    assert BatchStats(3, 0, 0.0, ()).columns() is None

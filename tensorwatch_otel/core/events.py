@@ -9,7 +9,7 @@ import dataclasses
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple, Union, cast
 
 # Notes for values that have no statistics. The report prints them right-aligned in 17 columns.
 NOTE_NONE = "None"
@@ -373,6 +373,15 @@ class BatchStats:
             self._frames = f
         return f
 
+    def columns(self) -> Optional["RecordColumns"]:
+        """The batch's statistics as columns, one entry per measured tensor, when they come
+        straight from the watcher's record and no frames were built from it (what the metric
+        sinks aggregate, with no Python object per value); None otherwise (read `frames`)."""
+        f = self._frames
+        if isinstance(f, tuple) or not hasattr(f, "layout_key"):
+            return None
+        return cast("RecordColumns", f)  # a Record (the only _LazyFrames with a layout)
+
     def rows(self) -> Iterator[StatRow]:
         """Every measured tensor of every frame (a module called twice yields its rows twice)."""
         for fr in self.frames:
@@ -386,6 +395,29 @@ class _LazyFrames(Protocol):
     """A deferred frame list (the watcher's batch record, core/record.py's Record)."""
 
     def materialize(self) -> Tuple[Frame, ...]: ...
+
+
+class RecordColumns(Protocol):
+    """The columnar view of the watcher's batch record (core/record.py's Record), read by the
+    metric sinks through BatchStats.columns(): `measured()` gives (module info, tensor name,
+    index, dtype) per measured tensor in order; `host_extremes()` their abs mins and abs maxs
+    (two float64 tensors); with target_dtypes, `underflow`/`overflow` hold the shares
+    (`k * len(targets) + j`) and `magnitude(k)` the histogram on the batches that took one
+    (`histogram`); `layout_key()` is equal (==) for two records of the same layout."""
+
+    batch_number: int
+    targets: Tuple[str, ...]
+    histogram: Optional[bool]
+    underflow: List[float]
+    overflow: List[float]
+
+    def layout_key(self) -> Any: ...
+
+    def measured(self) -> Iterator[Tuple[Any, str, int, Any]]: ...
+
+    def host_extremes(self) -> Tuple[Any, Any]: ...
+
+    def magnitude(self, k: int) -> Optional[Magnitude]: ...
 
 
 def map_strings(obj: Any, fn: Callable[[str], str]) -> Any:

@@ -24,8 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..core import env as _env
-from ..core.events import BatchStats, label_for_module
-from ..core.record import Record
+from ..core.events import BatchStats, RecordColumns, label_for_module
 from ..core.stats import DTYPE_MAX, dtype_name
 from ._magnitude import MagnitudeTotals
 from ._options import number_option
@@ -149,8 +148,8 @@ class Window:
 
     # -- training thread ------------------------------------------------------------------
     def add(self, stats: BatchStats) -> None:
-        source = stats._frames
-        if isinstance(source, Record):
+        source = stats.columns()
+        if source is not None:
             layout = self._record_layout(source)  # the watcher's batch record: no frames built
             mins, maxs = source.host_extremes()
             index, inv_top = layout.index, layout.inv_top
@@ -261,7 +260,7 @@ class Window:
             self._keys[col][3] = dtype  # a module cast to another dtype: label the new one
         return col
 
-    def _record_layout(self, rec: Record) -> _Layout:
+    def _record_layout(self, rec: RecordColumns) -> _Layout:
         frames, dtypes = rec.layout_key()
         for i, lay in enumerate(self._layouts):
             if lay.frames == frames and lay.dtypes == dtypes:  # C-level compares, no Python loop
