@@ -85,45 +85,78 @@ class InputError(Exception):
 
 
 def render_event(event) -> str:
-    """The text for one event, as the TextReport sink and the peer print it."""
-    from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent,
-                               SamplingRateEvent, SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent,
-                               StoppedByRankEvent)
-    from ..report.text import render_detection, render_trace, skipped_line, stopped_line
+    """The text for one event, as the TextReport sink and the peer print it ("" for a type
+    without a text)."""
+    render = _RENDER.get(event.event)
+    return render(event) if render is not None else ""
 
-    if isinstance(event, NonFiniteEvent):
-        return render_detection(event)
-    if isinstance(event, BatchTraceEvent):
-        return render_trace(event)
-    if isinstance(event, StoppedByRankEvent):
-        return stopped_line(event)
-    if isinstance(event, AbortAfterBatchEvent):
-        return f"aborting after batch_number={event.batch_number} (abort_after_batch)\n"
-    if isinstance(event, SkippedStepEvent):
-        where = f": {event.kind} in {event.module or '(root)'} {event.tensor}" if event.tensor else ""
-        scale = f", scale {event.scale:g}" if event.scale is not None else ""
-        return (f"optimizer step skipped after batch_number={event.batch_number} "
-                f"(rank {event.rank}, streak {event.streak}{scale}){where}\n")
-    if isinstance(event, SkippedNonFiniteStepEvent):
-        return skipped_line(event)
-    if isinstance(event, SamplingRateEvent):
-        return (f"measuring one batch in {event.every_n_batches} from batch_number={event.batch_number} "
-                f"(rank {event.rank}; the watcher's share of the step {event.overhead:.2%}, now about "
-                f"{event.expected_overhead:.2%}; max_overhead {event.max_overhead:g})\n")
-    if isinstance(event, SkipStreakEvent):
-        scale = f", scale {event.scale:g}" if event.scale is not None else ""
-        return (f"{event.streak} optimizer steps in a row skipped by batch_number={event.batch_number} "
-                f"(rank {event.rank}{scale})\n")
-    if isinstance(event, OverflowCheckEvent):
-        lines = []
-        if "nan" in event.kind:
-            lines.append(f"{event.ctx} has nans")
-        if "inf" in event.kind:
-            lines.append(f"{event.ctx} has infs")
-        if not lines:
-            lines.append(f"{event.ctx}: finite")
-        return "".join(f"{line} (batch_number={event.batch_number})\n" for line in lines)
-    return ""
+
+def _detection(event) -> str:
+    from ..report.text import render_detection
+    return render_detection(event)
+
+
+def _trace(event) -> str:
+    from ..report.text import render_trace
+    return render_trace(event)
+
+
+def _stopped(event) -> str:
+    from ..report.text import stopped_line
+    return stopped_line(event)
+
+
+def _skipped_nonfinite(event) -> str:
+    from ..report.text import skipped_line
+    return skipped_line(event)
+
+
+def _abort(event) -> str:
+    return f"aborting after batch_number={event.batch_number} (abort_after_batch)\n"
+
+
+def _step_skipped(event) -> str:
+    where = f": {event.kind} in {event.module or '(root)'} {event.tensor}" if event.tensor else ""
+    scale = f", scale {event.scale:g}" if event.scale is not None else ""
+    return (f"optimizer step skipped after batch_number={event.batch_number} "
+            f"(rank {event.rank}, streak {event.streak}{scale}){where}\n")
+
+
+def _sampling_rate(event) -> str:
+    return (f"measuring one batch in {event.every_n_batches} from batch_number={event.batch_number} "
+            f"(rank {event.rank}; the watcher's share of the step {event.overhead:.2%}, now about "
+            f"{event.expected_overhead:.2%}; max_overhead {event.max_overhead:g})\n")
+
+
+def _streak(event) -> str:
+    scale = f", scale {event.scale:g}" if event.scale is not None else ""
+    return (f"{event.streak} optimizer steps in a row skipped by batch_number={event.batch_number} "
+            f"(rank {event.rank}{scale})\n")
+
+
+def _overflow_check(event) -> str:
+    lines = []
+    if "nan" in event.kind:
+        lines.append(f"{event.ctx} has nans")
+    if "inf" in event.kind:
+        lines.append(f"{event.ctx} has infs")
+    if not lines:
+        lines.append(f"{event.ctx}: finite")
+    return "".join(f"{line} (batch_number={event.batch_number})\n" for line in lines)
+
+
+#: event type (the JSON lines "event") -> its text
+_RENDER = {
+    "nonfinite_detected": _detection,
+    "batch_trace": _trace,
+    "stopped_by_rank": _stopped,
+    "abort_after_batch": _abort,
+    "optimizer_step_skipped": _step_skipped,
+    "skipped_nonfinite_step": _skipped_nonfinite,
+    "sampling_rate": _sampling_rate,
+    "skipped_steps_streak": _streak,
+    "overflow_check": _overflow_check,
+}
 
 
 def select(events: Sequence, batches=None, types=None, ranks=None) -> List:
