@@ -374,7 +374,7 @@ def attribute(trainer: CompiledTrainer, steps: int, op_calls: int) -> dict:
         return run
 
     w = trainer.watcher
-    slots = [s for s in front._SLOTS.values() if s.watcher() is w]
+    slots = front.SLOTS.of_watcher(w)
     saved = [(s, s.pre, s.post) for s in slots]
     real_rebuild = front.rebuild
     keep = []  # the slots hold their hooks weakly

@@ -170,6 +170,8 @@ def demo_run(tmp_path):
     env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
     # The precision panels (underflow/overflow shares) need target dtypes; watch() reads them here.
     env["TENSORWATCH_TARGET_DTYPES"] = "float8_e4m3fn,float16"
+    # The watcher-cost panel's share needs a budget; one this large keeps every batch measured.
+    env["TENSORWATCH_MAX_OVERHEAD"] = "0.9"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=tmp_path, env=env)

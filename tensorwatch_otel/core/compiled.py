@@ -124,6 +124,10 @@ class SlotTable:
     def set_post(self, slot: int, post: _PostHook) -> None:
         self._slots[slot].post = _weak(post)
 
+    def of_watcher(self, watcher: object) -> List[_Slot]:
+        """The live slots whose hooks are `watcher`'s (benchmarks time them)."""
+        return [s for s in self._slots.values() if s.watcher() is watcher]
+
     def live(self, slot: int) -> List[_Slot]:
         """The slots an op of number `slot` runs: its own, or, released, its module's live ones."""
         s = self._slots.get(slot)
