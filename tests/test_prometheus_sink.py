@@ -198,36 +198,39 @@ def test_scrape_never_sees_half_a_batch(registry, window_s):
     sink.close()
 
 
-def _reference_work() -> float:
-    """This thread's CPU seconds for a fixed pure-Python job of dict inserts and string
-    formatting (about 0.05 s on an idle 2-core box, a sixth of the scrape below)."""
-    t = time.thread_time()
-    d = {}
-    for i in range(200_000):
-        d[("layers.%d" % (i % 2500), i & 3)] = float(i)
-    return time.thread_time() - t
+_SCRAPE_TIMES = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from prometheus_client import CollectorRegistry, generate_latest
+from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
+from _otel_fixtures import batch, linear_frames
+registry = CollectorRegistry()
+sink = PrometheusMetrics(registry=registry)
+sink.on_batch(batch(linear_frames(2500)))
+t = time.thread_time()
+text = generate_latest(registry)
+first = time.thread_time() - t
+t = time.thread_time()
+generate_latest(registry)
+again = time.thread_time() - t
+sink.close()
+print(text.count(b"tensorwatch_tensor_abs_max{"), first, again)
+"""
 
 
-def test_big_model_scrapes_fast(registry):
+def test_big_model_scrapes_fast():
     """2,500 modules x 4 tensors (30,000 samples): the first scrape, which aggregates, and the
     next ones take well under a second of CPU (about 0.3 s on an idle 2-core box). Measured as
-    this thread's CPU time; a shared box's contention still stretches that (0.83 s seen once in
-    CI), so a scrape past 0.8 s passes when it is under 12 times a reference job timed beside it
-    (about 6 times when idle)."""
-    sink = PrometheusMetrics(registry=registry)
-    sink.on_batch(batch(linear_frames(2500)))
-    before = _reference_work()
-    t = time.thread_time()
-    text = generate_latest(registry)
-    first = time.thread_time() - t
-    t = time.thread_time()
-    generate_latest(registry)
-    again = time.thread_time() - t
-    reference = max(before, _reference_work())
-    assert text.count(b"tensorwatch_tensor_abs_max{") == 10_000
-    assert first < 0.8 or first < 12 * reference, (first, reference)
-    assert again < 0.8 or again < 12 * reference, (again, reference)
-    sink.close()
+    the scraping thread's CPU time, in a fresh interpreter: inside the full suite's process the
+    same scrape has taken 0.83 s (cause not found; 0.23-0.31 s alone, at this session's base
+    too)."""
+    out = subprocess.run([sys.executable, "-c", _SCRAPE_TIMES, os.path.dirname(os.path.abspath(__file__))],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    samples, first, again = out.stdout.split()
+    assert int(samples) == 10_000
+    assert float(first) < 0.8, first
+    assert float(again) < 0.8, again
 
 
 def test_on_batch_is_cheap(registry):
