@@ -24,6 +24,12 @@ MAX_TENSORS = 64  # output tensors looked at: a bounded walk, as the recorder's
 MAX_DEPTH = 4
 
 
+def _fusable(t: torch.Tensor, fused: Tuple[str, ...]) -> bool:
+    """`t` goes into its device's one inf-norm launch (a DTensor's local shard goes through measure)."""
+    return t.__class__ is torch.Tensor and t.device.type in fused and t.layout is torch.strided \
+        and t.dtype in _FUSED_DTYPES
+
+
 def all_finite(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) -> bool:
     """True when no tensor of `tensors` holds inf or NaN. Call under no_grad."""
     tops: List[torch.Tensor] = []  # a 0-d tensor per tensor (or per device group): non-finite iff a bad value
@@ -32,12 +38,8 @@ def all_finite(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) -> bool:
     # the common CPU case, gathered with no Python per tensor; else one by one below
     gathered = "cpu" not in fused and host.add_all(list(tensors))
     for t in () if gathered else tensors:
-        if t.__class__ is torch.Tensor and t.device.type in fused and t.layout is torch.strided \
-                and t.dtype in _FUSED_DTYPES:  # (a DTensor's local shard goes through measure)
-            group = groups.get(t.device)
-            if group is None:
-                group = groups[t.device] = []
-            group.append(t)
+        if _fusable(t, fused):
+            groups.setdefault(t.device, []).append(t)
             continue
         if host.add(t):
             continue
@@ -73,8 +75,7 @@ def _all_finite_each(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) ->
     tops: List[torch.Tensor] = []
     groups: Dict[torch.device, List[torch.Tensor]] = {}
     for t in tensors:
-        if t.__class__ is torch.Tensor and t.device.type in fused and t.layout is torch.strided \
-                and t.dtype in _FUSED_DTYPES:
+        if _fusable(t, fused):
             groups.setdefault(t.device, []).append(t)
             continue
         r = measure(t)
