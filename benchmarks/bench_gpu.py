@@ -67,7 +67,8 @@ class SyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
-            self.syncs += 1
+            if args[0].device.type != "cpu":  # (a CPU scalar's .item(), as AdamW's step count, is no sync)
+                self.syncs += 1
         elif func is aten._to_copy.default:
             dev = kwargs.get("device")
             if dev is not None and torch.device(dev).type == "cpu" and args[0].device.type != "cpu":
@@ -97,7 +98,7 @@ class Trainer:
         self.model = copy.deepcopy(base)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.watcher = None
-        watched = "watched" in name
+        watched = name.endswith(("_watched", "watched_torch_ops", "watched_device")) or name == "watched"
         if watched:
             device_stats.set_mode({"watched_torch_ops": "off", "watched_device": "force"}.get(name, "auto"))
             try:
@@ -133,11 +134,15 @@ def counts(trainer: Trainer) -> Dict[str, int]:
     from tensorwatch_otel.core import device_stats
 
     reads = []
+    readers = set()
     real_read = device_stats.SlotBuffer.read
 
     def read(buf, extra=None):
         if buf.used:
             reads.append(buf.used)
+            # where the read came from (a read in an unwatched variant's step is another's)
+            import traceback
+            readers.add(" < ".join(f"{f.name}:{f.lineno}" for f in traceback.extract_stack(limit=8)[:-1][::-1]))
         return real_read(buf, extra)
 
     cuda = trainer.x.device.type == "cuda"
@@ -152,11 +157,16 @@ def counts(trainer: Trainer) -> Dict[str, int]:
         device_stats.SlotBuffer.read = real_read  # type: ignore[method-assign]
     events = prof.events()
     if cuda:
-        kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        seen = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     else:
-        kernels = sum(1 for e in events if e.name.startswith("aten::"))
-    return {"kernels" if cuda else "aten_ops": kernels, "host_syncs": sc.syncs, "d2h_copies": sc.copies,
-            "buffer_reads": len(reads) // 2, "slots_read": sum(reads) // 2}
+        seen = [e.name for e in events if e.name.startswith("aten::")]
+    by_name: Dict[str, int] = {}
+    for k in seen:
+        by_name[k] = by_name.get(k, 0) + 1
+    top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:12])
+    return {"kernels" if cuda else "aten_ops": len(seen), "host_syncs": sc.syncs, "d2h_copies": sc.copies,
+            "buffer_reads": len(reads) // 2, "slots_read": sum(reads) // 2, "top": top,
+            "readers": sorted(readers)}
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -216,12 +226,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
         ref = "compiled" if name.startswith("compiled") and "compiled" in times else "unwatched"
         ratio = med / statistics.median(times[ref]) if ref in times else float("nan")
         c = counts(trainers[name])
-        row = {"step_ms_median": 1e3 * med, "step_ms": [1e3 * v for v in times[name]], "ratio": ratio,
-               "ratio_to": ref, "warmup_s": compile_s[name], **c}
+        hooked = sum(1 for m in trainers[name].model.modules() if m._forward_hooks or m._forward_pre_hooks)
+        row = {"step_ms_median": 1e3 * med, "hooked_modules": hooked, "step_ms": [1e3 * v for v in times[name]],
+               "ratio": ratio, "ratio_to": ref, "warmup_s": compile_s[name], **c}
         result["variants"][name] = row
         k = c.get("kernels", c.get("aten_ops"))
         print(f"{name:22} {1e3 * med:9.2f} {ratio:7.3f} {k:9d} {c['host_syncs']:6d} {c['d2h_copies']:7d} "
-              f"{c['buffer_reads']:6d} {c['slots_read']:6d}")
+              f"{c['buffer_reads']:6d} {c['slots_read']:6d}  (spread {1e3 * min(times[name]):.2f}-"
+              f"{1e3 * max(times[name]):.2f})")
     v = result["variants"]
     for watched, plain in (("watched", "unwatched"), ("watched_torch_ops", "unwatched"),
                            ("compiled_watched", "compiled"), ("compiled_ro_watched", "compiled_ro")):

@@ -30,6 +30,9 @@ def test_bench_gpu_cpu_quick(tmp_path):
         expected = {"unwatched", "watched"}
     assert set(v) == expected and result["quick"] and result["device"] == "cpu"
     assert v["unwatched"]["ratio"] == 1.0
+    # the baseline carries no hook of ours; every watched variant's model does
+    assert v["unwatched"]["hooked_modules"] == 0
+    assert all(row["hooked_modules"] > 5 for name, row in v.items() if name != "unwatched")
     for name, row in v.items():
         assert len(row["step_ms"]) == result["rounds"] == 2 and row["step_ms_median"] > 0, name
         assert math.isfinite(row["ratio"]) and row["ratio"] > 0 and row["aten_ops"] > 0, name

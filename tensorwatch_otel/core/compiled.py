@@ -265,10 +265,25 @@ def _post_fake(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Te
 
 
 # ------------------------------------------------------------------------------ traced side
+def _exporting() -> bool:
+    """True while torch.export traces, False while torch.compile does, both at trace time.
+
+    Not `torch.compiler.is_exporting()`: dynamo folds that call to a constant, and before torch
+    2.13 the constant is True under torch.compile too (measured on 2.11: every hook inside a
+    compiled model dropped its op, the model silently unwatched but for the root). The flag it
+    returns is read as a global instead, which dynamo reads for what it is (and guards on)."""
+    if _EXPORTING_FLAG:
+        return bool(torch.compiler._is_exporting_flag)
+    return torch.compiler.is_exporting()
+
+
+_EXPORTING_FLAG = hasattr(torch.compiler, "_is_exporting_flag")
+
+
 def traced_pre(slot: int) -> None:
     """Called by a pre-hook while dynamo traces: the op call that runs it at run time (none in
     a torch.export: an exported program is not this process's to watch)."""
-    if not torch.compiler.is_exporting():
+    if not _exporting():
         torch.ops.tensorwatch.pre(_TOKEN, slot)
 
 
@@ -354,7 +369,7 @@ for _hook in (PreHook, Hook, Unwatched):  # (watcher.ForwardHook is marked where
 def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object) -> None:
     """Called by a hook while dynamo traces: the op call that runs it at run time, with the
     module's tensors and the structure around them (a constant of the graph)."""
-    if torch.compiler.is_exporting():
+    if _exporting():
         return
     tensors: List[torch.Tensor] = []
     spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU checks of a lent device machine, in phases that fit its short lease (see
+# docs/performance.md). Writes logs and JSON under $OUT (default ./gpu_out).
+#   bash benchmarks/gpu_check.sh tests eager compiled     # first call
+#   bash benchmarks/gpu_check.sh reduce_overhead          # second call
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
+python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+for phase in "$@"; do
+  echo "=== $phase $(date +%T)"
+  case $phase in
+    tests) timeout 170 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log" | tail -25 ;;
+    eager) timeout 120 python3 benchmarks/bench_gpu.py --device cuda --variants unwatched,watched,watched_torch_ops \
+             --json "$OUT/eager.json" 2>&1 | tee "$OUT/bench_eager.log" ;;
+    compiled) timeout 240 python3 benchmarks/bench_gpu.py --device cuda --variants compiled,compiled_watched \
+             --json "$OUT/compiled.json" 2>&1 | tee "$OUT/bench_compiled.log" ;;
+    reduce_overhead) timeout 240 python3 benchmarks/bench_gpu.py --device cuda --variants compiled_ro,compiled_ro_watched \
+             --json "$OUT/compiled_ro.json" 2>&1 | tee "$OUT/bench_compiled_ro.log" ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
+echo "=== done $(date +%T)"
