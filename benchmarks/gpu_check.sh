@@ -14,11 +14,11 @@ for phase in "$@"; do
   echo "=== $phase $(date +%T)"
   case $phase in
     tests) timeout 170 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log" | tail -25 ;;
-    eager) timeout 120 python3 benchmarks/bench_gpu.py --device cuda --variants unwatched,watched,watched_torch_ops \
+    eager) timeout 120 python3 benchmarks/bench_gpu.py --device cuda --variants unwatched,watched,watched_torch_ops --rounds 30 \
              --json "$OUT/eager.json" 2>&1 | tee "$OUT/bench_eager.log" ;;
-    compiled) timeout 240 python3 benchmarks/bench_gpu.py --device cuda --variants compiled,compiled_watched \
+    compiled) timeout 240 python3 benchmarks/bench_gpu.py --device cuda --variants compiled,compiled_watched --rounds 20 \
              --json "$OUT/compiled.json" 2>&1 | tee "$OUT/bench_compiled.log" ;;
-    reduce_overhead) timeout 240 python3 benchmarks/bench_gpu.py --device cuda --variants compiled_ro,compiled_ro_watched \
+    reduce_overhead) timeout 240 python3 benchmarks/bench_gpu.py --device cuda --variants compiled_ro,compiled_ro_watched --rounds 20 \
              --json "$OUT/compiled_ro.json" 2>&1 | tee "$OUT/bench_compiled_ro.log" ;;
     *) echo "unknown phase $phase" ;;
   esac
