@@ -217,7 +217,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
             gc.collect()
             times[name].append(trainers[name].step())
 
-    result: dict = {"device": str(device), "quick": args.quick, "shape": {"blocks": n, "d": d, "heads": heads,
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    result: dict = {"dynamo": {"unique_graphs": dynamo_counters["stats"]["unique_graphs"],
+                               "frames": dict(dynamo_counters["frames"]),
+                               "recompiles": dict(dynamo_counters["recompiles"]),
+                               "graph_breaks": dict(dynamo_counters["graph_break"])},
+                    "device": str(device), "quick": args.quick, "shape": {"blocks": n, "d": d, "heads": heads,
                     "batch": [b, t]}, "autocast": str(autocast), "rounds": rounds, "variants": {}}
     print(f"{'variant':22} {'step ms':>9} {'ratio':>7} {'kernels' if device.type == 'cuda' else 'aten ops':>9} "
           f"{'syncs':>6} {'copies':>7} {'reads':>6} {'slots':>6}")
@@ -245,6 +251,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if "watched_device" in v:
         print("watched_device: under Triton's interpreter each launch dispatches aten ops of its own (on CUDA a "
               "launch is one kernel); its time is the interpreter's")
+    print("dynamo:", result["dynamo"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
