@@ -59,7 +59,8 @@ def one(device: str, blocks: int, d: int, mode: str, autocast: bool, steps: int 
     names = [e.name for e in prof.events()
              if (e.device_type == torch.autograd.DeviceType.CUDA if device == "cuda" else e.name.startswith("aten::"))]
     w.detach()
-    return {"mode": mode, "autocast": autocast, "warm_s": round(warm, 1), "ran_per_step": (compiled.ran.calls - ran0) / (steps + 1),
+    ran = (compiled.ran.calls - ran0) / (steps + 1)
+    return {"mode": mode, "autocast": autocast, "warm_s": round(warm, 1), "ran_per_step": ran,
             "graphs": counters["stats"]["unique_graphs"], "frames": dict(counters["frames"]),
             "recompiles": dict(counters["recompiles"]), "breaks": dict(counters["graph_break"]),
             "kernels": len(names), "triton_kernels": sum(1 for n in names if n.startswith("triton_")),

@@ -579,3 +579,35 @@ def test_a_static_compile_over_eight_shapes_compiles_no_frame_of_ours(how):
     assert [b.batch_number for b in sink.batches] == list(range(8))
     assert all(len(b.frames) == len(sink.batches[0].frames) for b in sink.batches)
     assert sink.batches[-1].frames[-1].module == ""
+
+
+@pytest.mark.slow
+def test_a_model_whose_submodules_hooks_never_run_is_said_once(monkeypatch, caplog):
+    """Trust: a model watched but silently unwatched inside (its submodules' hooks dropped from a
+    compiled graph, as torch < 2.13 did when dynamo folded is_exporting() to True, or a wrapper
+    that calls their forward() directly) is said at WARNING once, with the batch and the count."""
+    import logging
+
+    from tensorwatch_otel.core import compiled
+
+    monkeypatch.setattr(compiled, "_exporting", lambda: True)  # what torch 2.11 made of it
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1)
+    sink = Collect()
+    x = torch.randn(2, 8, 16)
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        with watch(model, sinks=[sink], on_detect="report"):
+            call = torch.compile(model, backend="eager")
+            for _ in range(3):
+                call(x)
+    assert [len(b.frames) for b in sink.batches] == [1, 1, 1]  # the root alone: unwatched inside
+    said = [r for r in caplog.records if "submodules" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "batch 0" in said[0].getMessage() and "13 watched submodules" in said[0].getMessage()
+    torch._dynamo.reset()
+    # an eager model whose submodules run is never said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"), watch(model, sinks=[sink]):
+        model(x)
+    assert not [r for r in caplog.records if "submodules" in r.getMessage()]

@@ -149,6 +149,7 @@ class Watcher:
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._last_batch()),
                                           self._steps.backward_done, self._hook_failed)
+        self._said_root_alone = False  # (see _say_if_root_alone)
         # every hook and handle, the model's parameters and their owners (core/attach.py)
         self._hooks = HookSet(model, config, slot_owner=self, pre_hook=self._pre_hook, make_hook=self._make_hook,
                               capture_hook=self._capture_hook if self._capture is not None else None,
@@ -489,6 +490,7 @@ class Watcher:
     def _end_batch_timed(self, st: _BatchState) -> None:
         rec = st.rec
         assert rec is not None  # (callers check it)
+        sampled = not st.quiet
         if st.quiet:
             st.quiet = False
             st.entry = None
@@ -509,9 +511,28 @@ class Watcher:
                     self._finish(rec, scale)
                 finally:  # a batch that raised NonFiniteDetected still precedes the next ring
                     st.history.keep(rec)
+            if sampled and rec.frames and not self._said_root_alone:
+                self._say_if_root_alone(rec)
         cfg = self.config
         if cfg.abort_after_batch is not None and b >= cfg.abort_after_batch:
             self._detect.abort(b)
+
+    def _say_if_root_alone(self, rec: Record) -> None:
+        """A recorded batch whose frames are all the root's while the model has watched
+        submodules: their hooks did not run, and the model is unwatched inside. Said once, at
+        WARNING: a compiled graph that dropped them, or a wrapper calling their forward()
+        directly, would otherwise leave a run that looks watched and is not."""
+        if any(not rec.frame_info(fi).is_root for fi in range(len(rec.frames))):
+            self._said_root_alone = True  # the submodules' hooks run: nothing to say, ever
+            return
+        inside = self._hooks.hooked - 1
+        if inside <= 0:
+            return
+        self._said_root_alone = True
+        log.warning("tensorwatch_otel: batch %d recorded the model's own call only: none of its %d watched "
+                    "submodules' hooks ran, so nothing inside the model is measured or checked (its output "
+                    "is). A compiled graph that dropped the hooks, or code calling the submodules' forward() "
+                    "directly, does this; said once", rec.batch_number, inside)
 
     def _finish(self, rec: Record, scale: Optional[float] = None) -> None:
         cfg = self.config
