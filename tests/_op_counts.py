@@ -3,7 +3,9 @@ launches (the fused Triton launches, and every aten op that is not a view) and t
 (aten ops whose output has a storage none of their inputs has), per training step the host
 syncs (`_local_scalar_dense`: .item(), bool(), .tolist() of a device tensor), the copies to the
 CPU (from a device, or any a record's read-back makes), and the device path's buffer reads
-(each one copy of a buffer to the host and, on CUDA, one wait on its event).
+(each one copy of a buffer to the host and, on CUDA, one wait on its event). With
+target_dtypes the second Triton launch of the 8-bit targets' counts (device_stats.launch_scaled)
+counts as a launch too.
 
 Use it around a model watched after `OpCounts.install(monkeypatch)`: the per-call mode is
 active only inside the recorder's frame() (the hooks' work), and aten ops Triton's
@@ -105,6 +107,7 @@ class OpCounts:
         counts = self
         real_frame = FrameRecorder.frame
         real_launch = device_stats.launch
+        real_scaled = device_stats.launch_scaled
         real_read = device_stats.SlotBuffer.read
 
         def frame(recorder, *args, **kwargs):
@@ -112,14 +115,16 @@ class OpCounts:
             with _Mode(counts, per_call=True):
                 return real_frame(recorder, *args, **kwargs)
 
-        def launch(buf, first, tensors):
-            if counts.calls:
-                counts.calls[-1][0] += 1
-            was, counts.paused = counts.paused, True
-            try:
-                return real_launch(buf, first, tensors)
-            finally:
-                counts.paused = was
+        def counted(real):
+            def launch(buf, first, tensors, *layout):
+                if counts.calls:
+                    counts.calls[-1][0] += 1
+                was, counts.paused = counts.paused, True
+                try:
+                    return real(buf, first, tensors, *layout)
+                finally:
+                    counts.paused = was
+            return launch
 
         def read(buf, extra=None):
             if not ((buf.used or extra is not None) and counts.steps):
@@ -143,7 +148,8 @@ class OpCounts:
 
         monkeypatch.setattr(Record, "readback", readback)
         monkeypatch.setattr(FrameRecorder, "frame", frame)
-        monkeypatch.setattr(device_stats, "launch", launch)
+        monkeypatch.setattr(device_stats, "launch", counted(real_launch))
+        monkeypatch.setattr(device_stats, "launch_scaled", counted(real_scaled))
         monkeypatch.setattr(device_stats.SlotBuffer, "read", read)
         return self
 

@@ -79,6 +79,28 @@ def test_without_the_step_guard_the_buffer_read_is_the_only_transfer(forced, mon
     assert [row[:4] for row in counts.steps[1:]] == [[0, 0, 1, 2]] * 2
 
 
+@pytest.mark.parametrize("targets,most", [(("float16", "bfloat16"), 1), (("float16", "float8_e4m3fn"), 2)],
+                         ids=["direct", "with-8-bit"])
+def test_target_dtypes_counted_in_the_fused_launch_no_aten_op_no_allocation(forced, monkeypatch, targets, most):
+    """With target_dtypes the counts come from the same fused launch (a second one, over the
+    same tensors, when an 8-bit target's threshold needs the abs max): per warm module call
+    no aten op and no allocation, and per step still the one buffer read. Step 1 is a
+    histogram batch (the first watched one: its rows are torch ops) and step 2 the first
+    counted one (the thresholds are found, with torch's casts, and put on the device once):
+    not warm."""
+    counts, sink = _counted_training(monkeypatch, steps=5, target_dtypes=targets)
+    frames = len(sink.batches[-1].frames)
+    for syncs, copies, reads, read_ops, calls in counts.steps[2:]:
+        assert len(calls) == frames
+        launches = [c[0] for c in calls]
+        assert set(launches) == {0, most} and launches.count(most) == frames - 5, launches
+        assert all(c[1:] == [0, 0] for c in calls), counts.aten_ops
+        assert (reads, copies, syncs) == (1, 0, 1)
+        assert read_ops == 2  # the copy and the reset
+    t = sink.batches[-1].frames[0].tensors[0]
+    assert set(t.underflow) == set(targets) and t.abs_max > 0
+
+
 def test_the_harness_sees_the_torch_ops_route(monkeypatch):
     """Without the device path (and without the CPU kernel) each tensor costs aten ops: the
     harness counts them, so the zeros above are measured, not blind."""

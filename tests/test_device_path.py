@@ -1,7 +1,8 @@
 """The device path wired into the recorder, forced on the CPU under Triton's interpreter (the CUDA
 code on CPU tensors): a watched real model records the frames the default path records (module
 paths, tensor names, exact values in fp32, fp16 and bf16), a detection names the same place,
-target_dtypes keeps working, and the fused kernel is what measured the frames.
+target_dtypes gives the same underflow/overflow shares from counts taken in the fused launch, and
+the fused kernel is what measured the frames.
 
 TRITON_INTERPRET=1 as tests/_interpreted.py sets it (before Triton is imported); skipped without Triton."""
 
@@ -53,11 +54,19 @@ def _train(model, xs, device_path, launches=None, **options):
     return [f for b in sink.batches for f in b.frames], sink.events
 
 
-def _counting_launches(monkeypatch):
+def _counting_launches(monkeypatch, counted=None):
+    """The sizes of the fused launches from now on (and, into `counted`, those of the launches
+    with a counts layout: target_dtypes)."""
     launches = []
     real = device_stats.launch
-    monkeypatch.setattr(device_stats, "launch", lambda buf, first, ts: (launches.append(len(ts)),
-                                                                        real(buf, first, ts))[1])
+
+    def launch(buf, first, ts, *layout):
+        launches.append(len(ts))
+        if layout and counted is not None:
+            counted.append(len(ts))
+        return real(buf, first, ts, *layout)
+
+    monkeypatch.setattr(device_stats, "launch", launch)
     return launches
 
 
@@ -120,16 +129,37 @@ def test_a_detection_names_the_same_module_and_tensor(bad):
     assert found[0][:2] == ("2", "weight")
 
 
-def test_target_dtypes_keep_their_own_route_and_values(monkeypatch):
+def _magnitudes(frames):
+    return [t.magnitude for f in frames for t in f.tensors]
+
+
+@pytest.mark.parametrize("targets", [("float16", "float8_e4m3fn"), ("bfloat16", "float16", "float8_e5m2")],
+                         ids=["fp16+e4m3", "bf16+fp16+e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_target_dtypes_are_counted_in_the_fused_launch_with_the_default_values(dtype, targets, monkeypatch):
+    """Batch 0 is a histogram batch (its tensors take measure_counts, histogram rows and all);
+    batches 1 and 2 are counted by the fused kernel: every row (abs min/max, underflow and
+    overflow shares per target) equals the default path's (the CPU kernel, or the torch ops
+    without it), and so do the histograms."""
     torch.manual_seed(0)
-    model = Stack(n_blocks=1, d=16, heads=2)
-    twin = Stack(n_blocks=1, d=16, heads=2)
+    model = Stack(n_blocks=2, d=16, heads=2).to(dtype)
+    twin = Stack(n_blocks=2, d=16, heads=2).to(dtype)
     twin.load_state_dict(model.state_dict())
-    xs = [torch.randn(2, 8, 16) * 1e3]
-    default, _ = _train(model, xs, device_path=False, target_dtypes=("float16", "float8_e4m3fn"))
-    forced, _ = _train(twin, xs, device_path=True, target_dtypes=("float16", "float8_e4m3fn"))
-    assert _rows(forced) == _rows(default)
-    assert any(t.underflow for f in forced for t in f.tensors)
+    g = torch.Generator().manual_seed(2)
+    scale = 1e3 if dtype is not torch.float16 else 30.0  # past fp16's range in fp32/bf16
+    xs = [(torch.randn(2, 8, 16, generator=g) * scale * torch.exp2(torch.randint(-20, 8, (2, 8, 16), generator=g)))
+          .to(dtype) for _ in range(3)]
+    default, _ = _train(model, xs, device_path=False, target_dtypes=targets)
+    counted = []
+    launches = _counting_launches(monkeypatch, counted)
+    forced, _ = _train(twin, xs, device_path=True, target_dtypes=targets)
+    assert len(default) == 3 * 23 and _rows(forced) == _rows(default)
+    assert _magnitudes(forced) == _magnitudes(default)
+    assert counted and counted == launches  # the counted batches' launches all carried the counts
+    assert sum(counted) >= 2 * 2 * 23  # every frame's output at least, in batches 1 and 2
+    assert any(t.underflow[targets[-1]] for f in forced[23:] for t in f.tensors)
+    if dtype is not torch.float16:
+        assert any(t.overflow["float16"] for f in forced[23:] for t in f.tensors)
 
 
 def test_float64_and_odd_tensors_take_the_measure_route():

@@ -175,23 +175,38 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tensorwatch_otel.core._device_kernel import build
-sig = {"slots": "*i32", "xs": ("*fp32", "*bf16", "*fp16"), "ns": ("i64", "i32", "i32"), "first": "i32",
-       "programs": "i32", "BLOCK": "constexpr"}
+minmax, scaled = build()
+head = {"slots": "*i32", "xs": ("*fp32", "*bf16", "*fp16"), "ns": ("i64", "i32", "i32"), "first": "i32",
+        "programs": "i32"}
+plain = dict(head, ranges="*i32", BLOCK="constexpr", STRIDE="constexpr", RANGES="constexpr", RANGES_P2="constexpr")
+second = dict(head, scaled="*fp64", BLOCK="constexpr", STRIDE="constexpr", COLUMN="constexpr", SCALED="constexpr",
+              SCALED_P2="constexpr")
+variants = {
+    "plain": (minmax, plain, {"BLOCK": 2048, "STRIDE": 2, "RANGES": 0, "RANGES_P2": 1}),
+    "counts": (minmax, plain, {"BLOCK": 2048, "STRIDE": 10, "RANGES": 5, "RANGES_P2": 8}),
+    "scaled": (scaled, second, {"BLOCK": 2048, "STRIDE": 10, "COLUMN": 7, "SCALED": 2, "SCALED_P2": 2}),
+}
 out = {}
 for arch in (80, 90):
-    c = triton.compile(ASTSource(build(), sig, constexprs={"BLOCK": 2048}), target=GPUTarget("cuda", arch, 32))
-    ptx = c.asm["ptx"]
-    out[arch] = {"cvt": sorted(set(re.findall(r"cvt\.[a-z0-9.]+", ptx))), "atom": len(re.findall(r"atom\.", ptx)),
-                 "cubin": len(c.asm["cubin"])}
+    for name, (fn, sig, constexprs) in variants.items():
+        c = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", arch, 32))
+        ptx = c.asm["ptx"]
+        out[f"{arch}/{name}"] = {"cvt": sorted(set(re.findall(r"cvt\.[a-z0-9.]+", ptx))),
+                                 "atom": len(re.findall(r"atom\.", ptx)),
+                                 "f64": sorted(set(re.findall(r"(?:div|rcp|mul|fma|add)\.[a-z0-9.]*f64", ptx))),
+                                 "cubin": len(c.asm["cubin"])}
 print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
 def test_the_kernel_compiles_for_cuda_without_a_gpu():
-    """The same kernel through Triton's CUDA compiler (sm_80 and sm_90, no device needed): it is
-    valid Triton for the real backend, not only for the interpreter; fp16 widens without
-    flushing subnormals (no .ftz), and each of the three tensors has its two atomics."""
+    """The same kernels through Triton's CUDA compiler (sm_80 and sm_90, no device needed): they
+    are valid Triton for the real backend, not only for the interpreter; fp16 widens without
+    flushing subnormals (no .ftz), and each of the three tensors has its two atomics (and its
+    atomic add of the counts with target_dtypes). The scaled-underflow pass's float64
+    arithmetic is IEEE: a correctly rounded division and plain multiplies (no fma, no
+    approximate reciprocal), as torch's ops on the host compute them."""
     import json
     import subprocess
     import sys
@@ -204,9 +219,12 @@ def test_the_kernel_compiles_for_cuda_without_a_gpu():
         pytest.skip("Triton's CUDA backend has no ptxas here")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for arch, r in result.items():
-        assert "cvt.f32.f16" in r["cvt"] and not any(".ftz" in c for c in r["cvt"]), (arch, r)
-        assert r["atom"] == 6 and r["cubin"] > 0, (arch, r)
+    for key, r in result.items():
+        assert "cvt.f32.f16" in r["cvt"] and not any(".ftz" in c for c in r["cvt"]), (key, r)
+        assert r["cubin"] > 0, (key, r)
+        name = key.split("/")[1]
+        assert r["atom"] == {"plain": 6, "counts": 9, "scaled": 3}[name], (key, r)
+        assert r["f64"] == ([] if name != "scaled" else ["div.rn.f64", "mul.f64"]), (key, r)
 
 
 def test_the_mode_is_checked_and_force_needs_the_interpreter(monkeypatch):
@@ -221,3 +239,148 @@ def test_the_mode_is_checked_and_force_needs_the_interpreter(monkeypatch):
         assert not device_stats.wanted() and not device_stats.DeviceStats().cpu
     finally:
         device_stats.set_mode("auto")
+
+
+# ---------------------------------------------------------------------------- target_dtypes
+# The counts rows the kernels give with a CountLayout (core/magnitude.py Plan.device_layout)
+# against the torch ops' rows (magnitude.counts_torch, the route a device tensor takes without
+# the device path) on the same tensors: equal as integers, column by column.
+
+TARGET_SETS = (("float16",), ("float8_e4m3fn",), ("bfloat16", "float8_e5m2"),
+               ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
+               ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+                "float8_e5m2fnuz"))
+
+
+def _counted(stats, plan, tensors):
+    """(abs min, abs max, counts row) of each tensor from the device path, after the read."""
+    frame = stats.frame()
+    assert all(frame.add(t, counted=True) for t in tensors)
+    slots = frame.launch(plan.device_layout())
+    slots[0].buffer.read()
+    return [(s.lo, s.hi, list(s.counts)) for s in slots]
+
+
+def _torch_counted(plan, t):
+    """The same by the torch ops: abs min/max, and counts_torch with that abs max."""
+    from tensorwatch_otel.core import magnitude, stats
+
+    mn, mx = stats._abs_minmax_torch_cpu(t)
+    return float(mn), float(mx), [int(c) for c in magnitude.counts_torch(t, mx, plan).tolist()]
+
+
+def _same_counted(got, want):
+    return len(got) == len(want) and all(_same(g[:2], w[:2]) and g[2] == w[2] for g, w in zip(got, want))
+
+
+def _around_thresholds(plan, dtype):
+    """Values of `dtype` on and next to every direct threshold of `plan` (patterns -2..+2 of
+    each range's ends), both signs, with zeros, subnormals, the max, inf and nan elsewhere."""
+    from tensorwatch_otel.core import magnitude
+
+    inf = magnitude._INF_BITS[dtype]
+    pairs, _ = plan.ranges(dtype)
+    edges = [b for a, w in pairs for b in (a, a + w - 1) if w > 0]
+    pats = sorted({b + d for b in edges for d in (-2, -1, 0, 1, 2) if 0 < b + d < inf})
+    v = torch.tensor(pats, dtype=magnitude._INT[dtype]).view(dtype)
+    return torch.cat([v, -v, torch.tensor(_edge_values(dtype), dtype=dtype)])
+
+
+def _scaled_edges(plan, dtype):
+    """Tensors whose abs max puts a scaled target's threshold on one of their patterns: for
+    several abs maxima, the patterns -2..+2 around amax * Y / fmax (the threshold moves with
+    amax), and the abs max itself."""
+    from tensorwatch_otel.core import magnitude
+
+    out = []
+    for amax in (1.0, 3.0, 0.7, 448.0 * 3, 1e-3, 57344.0 * 0.3):
+        a = torch.tensor([amax], dtype=dtype)
+        a_bits = int(a.view(magnitude._INT[dtype])[0])
+        for j, y in zip(plan.scaled, plan.flush_y):
+            guess = float(a.double()[0]) * y / plan.fmax[j]
+            g = int(torch.tensor([guess], dtype=dtype).view(magnitude._INT[dtype])[0])
+            pats = sorted({g + d for d in (-2, -1, 0, 1, 2) if 0 < g + d < a_bits} | {a_bits})
+            v = torch.tensor(pats, dtype=magnitude._INT[dtype]).view(dtype)
+            out.append(torch.cat([v, -v, torch.zeros(2, dtype=dtype)]))
+    return out
+
+
+@pytest.mark.parametrize("targets", TARGET_SETS, ids=lambda t: "+".join(t))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_counts_equal_the_torch_ops_counts(stats, dtype, targets):
+    """Exact on every edge: zeros of both signs, subnormals, the max, the patterns on and next
+    to each direct threshold, the scaled thresholds for several abs maxima, tensors holding
+    inf or nan (the scaled counts then follow the torch ops' arithmetic: an infinite abs max
+    scales by 0, a NaN one counts nothing), all-zero and subnormal-only tensors (abs max 0,
+    and one that scales by a huge factor), one element, several blocks."""
+    from tensorwatch_otel.core import magnitude
+
+    plan = magnitude.plan_for(targets)
+    fi = torch.finfo(dtype)
+    edges = _around_thresholds(plan, dtype)
+    g = torch.Generator().manual_seed(5)
+    spread = torch.randn(2 * BLOCK + 3, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-30 if dtype is torch.float16 else -140, 16, (2 * BLOCK + 3,), generator=g).double())
+    spread[::7] = 0.0
+    cases = [
+        edges,
+        torch.cat([edges, torch.tensor([math.inf], dtype=dtype)]),
+        torch.cat([edges, torch.tensor([-math.nan], dtype=dtype)]),
+        torch.zeros(5, dtype=dtype),
+        torch.tensor([-0.0], dtype=dtype),
+        torch.tensor([fi.smallest_normal * fi.eps * 3, -fi.smallest_normal * fi.eps], dtype=dtype),
+        torch.tensor([fi.max, -fi.max, fi.tiny], dtype=dtype),
+        spread.to(dtype),
+    ] + _scaled_edges(plan, dtype)
+    got = _counted(stats, plan, cases)
+    want = [_torch_counted(plan, t) for t in cases]
+    for i, (g_, w) in enumerate(zip(got, want)):
+        assert _same_counted([g_], [w]), (i, g_, w)
+
+
+def test_counts_of_many_mixed_tensors_in_one_frame(stats, monkeypatch):
+    """More tensors than one launch takes, of the three dtypes, each with its own wide slot:
+    every row lands in its own tensor's slot (two launches per MAX_TENSORS with an 8-bit
+    target), and the buffer's next batch starts from zeroed counts."""
+    from tensorwatch_otel.core import magnitude
+
+    launches = []
+    real, real_scaled = device_stats.launch, device_stats.launch_scaled
+    monkeypatch.setattr(device_stats, "launch", lambda *a: (launches.append(("minmax", len(a[2]))), real(*a))[1])
+    monkeypatch.setattr(device_stats, "launch_scaled",
+                        lambda *a: (launches.append(("scaled", len(a[2]))), real_scaled(*a))[1])
+    plan = magnitude.plan_for(("float16", "float8_e4m3fn", "bfloat16"))
+    g = torch.Generator().manual_seed(11)
+    ts = [(torch.randn(40 + 3 * i, generator=g) * 10.0 ** (i % 9 - 4)).to(DTYPES[i % 3])
+          for i in range(device_stats.MAX_TENSORS + 3)]
+    want = [_torch_counted(plan, t) for t in ts]
+    for _ in range(2):  # two batches on the same buffer
+        assert _same_counted(_counted(stats, plan, ts), want)
+    n = device_stats.MAX_TENSORS
+    assert launches == [("minmax", n), ("scaled", n), ("minmax", 3), ("scaled", 3)] * 2
+
+
+def test_counted_and_plain_slots_share_a_buffer(stats):
+    """Plain slots and counted (wider) ones issued in one batch: each reads back its own values."""
+    from tensorwatch_otel.core import magnitude
+
+    plan = magnitude.plan_for(("float16", "float8_e5m2"))
+    frame = stats.frame()
+    a, b, c = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 1e-8, 7e4]), torch.tensor([-3.0, 0.25])
+    frame.add(a)
+    (sa,) = frame.launch()
+    frame.add(b, counted=True)
+    (sb,) = frame.launch(plan.device_layout())
+    frame.add(c)
+    (sc,) = frame.launch()
+    sa.buffer.read()
+    assert (sa.lo, sa.hi, sa.counts) == (1.0, 2.0, ())
+    assert (sb.lo, sb.hi, list(sb.counts)) == _torch_counted(plan, b)
+    assert (sc.lo, sc.hi, sc.counts) == (0.25, 3.0, ())
+
+
+def test_too_many_elements_to_count_are_not_taken_for_counting(stats, monkeypatch):
+    monkeypatch.setattr(device_stats, "MAX_COUNTED", 10)
+    frame = stats.frame()
+    assert not frame.add(torch.ones(10), counted=True)
+    assert frame.add(torch.ones(9), counted=True) and frame.add(torch.ones(10))

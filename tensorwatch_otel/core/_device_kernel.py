@@ -1,31 +1,52 @@
-"""The fused Triton kernel of the device path (core/device_stats.py); importing this module
+"""The fused Triton kernels of the device path (core/device_stats.py); importing this module
 imports Triton, so device_stats imports it only when a device first needs it. `build()` makes
-the kernel: compiled for the GPU, or run by Triton's interpreter when TRITON_INTERPRET=1 (Triton
+the kernels: compiled for the GPU, or run by Triton's interpreter when TRITON_INTERPRET=1 (Triton
 decides when the function is decorated)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 import triton
 import triton.language as tl
 
 
-def abs_minmax_slots(slots, xs, ns, first, programs, BLOCK: tl.constexpr):
-    """Abs min and abs max of each tensor xs[i] (ns[i] elements) into slot first + i of `slots`:
-    slots[2j] keeps 0x7FFFFFFF minus the smallest sign-cleared float32 pattern, slots[2j + 1]
-    the largest, both by atomic max. Program p reads blocks p, p + programs, ... of every
-    tensor. fp16 is converted to float32 (exact: every fp16 value is a float32 normal or zero),
-    bf16 is widened on its bits (its subnormals stay subnormals), float32 is read as bits: no
-    float arithmetic, so no flush to zero."""
+def abs_minmax_slots(slots, xs, ns, first, programs, ranges, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
+                     RANGES: tl.constexpr, RANGES_P2: tl.constexpr):
+    """Abs min and abs max of each tensor xs[i] (ns[i] elements) into the int32 words of
+    `slots` from 2 * first + STRIDE * i: word 0 keeps 0x7FFFFFFF minus the smallest sign-cleared
+    float32 pattern, word 1 the largest, both by atomic max. Program p reads blocks p,
+    p + programs, ... of every tensor. fp16 is converted to float32 (exact: every fp16 value is
+    a float32 normal or zero), bf16 is widened on its bits (its subnormals stay subnormals),
+    float32 is read as bits: no float arithmetic, so no flush to zero.
+
+    With RANGES > 0 (target_dtypes, core/magnitude.py) the same read also counts, for each
+    range r < RANGES, the elements whose sign-cleared float32 pattern m has lo_r <= m <= hi_r,
+    into word 2 + r by atomic add (integer compares only: nothing tensor-sized is made). The
+    ranges are int32 (lo, hi) pairs, RANGES_P2 rows per input dtype (float32, float16,
+    bfloat16 in that order; unused rows are (1, 0), which nothing falls in), already moved from
+    the input dtype's patterns to the float32 patterns of the same values. A count wraps modulo
+    2**32: the host reads it as unsigned."""
     pid = tl.program_id(0)
     for i in tl.static_range(len(xs)):
         x = xs[i]
         n = ns[i]
+        base = 2 * first + STRIDE * i
         start = pid.to(tl.int64) * BLOCK
         if start < n:
             hi = tl.zeros([BLOCK], dtype=tl.int32)
             low = tl.zeros([BLOCK], dtype=tl.int32)  # 0x7FFFFFFF minus the smallest pattern
+            if x.dtype.element_ty == tl.bfloat16:
+                row = 2
+            elif x.dtype.element_ty == tl.float16:
+                row = 1
+            else:
+                row = 0
+            if RANGES > 0:
+                r = tl.arange(0, RANGES_P2)
+                r_lo = tl.load(ranges + (row * RANGES_P2 + r) * 2)
+                r_hi = tl.load(ranges + (row * RANGES_P2 + r) * 2 + 1)
+                counts = tl.zeros([RANGES_P2], dtype=tl.int32)
             for s in range(start, n, programs * BLOCK):
                 offs = s + tl.arange(0, BLOCK)
                 inside = offs < n
@@ -39,14 +60,79 @@ def abs_minmax_slots(slots, xs, ns, first, programs, BLOCK: tl.constexpr):
                 bits = bits & 0x7FFFFFFF
                 hi = tl.maximum(hi, tl.where(inside, bits, 0))
                 low = tl.maximum(low, tl.where(inside, 0x7FFFFFFF - bits, 0))
-            tl.atomic_max(slots + 2 * (first + i), tl.max(low, 0))
-            tl.atomic_max(slots + 2 * (first + i) + 1, tl.max(hi, 0))
+                if RANGES > 0:  # lanes past the end read 0, below every range (lo >= 1)
+                    hit = (bits[None, :] >= r_lo[:, None]) & (bits[None, :] <= r_hi[:, None])
+                    counts += tl.sum(hit.to(tl.int32), axis=1)
+            tl.atomic_max(slots + base, tl.max(low, 0))
+            tl.atomic_max(slots + base + 1, tl.max(hi, 0))
+            if RANGES > 0:
+                tl.atomic_add(slots + base + 2 + r, counts, mask=r < RANGES)
 
 
-def build() -> Any:
-    """The kernel, as Triton's current TRITON_INTERPRET says (a JITFunction, or its interpreter's
-    twin). The first slot and the program count change from call to call: not specialised on
-    their values (1, multiples of 16). Triton 3.9 still specialises the elements of a tuple (the
-    sizes in `ns`), so variants are per tensor count, dtypes, pointer alignment and size class
-    (1, multiple of 16, other); each is compiled once and cached on disk by Triton."""
-    return triton.jit(do_not_specialize=["first", "programs"])(abs_minmax_slots)
+def scaled_underflow_slots(slots, xs, ns, first, programs, scaled, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
+                           COLUMN: tl.constexpr, SCALED: tl.constexpr, SCALED_P2: tl.constexpr):
+    """The second pass of target_dtypes with 8-bit targets, launched after abs_minmax_slots on
+    the same tensors and slots: a cast with per-tensor scaling flushes the elements whose
+    float32(|x| * r) is at most Y, r = fmax * (1 / amax) in float64 (the torch ops' arithmetic,
+    core/magnitude.py counts_torch), and that threshold needs the tensor's abs max, which the
+    first pass has written to word 1 of its slot. Every program finds, for each scaled target
+    s, the largest float32 pattern U with pattern_value(U) * r <= bound_s by bisection on
+    patterns (bound_s: the largest float64 whose float32 rounding is at most Y, so the compare
+    is float64 only), then counts the elements with 1 <= m <= min(U, inf - 1) into word
+    COLUMN + s by atomic add. `scaled` holds float64 (fmax, bound) pairs, SCALED_P2 rows (unused
+    ones (1, -1): nothing counts). No count when the abs max is 0 or NaN; an infinite one gives
+    r = 0 (every finite non-zero element), as the torch ops do."""
+    pid = tl.program_id(0)
+    s_idx = tl.arange(0, SCALED_P2)
+    fmax = tl.load(scaled + 2 * s_idx)
+    bound = tl.load(scaled + 2 * s_idx + 1)
+    for i in tl.static_range(len(xs)):
+        x = xs[i]
+        n = ns[i]
+        base = 2 * first + STRIDE * i
+        start = pid.to(tl.int64) * BLOCK
+        if start < n:
+            top = tl.load(slots + base + 1)  # the abs max's pattern (the first pass is complete)
+            finite = top < 0x7F800000
+            valid = (top > 0) & (top <= 0x7F800000)
+            amax = tl.where(finite & valid, top, 0x3F800000).to(tl.float32, bitcast=True).to(tl.float64)
+            r = tl.where(finite, fmax * (1.0 / amax), 0.0)
+            lo = tl.zeros([SCALED_P2], dtype=tl.int32)  # pattern_value(lo) * r <= bound (0 does)
+            # ... and at up it does not (unless top does); a NaN abs max counts nothing (limit 0
+            # below) and is bisected as inf, whose value is not read: no NaN arithmetic
+            up = tl.zeros([SCALED_P2], dtype=tl.int32) + tl.minimum(top, 0x7F800000)
+            top_value = tl.where(finite, top, 0).to(tl.float32, bitcast=True).to(tl.float64)
+            top_in = finite & (top_value * r <= bound)
+            for _ in range(31):
+                mid = lo + (up - lo) // 2
+                ok = mid.to(tl.float32, bitcast=True).to(tl.float64) * r <= bound
+                lo = tl.where(ok, mid, lo)
+                up = tl.where(ok, up, mid)
+            limit = tl.where(top_in, top, lo)
+            limit = tl.where(valid, tl.minimum(limit, 0x7F7FFFFF), 0)
+            counts = tl.zeros([SCALED_P2], dtype=tl.int32)
+            for s in range(start, n, programs * BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                v = tl.load(x + offs, mask=offs < n, other=0)
+                if x.dtype.element_ty == tl.bfloat16:
+                    bits = (v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16
+                elif x.dtype.element_ty == tl.float16:
+                    bits = v.to(tl.float32).to(tl.int32, bitcast=True)
+                else:
+                    bits = v.to(tl.int32, bitcast=True)
+                bits = bits & 0x7FFFFFFF
+                hit = (bits[None, :] >= 1) & (bits[None, :] <= limit[:, None])
+                counts += tl.sum(hit.to(tl.int32), axis=1)
+            tl.atomic_add(slots + base + COLUMN + s_idx, counts, mask=s_idx < SCALED)
+
+
+def build() -> Tuple[Any, Any]:
+    """The two kernels (abs_minmax_slots, scaled_underflow_slots), as Triton's current
+    TRITON_INTERPRET says (JITFunctions, or their interpreter's twins). The first slot and the
+    program count change from call to call: not specialised on their values (1, multiples of
+    16). Triton 3.9 still specialises the elements of a tuple (the sizes in `ns`), so variants
+    are per tensor count, dtypes, pointer alignment and size class (1, multiple of 16, other),
+    and per counts layout (the constexprs); each is compiled once and cached on disk by
+    Triton."""
+    jit = triton.jit(do_not_specialize=["first", "programs"])
+    return jit(abs_minmax_slots), jit(scaled_underflow_slots)

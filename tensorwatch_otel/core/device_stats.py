@@ -11,6 +11,12 @@ tensor until the read-back (Record.readback), which copies each device's used sl
 (pinned memory, non_blocking, one event on CUDA), gives every slot its values and resets the
 buffer.
 
+With target_dtypes (core/magnitude.py) a tensor's slot is wider: after its two words come its
+counts row (a `CountLayout`: how many elements fall in each range of sign-cleared patterns, and,
+for 8-bit targets, how many the scaled cast flushes), int32 words counted by atomic add in the
+same read, or, for the 8-bit targets, in a second launch over the same tensors once the abs max
+is in the slot (that threshold needs it); the counts come back in the same one copy per batch.
+
 The backend is chosen once per device: CUDA with Triton importable takes this path; a CPU takes
 it only when forced (`set_mode("force")`, for tests and benchmarks, with TRITON_INTERPRET=1 set
 before Triton is first imported: Triton's interpreter then runs the same kernel on CPU
@@ -53,7 +59,9 @@ class _DevicePath:
     def __init__(self) -> None:
         self.mode = "auto"
         self.lock = threading.Lock()
-        self.kernels: Dict[bool, Any] = {}  # interpreted? -> the kernel (launched as kernel[grid](...)), or None
+        # interpreted? -> (the abs min/max kernel, the scaled-underflow kernel), each launched as
+        # kernel[grid](...), or None
+        self.kernels: Dict[bool, Optional[Tuple[Any, Any]]] = {}
 
 
 DEVICE_PATH = _DevicePath()
@@ -78,10 +86,10 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def kernel(interpreted: bool) -> Any:
-    """The Triton kernel for GPU tensors (`interpreted` False) or for CPU tensors under Triton's
-    interpreter (True), made on first use; None when Triton cannot be imported, or when
-    TRITON_INTERPRET says otherwise at that first use."""
+def kernel(interpreted: bool) -> Optional[Tuple[Any, Any]]:
+    """The Triton kernels (_device_kernel.build) for GPU tensors (`interpreted` False) or for CPU
+    tensors under Triton's interpreter (True), made on first use; None when Triton cannot be
+    imported, or when TRITON_INTERPRET says otherwise at that first use."""
     kernels = DEVICE_PATH.kernels
     if interpreted in kernels:
         return kernels[interpreted]
@@ -89,7 +97,7 @@ def kernel(interpreted: bool) -> Any:
         return None
     with DEVICE_PATH.lock:
         if interpreted not in kernels:
-            k = None
+            k: Optional[Tuple[Any, Any]] = None
             try:
                 from . import _device_kernel
                 k = _device_kernel.build()
@@ -110,17 +118,68 @@ def wanted() -> bool:
     return mode == "auto" and torch.cuda.is_available()
 
 
+class CountLayout:
+    """What the kernels count per tensor for one tuple of target dtypes (made by
+    magnitude.Plan.device_layout, the same counts as its row): `width` words after the slot's
+    two, in the Plan's column order. `ranges` maps each kernel dtype to its (lo, hi) float32
+    patterns, inclusive, one pair per direct column (the first: the non-zero finite elements);
+    `scaled` holds a (fmax, bound) pair per 8-bit target, whose column follows the ranges'
+    (see _device_kernel.scaled_underflow_slots). `words` is the slot's whole length, two words
+    a slot unit (even, so slots stay aligned to the pair layout)."""
+
+    __slots__ = ("width", "ranges", "scaled", "words", "ranges_p2", "scaled_p2", "_args")
+
+    def __init__(self, ranges: Dict[torch.dtype, List[Tuple[int, int]]], scaled: List[Tuple[float, float]]) -> None:
+        counts = {len(r) for r in ranges.values()}
+        assert len(counts) == 1 and set(ranges) == KERNEL_DTYPES
+        n_ranges = counts.pop()
+        self.ranges = ranges
+        self.scaled = scaled
+        self.width = n_ranges + len(scaled)
+        self.words = 2 + self.width + (self.width & 1)
+        self.ranges_p2 = _pow2(n_ranges)
+        self.scaled_p2 = _pow2(len(scaled))
+        self._args: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def args(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' (ranges, scaled) tensors on `device` (int32 and float64), made once per
+        device: a warm launch allocates nothing."""
+        a = self._args.get(device)
+        if a is None:
+            rows: List[int] = []
+            for dt in (torch.float32, torch.float16, torch.bfloat16):  # the kernel's row order
+                pairs = self.ranges[dt] + [(1, 0)] * (self.ranges_p2 - len(self.ranges[dt]))
+                rows += [v for p in pairs for v in p]
+            scaled = self.scaled + [(1.0, -1.0)] * (self.scaled_p2 - len(self.scaled))
+            a = (torch.tensor(rows, dtype=torch.int32, device=device),
+                 torch.tensor([v for p in scaled for v in p], dtype=torch.float64, device=device))
+            self._args[device] = a
+        return a
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= max(n, 1) (tl.arange's lengths)."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
 class SlotStat:
     """One measured tensor's place in a device buffer until the batch's read-back, then its
-    values: `lo` (abs min) and `hi` (abs max) as floats, set (and `read` true) by the first
-    `buffer.read()` after its launch. A record holds it at both of the tensor's places (Record.readback)."""
+    values: `lo` (abs min) and `hi` (abs max) as floats and, when it was measured with a
+    CountLayout (`width` > 0), `counts` (that many ints), set (and `read` true) by the first
+    `buffer.read()` after its launch. A record holds it at both of the tensor's places
+    (Record.readback), and as the tensor's counts row with target_dtypes."""
 
-    __slots__ = ("buffer", "lo", "hi", "read")
+    __slots__ = ("buffer", "lo", "hi", "read", "width", "counts")
 
-    def __init__(self, buffer: "SlotBuffer") -> None:
+    def __init__(self, buffer: "SlotBuffer", width: int = 0) -> None:
         self.buffer = buffer
         self.lo = self.hi = math.nan
         self.read = False  # lo and hi hold the values
+        self.width = width
+        self.counts: Tuple[int, ...] = ()
 
 
 @contextlib.contextmanager
@@ -140,13 +199,15 @@ def _decode(patterns: Sequence[int]) -> Tuple[float, ...]:
 
 class SlotBuffer:
     """One device's slots for a batch: preallocated, grown geometrically when a batch needs more,
-    reset by one fill at each read."""
+    reset by one fill at each read. A slot is two int32 words; a tensor measured with a
+    CountLayout takes layout.words // 2 consecutive slots."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.capacity = 0
         self.used = 0
+        self.counted = False  # some issued SlotStat has counts (read decodes them)
         self.slots = torch.empty(0, dtype=torch.int32, device=device)
         self.host = torch.empty(0, dtype=torch.int32)
         self.issued: List[SlotStat] = []
@@ -163,15 +224,20 @@ class SlotBuffer:
         self.host = torch.empty(2 * cap, dtype=torch.int32, pin_memory=self.cuda)
         self.capacity = cap
 
-    def take(self, k: int) -> Tuple[int, List[SlotStat]]:
-        """`k` consecutive slots: the first's index and their SlotStats."""
+    def take(self, k: int, layout: Optional[CountLayout] = None) -> Tuple[int, List[SlotStat]]:
+        """Slots for `k` tensors, consecutive (one each, or layout.words // 2 each with a
+        CountLayout): the first's index and their SlotStats."""
+        per = 1 if layout is None else layout.words // 2
+        width = 0 if layout is None else layout.width
         with self._lock:
             first = self.used
-            if first + k > self.capacity:
-                self._grow(first + k)
-            self.used = first + k
-            stats = [SlotStat(self) for _ in range(k)]
+            if first + per * k > self.capacity:
+                self._grow(first + per * k)
+            self.used = first + per * k
+            stats = [SlotStat(self, width) for _ in range(k)]
             self.issued += stats
+            if width:
+                self.counted = True
             return first, stats
 
     def read(self, extra: Optional[torch.Tensor] = None) -> List[float]:
@@ -182,6 +248,7 @@ class SlotBuffer:
         with self._lock:
             n = 2 * self.used
             issued, self.issued, self.used = self.issued, [], 0
+            counted, self.counted = self.counted, False
             words = None if extra is None else extra.view(torch.int32)
             m = 0 if words is None else words.numel()
             if not n + m:
@@ -200,11 +267,23 @@ class SlotBuffer:
                     self.slots[:n].zero_()
             if event is not None:
                 event.synchronize()
-            values = _decode(host[:n].tolist())
+            raw = host[:n].tolist()
             rest = host[n:].view(torch.float64).tolist() if m else []
-        for j, s in enumerate(issued):
-            s.lo = values[2 * j]
-            s.hi = values[2 * j + 1]
+        if not counted:
+            values = _decode(raw)
+            for j, s in enumerate(issued):
+                s.lo = values[2 * j]
+                s.hi = values[2 * j + 1]
+                s.read = True
+            return rest
+        at = 0
+        for s in issued:  # slots of several widths: each decoded at its place
+            s.lo, s.hi = _decode(raw[at:at + 2])
+            if s.width:
+                s.counts = tuple(c & 0xFFFFFFFF for c in raw[at + 2:at + 2 + s.width])  # (unsigned)
+                at += 2 + s.width + (s.width & 1)
+            else:
+                at += 2
             s.read = True
         return rest
 
@@ -239,6 +318,9 @@ class DeviceStats:
 # launch shape: elements per program and loop step, and most programs per launch
 _BLOCK_CUDA, _PROGRAMS_CUDA = 2048, 1024
 _BLOCK_INTERPRETED, _PROGRAMS_INTERPRETED = 8192, 2
+#: elements a tensor with a counts layout may have: each count is an int32 word read as
+#: unsigned, exact below 2**32 (larger tensors keep the torch ops' counts)
+MAX_COUNTED = 1 << 32
 
 
 class DeviceFrame:
@@ -251,11 +333,12 @@ class DeviceFrame:
         self.tensors: List[torch.Tensor] = []
         self.keys: List[int] = []
 
-    def add(self, t: torch.Tensor) -> bool:
+    def add(self, t: torch.Tensor, counted: bool = False) -> bool:
         """Take `t` when the kernel reads it as it is (a plain dense contiguous non-empty
-        float32/16/bf16 tensor on a device of the device path); False otherwise."""
+        float32/16/bf16 tensor on a device of the device path, below MAX_COUNTED elements when
+        it is to be `counted` with a CountLayout); False otherwise."""
         if t.__class__ not in _PLAIN or t.dtype not in KERNEL_DTYPES or t.layout is not _STRIDED \
-                or not t.is_contiguous() or not t.numel():
+                or not t.is_contiguous() or not t.numel() or (counted and t.numel() >= MAX_COUNTED):
             return False
         if t.is_cuda:
             key = t.get_device()
@@ -273,8 +356,9 @@ class DeviceFrame:
         self.tensors = []
         self.keys = []
 
-    def launch(self) -> List[SlotStat]:
-        """Measure the gathered tensors (one launch per device and MAX_TENSORS tensors) and
+    def launch(self, layout: Optional[CountLayout] = None) -> List[SlotStat]:
+        """Measure the gathered tensors (one launch per device and MAX_TENSORS tensors; with a
+        CountLayout their counts too, and a second launch when it has scaled targets) and
         return their SlotStats in the order they were added; the frame is emptied."""
         tensors, keys = self.tensors, self.keys
         self.tensors, self.keys = [], []
@@ -282,37 +366,74 @@ class DeviceFrame:
             return []
         key = keys[0]
         if keys.count(key) == len(keys):
-            return self._launch(key, tensors)
+            return self._launch(key, tensors, layout)
         by_place: Dict[int, SlotStat] = {}
         for k in dict.fromkeys(keys):
             idx = [i for i, x in enumerate(keys) if x == k]
-            by_place.update(zip(idx, self._launch(k, [tensors[i] for i in idx])))
+            by_place.update(zip(idx, self._launch(k, [tensors[i] for i in idx], layout)))
         return [by_place[i] for i in range(len(tensors))]
 
-    def _launch(self, key: int, tensors: List[torch.Tensor]) -> List[SlotStat]:
+    def _launch(self, key: int, tensors: List[torch.Tensor], layout: Optional[CountLayout]) -> List[SlotStat]:
         buf = self.stats.buffer(key)
         assert buf is not None  # add() took these tensors only with a buffer
-        first, stats = buf.take(len(tensors))
+        first, stats = buf.take(len(tensors), layout)
+        per = 1 if layout is None else layout.words // 2
         for i in range(0, len(tensors), MAX_TENSORS):
             part = tensors[i:i + MAX_TENSORS]
-            launch(buf, first + i, part)
+            if layout is None:
+                launch(buf, first + i, part)
+            else:
+                launch(buf, first + per * i, part, layout)
+                if layout.scaled:
+                    launch_scaled(buf, first + per * i, part, layout)
         return stats
 
 
-def launch(buf: SlotBuffer, first: int, tensors: List[torch.Tensor]) -> None:
-    """One kernel launch measuring `tensors` into slots first, first + 1, ... of `buf`."""
-    k = kernel(not buf.cuda)
-    assert k is not None  # a buffer exists only with its kernel
+def _shape(buf: SlotBuffer, tensors: List[torch.Tensor]) -> Tuple[int, int, Tuple[int, ...]]:
+    """(elements per program, programs, sizes) of a launch over `tensors`."""
     longest = max(t.numel() for t in tensors)
     if buf.cuda:
         block, most = _BLOCK_CUDA, _PROGRAMS_CUDA
     else:
         block, most = _BLOCK_INTERPRETED, _PROGRAMS_INTERPRETED
-    programs = min(most, -(-longest // block))
-    sizes = tuple(t.numel() for t in tensors)
-    if buf.cuda and buf.device.index != torch.cuda.current_device():
-        with torch.cuda.device(buf.device):
-            k[(programs,)](buf.slots, tuple(tensors), sizes, first, programs, BLOCK=block)
-        return
-    k[(programs,)](buf.slots, tuple(tensors), sizes, first, programs, BLOCK=block)
+    return block, min(most, -(-longest // block)), tuple(t.numel() for t in tensors)
 
+
+def _kernels(buf: SlotBuffer) -> Tuple[Any, Any]:
+    k = kernel(not buf.cuda)
+    assert k is not None  # a buffer exists only with its kernels
+    return k
+
+
+def _on_device(buf: SlotBuffer) -> Any:
+    """The buffer's device made current for a launch, when it is another CUDA device."""
+    if buf.cuda and buf.device.index != torch.cuda.current_device():
+        return torch.cuda.device(buf.device)
+    return _nothing()
+
+
+def launch(buf: SlotBuffer, first: int, tensors: List[torch.Tensor], layout: Optional[CountLayout] = None) -> None:
+    """One kernel launch measuring `tensors` into slots first, first + 1, ... of `buf` (with
+    a CountLayout: first, first + layout.words // 2, ..., and their direct counts)."""
+    k = _kernels(buf)[0]
+    block, programs, sizes = _shape(buf, tensors)
+    if layout is None:
+        ranges, stride, n_ranges, ranges_p2 = buf.slots, 2, 0, 1
+    else:
+        ranges, stride, n_ranges, ranges_p2 = layout.args(buf.device)[0], layout.words, \
+            layout.width - len(layout.scaled), layout.ranges_p2
+    with _on_device(buf):
+        k[(programs,)](buf.slots, tuple(tensors), sizes, first, programs, ranges, BLOCK=block, STRIDE=stride,
+                       RANGES=n_ranges, RANGES_P2=ranges_p2)
+
+
+def launch_scaled(buf: SlotBuffer, first: int, tensors: List[torch.Tensor], layout: CountLayout) -> None:
+    """The second launch for a CountLayout with scaled (8-bit) targets, after `launch` on the
+    same tensors and slots (in stream order: it reads their abs max from the slots)."""
+    k = _kernels(buf)[1]
+    block, programs, sizes = _shape(buf, tensors)
+    scaled = layout.args(buf.device)[1]
+    with _on_device(buf):
+        k[(programs,)](buf.slots, tuple(tensors), sizes, first, programs, scaled, BLOCK=block, STRIDE=layout.words,
+                       COLUMN=2 + layout.width - len(layout.scaled), SCALED=len(layout.scaled),
+                       SCALED_P2=layout.scaled_p2)

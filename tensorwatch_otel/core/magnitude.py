@@ -39,6 +39,7 @@ import torch
 
 from . import stats
 from .cpu_kernel import KERNEL, MAX_RANGES
+from .device_stats import KERNEL_DTYPES, CountLayout
 from .env import ConfigError
 from .histogram_layout import FLOATS as _FLOATS, GEOMETRY as _GEOMETRY
 from .histogram_layout import row_width as row_width  # a measured row's width, for callers
@@ -173,6 +174,18 @@ def flush_bits(src: torch.dtype, dst: torch.dtype) -> int:
     return _last(lambda b: bool(_value(b, src).to(dst)[0] == 0), _INF_BITS[src] - 1)
 
 
+def _float32_bits(bits: int, src: torch.dtype) -> int:
+    """The float32 pattern of the value whose `src` pattern is `bits` (sign cleared)."""
+    return int(_value(bits, src).float().view(torch.int32)[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _rounds_to_at_most(y: float) -> float:
+    """The largest float64 that torch's cast to float32 makes at most `y` (a float32 value >= 0)."""
+    bits = _last(lambda b: float(_value(b, torch.float64).float()[0]) <= y, _INF_BITS[torch.float64] - 1)
+    return float(_value(bits, torch.float64)[0])
+
+
 @functools.lru_cache(maxsize=None)
 def _at_most_bits(src: torch.dtype, limit: float) -> int:
     """The largest finite sign-cleared pattern of `src` whose value is <= `limit`."""
@@ -210,6 +223,24 @@ class Plan:
                                         or [0.0], dtype=torch.float64)
         self._ranges: Dict[torch.dtype, Tuple[List[Tuple[int, int]], torch.Tensor]] = {}
         self.kernel_args: Dict[torch.dtype, Tuple[int, int, int, int, int]] = {}
+        self._device_layout: Optional[CountLayout] = None
+
+    def device_layout(self) -> CountLayout:
+        """The same counts for the device path's kernels (core/device_stats.py), made once: each
+        direct range of each kernel dtype D moved to the float32 patterns of the same values (the
+        kernel widens D to float32 exactly, and the move keeps the order), and per scaled target
+        (fmax, the largest float64 whose float32 rounding is at most Y) so that the kernel's
+        float64 compare `|x| * r <= bound` is `float32(|x| * r) <= Y` exactly."""
+        layout = self._device_layout
+        if layout is None:
+            ranges = {}
+            for dt in KERNEL_DTYPES:
+                pairs, _ = self.ranges(dt)
+                ranges[dt] = [(_float32_bits(a, dt), _float32_bits(a + w - 1, dt)) if w > 0 else (1, 0)
+                              for a, w in pairs]
+            scaled = [(self.fmax[j], _rounds_to_at_most(y)) for j, y in zip(self.scaled, self.flush_y)]
+            layout = self._device_layout = CountLayout(ranges, scaled)
+        return layout
 
     def args(self, dtype: torch.dtype) -> Tuple[int, int, int, int, int]:
         """The counts kernel's arguments after the tensor for `dtype` (cached in kernel_args)."""

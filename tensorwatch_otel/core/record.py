@@ -87,12 +87,13 @@ class Record:
         # (None: no float values) and, on histogram batches (`histogram`, decided by the
         # recorder at the first measurement), its histogram row (else None); after readback()
         # the shares [k * len(targets) + j] (NaN where none applies) and the host histogram
-        # rows (for magnitude(k))
+        # rows (for magnitude(k)). On the device path a counts row is the tensor's SlotStat
+        # (its `counts`, read with the slot buffer)
         self.targets = targets
         self.plan = _mag.plan_for(targets) if targets else None
         self.histogram: Optional[bool] = None
         self.mags: List[Optional[torch.Tensor]] = []
-        self.counts: List[Optional[torch.Tensor]] = []
+        self.counts: List[Union[torch.Tensor, SlotStat, None]] = []
         self.underflow: List[float] = []
         self.overflow: List[float] = []
         self._rows: List[Optional[Row]] = []  # per k: (host matrix, its row, dtype) or None
@@ -231,14 +232,16 @@ class Record:
         same transfer as the stats (all as float64: stats and counts below 2**53 exactly), then
         the shares."""
         have = len(self.host)
-        # with target_dtypes every statistic is a device tensor (magnitude.measure_counts)
-        pending = cast(List[torch.Tensor], self.stats[have:])
         k0, k1 = have // 2, len(self.stats) // 2
         counts, mags = self.counts[k0:k1], self.mags[k0:k1]
+        if any(s.__class__ is SlotStat for s in self.stats[have:]):
+            return self._readback_slotted(extra, counts, mags)
+        # with target_dtypes every statistic is a device tensor (magnitude.measure_counts)
+        pending = cast(List[torch.Tensor], self.stats[have:])
         parts = list(pending) + ([extra] if extra is not None else [])
         if not parts:
             return None
-        rows = [c for c in counts if c is not None] + [m for m in mags if m is not None]
+        rows = [c for c in counts if isinstance(c, torch.Tensor)] + [m for m in mags if m is not None]
         try:
             head = torch.stack(parts).to(torch.float64)
             flat = torch.cat([head, torch.cat(rows).to(torch.float64)]) if rows else head
@@ -252,8 +255,51 @@ class Record:
         if extra is not None:
             result = values.pop()
         self.host += values
+        self._shares_or_nan(k0, counts, mags, flat[n:], values)
+        return result
+
+    def _readback_slotted(self, extra: Optional[torch.Tensor], counts: List[Union[torch.Tensor, SlotStat, None]],
+                          mags: List[Optional[torch.Tensor]]) -> Optional[float]:
+        """_readback_magnitudes on the device path: the SlotStats (abs min/max and counts row in
+        one) come with their buffer's one copy; the device tensors among the statistics and rows
+        (odd tensors measured with torch ops, histogram rows, `extra`) travel in that copy too
+        when there is one buffer on their device, else in one copy of their own."""
+        have = len(self.host)
+        pending = self.stats[have:]
+        tensors = [s for s in pending if isinstance(s, torch.Tensor)] + ([extra] if extra is not None else [])
+        rows = [c for c in counts if isinstance(c, torch.Tensor)] + [m for m in mags if m is not None]
+        packed = [t.reshape(1).to(torch.float64) for t in tensors] + [r.reshape(-1).to(torch.float64) for r in rows]
+        unread = {s.buffer for s in pending if isinstance(s, SlotStat) and not s.read}
+        flat: List[float] = []
+        if len(unread) == 1 and packed and all(p.device == next(iter(unread)).device for p in packed):
+            flat = next(iter(unread)).read(torch.cat(packed))
+        else:
+            for buf in unread:
+                buf.read()
+            if packed:
+                try:
+                    flat = torch.cat(packed).to("cpu", copy=True).tolist()
+                except RuntimeError:  # several devices (a model split over GPUs)
+                    flat = torch.cat([p.to("cpu") for p in packed]).tolist()
+        it = iter(flat)
+        values = [s if s.__class__ is float else next(it) if isinstance(s, torch.Tensor)
+                  else cast(SlotStat, s).hi if (have + i) & 1 else cast(SlotStat, s).lo for i, s in enumerate(pending)]
+        result = next(it) if extra is not None else None
+        row_values: List[float] = []
+        for c in counts:
+            if isinstance(c, SlotStat):
+                row_values += c.counts
+            elif c is not None:
+                row_values += [next(it) for _ in range(c.numel())]
+        row_values += it  # the histogram rows
+        self.host += values
+        self._shares_or_nan(have // 2, counts, mags, torch.tensor(row_values, dtype=torch.float64), values)
+        return result
+
+    def _shares_or_nan(self, k0: int, counts: List[Union[torch.Tensor, SlotStat, None]],
+                       mags: List[Optional[torch.Tensor]], flat: torch.Tensor, values: List[float]) -> None:
         try:
-            self._shares(k0, counts, mags, flat[n:], values)
+            self._shares(k0, counts, mags, flat, values)
         except Exception as exc:  # the shares must not stop training: NaN, said once
             if said_once(SHARES_FAILED):
                 log.error("tensorwatch_otel: could not derive the underflow/overflow shares (%s: %s); "
@@ -263,9 +309,8 @@ class Record:
             nan = [math.nan] * (len(counts) * len(self.targets))
             self.underflow[k0 * len(self.targets):] = nan
             self.overflow[k0 * len(self.targets):] = list(nan)
-        return result
 
-    def _shares(self, k0: int, counts: List[Optional[torch.Tensor]], mags: List[Optional[torch.Tensor]],
+    def _shares(self, k0: int, counts: List[Union[torch.Tensor, SlotStat, None]], mags: List[Optional[torch.Tensor]],
                 flat: torch.Tensor, values: List[float]) -> None:
         plan = cast(_mag.Plan, self.plan)  # set whenever targets are
         nt = len(self.targets)

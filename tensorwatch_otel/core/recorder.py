@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -22,7 +22,7 @@ from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from .record import Item, ModuleInfo, Record
 from .cpu_kernel import CODES, KERNEL
-from .device_stats import DeviceFrame, DeviceStats, SlotStat, wanted as device_path_wanted
+from .device_stats import CountLayout, DeviceFrame, DeviceStats, SlotStat, wanted as device_path_wanted
 from .magnitude import HISTOGRAM_EVERY, measure_counts
 from .stats import HostBatch, host_readable, measure_host as measure, nonfinite_kind_of
 from .weights import WeightTable, takes
@@ -89,13 +89,15 @@ class _FrameBatch(threading.local):
             self.device.clear()
         self.on_device = []
 
-    def measure(self, pending: List[Tuple[int, torch.Tensor, Union[bool, int], int, int]]) -> List[Any]:
+    def measure(self, pending: List[Tuple[int, torch.Tensor, Union[bool, int], int, int]],
+                layout: Optional[CountLayout] = None) -> List[Any]:
         """(A device-path recorder's frame end.) The values of the tensors taken, two places per
         tensor in the order taken: a SlotStat (at both) for the device kernel's, floats for the
-        CPU kernel's (each measured alone when that kernel is not loaded)."""
+        CPU kernel's (each measured alone when that kernel is not loaded). With target_dtypes
+        (`layout`) only the device kernel takes tensors, and counts them too."""
         on_device, self.on_device = self.on_device, []
         device = self.device
-        slots = device.launch() if device is not None and True in on_device else []
+        slots = device.launch(layout) if device is not None and True in on_device else []
         floats = self.host.measure() if False in on_device else None
         taken = [t for _, t, twin, _, _ in pending if twin.__class__ is not int]
         values: List[Any] = []
@@ -142,9 +144,11 @@ class FrameRecorder:
         self.params_cap = 2 * sum(1 for _ in model.parameters()) + 64
         self.acts_seen: Dict[int, ActSeen] = {}  # id -> (weakref, version, (mn, mx), dtype)
         self.acts_last: Dict[int, ActSeen] = {}  # the last finished batch's, for a detection's kind
-        # target_dtypes: id(abs-min tensor) -> (that tensor, its counts row, its histogram row):
-        # the rows of a measurement the caches above reuse (core/magnitude.py)
-        self.mags_seen: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
+        # target_dtypes: id(abs-min entry) -> (that entry, its counts row, its histogram row):
+        # the rows of a measurement the caches above reuse (core/magnitude.py); on the device
+        # path the entry and the counts row are the tensor's SlotStat
+        self.mags_seen: Dict[int, Tuple[Union[torch.Tensor, SlotStat], Union[torch.Tensor, SlotStat, None],
+                                        Optional[torch.Tensor]]] = {}
         self._fb = _FrameBatch(self._device)  # the calling thread's frame in progress
         # small dense CPU weights: one kernel call per batch for all of them (core/weights.py)
         self.weights = _NoWeightTable() if self._device is not None and self._device.cpu else WeightTable()
@@ -236,8 +240,10 @@ class FrameRecorder:
         fb.pending = []
         fb.acts.clear()
         values: Optional[Sequence[Any]]  # floats, or SlotStats (each at both its places)
+        plan = rec.plan
+        counted = plan is not None  # target_dtypes: each SlotStat is the tensor's counts row too
         if fb.device is not None:  # the device kernel's SlotStats, and the CPU kernel's floats
-            values = fb.measure(pending)
+            values = fb.measure(pending, plan.device_layout() if plan is not None else None)
         else:
             values = fb.host.measure()
         stats = rec.stats
@@ -259,6 +265,10 @@ class FrameRecorder:
             j += 2
             stats[pos] = r[0]
             stats[pos + 1] = r[1]
+            if counted:  # (only the device kernel's SlotStats here)
+                slot = cast(SlotStat, r[0])
+                rec.counts[pos // 2] = slot
+                self.mags_seen[id(slot)] = (slot, slot, None)
             if is_param:
                 params_seen[t] = (version, ptr, t.dtype, r)
             else:
@@ -344,6 +354,7 @@ class FrameRecorder:
         fb.gather.clear()
         fb.on = False
         del rec.stats[marks[0]:], rec.dtypes[marks[1]:], rec.frames[marks[2]:]
+        del rec.counts[marks[1]:], rec.mags[marks[1]:]  # (target_dtypes: one of each per measured tensor)
 
     def _frame(self, rec: Record, info: ModuleInfo, args: Tuple[object, ...], kwargs: Optional[Dict[str, object]],
                output: object) -> None:
@@ -504,7 +515,10 @@ class FrameRecorder:
     # ------------------------------------------------------------------ target_dtypes
     # param() and tensor() with a counts row per measured tensor (rec.counts), read with the
     # abs min/max, and on histogram batches a histogram row (rec.mags) (core/magnitude.py); the
-    # same caches, a cached measurement reused only with its rows.
+    # same caches, a cached measurement reused only with its rows. On the device path, outside
+    # histogram batches, the tensors the fused kernel reads are gathered as the plain ones are
+    # and counted in the frame's launch (_counted_on_device); the others, and every tensor of a
+    # histogram batch, take measure_counts (torch ops or the CPU kernel) at once.
     def _histogram(self, rec: Record) -> bool:
         """Whether `rec`'s batch takes the Magnitude histograms: the first watched batch, then
         every HISTOGRAM_EVERY-th watched batch (decided once per batch number)."""
@@ -546,12 +560,38 @@ class FrameRecorder:
         items.append(name)
         return pair
 
+    def _counted_on_device(self, rec: Record, t: torch.Tensor, is_param: bool, version: int, ptr: int,
+                           name: str, items: List[Item]) -> bool:
+        """Gather `t` for the frame's fused launch with its counts (the plain path's gathering,
+        _batch_end fills its places, its counts row and the caches); False when the device
+        kernel does not take it here: no device path, no frame being gathered, a histogram
+        batch (the histogram rows are torch ops), or a tensor the kernel does not read."""
+        fb = self._fb
+        device = fb.device
+        if device is None or not fb.on:
+            return False
+        hist = rec.histogram
+        if hist is None:
+            hist = self._histogram(rec)
+        if hist or not device.add(t, counted=True):
+            return False
+        fb.on_device.append(True)
+        fb.pending.append((len(rec.stats), t, is_param, version, ptr))
+        rec.stats += _UNREAD
+        rec.dtypes.append(t.dtype)
+        rec.counts.append(None)  # the SlotStat, at _batch_end
+        rec.mags.append(None)
+        items.append(name)
+        return True
+
     def _param_magnitude(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> None:
         seen = self.params_seen.get(p)
         version = p._version
         ptr = p.data_ptr() if p.__class__ in _PLAIN else id(p)
         if seen is not None and seen[0] == version and seen[1] == ptr and seen[2] is p.dtype \
                 and self._reuse(rec, seen[3], seen[2], name, items):
+            return
+        if self._counted_on_device(rec, p, True, version, ptr, name, items):
             return
         pair = self._measure(rec, p, name, items)
         if pair is not None:
@@ -562,6 +602,8 @@ class FrameRecorder:
         seen = self.acts_seen.get(key)
         if seen is not None and seen[0]() is t and seen[1] == t._version \
                 and self._reuse(rec, seen[2], seen[3], name, items):
+            return
+        if not t.is_inference() and self._counted_on_device(rec, t, False, t._version, 0, name, items):
             return
         pair = self._measure(rec, t, name, items)
         if pair is None:
