@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 
 import torch
 
+from . import graph_stats
 from .copies import Hook, ModuleHook, Unwatched
 from .errors import AbortAfterBatch, NonFiniteDetected
 from .process import said_once
@@ -370,6 +371,11 @@ class PreHook(ModuleHook):
 
     def __call__(self, module: torch.nn.Module, args: Tuple[Any, ...]) -> object:
         if _compiling():
+            if self._is_root:
+                if graph_stats.ON:
+                    graph_stats.mark_root_traced()
+            elif graph_stats.ON and graph_stats.sites_here():
+                return None  # its forward hook's site measures the call (core/graph_stats.py)
             traced_pre(self._slot)
             return None
         if self._is_root and OPEN.stack:
@@ -382,13 +388,18 @@ for _hook in (PreHook, Hook, Unwatched):  # (watcher.ForwardHook is marked where
     run_eagerly_when_called_eagerly(_hook.__call__.__code__)
 
 
-def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object) -> None:
+def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object,
+                info: Optional[Any] = None) -> None:
     """Called by a hook while dynamo traces: the op call that runs it at run time, with the
-    module's tensors and the structure around them (a constant of the graph)."""
+    module's tensors and the structure around them (a constant of the graph); for a submodule
+    (`info`, its ModuleInfo) with in-graph statistics on, the site's aten ops instead."""
     if _exporting():
         return
     tensors: List[torch.Tensor] = []
     spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
+    if info is not None and graph_stats.ON and not info.is_root and graph_stats.sites_here():
+        graph_stats.traced_site(slot, spec, info.params, tensors)
+        return
     torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)
 
 

@@ -55,6 +55,10 @@ ENV_MAX_OVERHEAD = "TENSORWATCH_MAX_OVERHEAD"
 #: How CPU tensors are measured: ``native`` (a one-read kernel compiled on first use with the C
 #: compiler, torch ops when there is none; default) or ``torch`` (torch ops only). Process-wide.
 ENV_CPU_KERNEL = "TENSORWATCH_CPU_KERNEL"
+#: Experimental: ``1`` measures a compiled model's submodules with plain ops inside the graph
+#: (no Python per module call; see docs/compile.md) instead of ops with a Python body. Read
+#: once per process, at import. Off by default.
+ENV_GRAPH_STATS = "TENSORWATCH_GRAPH_STATS"
 
 # -- sinks that watch(sinks=None) adds to the text report ------------------------------------------
 #: Serve Prometheus ``/metrics`` on this port plus LOCAL_RANK (0..65535; off when unset).
@@ -85,7 +89,7 @@ ALL: Tuple[str, ...] = (
     ENV_MAX_FRAMES, ENV_EVERY_N_BATCHES, ENV_ON_DETECT, ENV_GRADIENTS, ENV_INCLUDE, ENV_EXCLUDE,
     ENV_TRACE_BATCHES, ENV_ABORT_AFTER_BATCH, ENV_CHECK, ENV_OPTIMIZER_STATE, ENV_CAPTURE_DIR,
     ENV_MAX_SKIPPED_STEPS, ENV_RERUN_ON_DETECT, ENV_FLUSH_TIMEOUT_SECONDS, ENV_GUARD_STEPS,
-    ENV_TARGET_DTYPES, ENV_MAX_OVERHEAD, ENV_CPU_KERNEL,
+    ENV_TARGET_DTYPES, ENV_MAX_OVERHEAD, ENV_CPU_KERNEL, ENV_GRAPH_STATS,
     ENV_PROMETHEUS_PORT, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_MAX_SERIES, ENV_PROMETHEUS_LINGER_SECONDS,
     ENV_PROMETHEUS_DETAIL, ENV_PROMETHEUS_DETAIL_RANKS,
     ENV_METRICS_WINDOW_SECONDS, ENV_JSONL, ENV_NETTEST_FAULT,

@@ -32,6 +32,10 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
     "cpu_kernel.COMPILERS": "compiler processes still running, killed with their process groups at exit",
     "device_stats.DEVICE_PATH": "which devices take the fused device path (a test/benchmark switch) and the "
                                 "fused kernels, built once per process",
+    "graph_stats.BUFFERS": "in-graph statistics: per device the buffer and counter compiled graphs write "
+                           "into (their inputs: never replaced), and the sites those graphs were traced with",
+    "graph_stats.ON": "whether submodules of compiled graphs are measured inside the graph (the environment "
+                      "at import; dynamo guards on it)",
     "events.TRACE_IDS": "where events take the current trace id from (the OpenTelemetry sink sets it)",
     "fleet.NODE_FILES": "node files this process opened, numbered in the same sequence on every local rank",
     "quiet._instances": "every quiet-batch switch alive: a sentry pre-hook registered globally consults them",

@@ -31,12 +31,14 @@ from .events import BatchStats, BatchTraceEvent
 from .fleet import FleetStop
 from .ports import Sink, SinkFanout
 from .rank import current_rank
-from .record import History, ModuleInfo, Record
+from .events import NOTE_EMPTY, NOTE_NO_DATA
+from .record import History, Item, ModuleInfo, Record
 from .recorder import FrameRecorder
 from .backward import BackwardRecorder
 from .detection import DetectionPipeline
 from .attach import HookSet
-from .compiled import run_eagerly_when_called_eagerly, traced_post
+from .compiled import _live as _live_slots, run_eagerly_when_called_eagerly, traced_post
+from . import graph_stats
 from .copies import ModuleHook
 from . import transforms
 from .step_monitor import StepHost, StepMonitor
@@ -310,6 +312,33 @@ class Watcher:
             else functools.partial(self.behaviour.record, recorder)
         return ForwardHook(self, info, slot, take)
 
+    def _graph_frames(self, rec: Record) -> None:
+        """The frames of this watcher's in-graph sites that ran in the batch (core/graph_stats.py),
+        in the order they ran, read with one copy per device: added before the model's own
+        frame, where eager watching has its submodules' frames."""
+        for site, vals in graph_stats.ran():
+            for s in _live_slots(site.slot):
+                hook = s.post()
+                if s.watcher() is not self or not isinstance(hook, ForwardHook):
+                    continue
+                info = hook._info
+                if not info.recorded:
+                    continue
+                items: List[Item] = []
+                first = rec.first_free()
+                j = 0
+                for name, kind, dt in graph_stats.names(site, info.kw_names):
+                    if kind == "m":
+                        rec.add(items, name, (vals[j], vals[j + 1]), getattr(torch, dt))
+                        j += 2
+                    elif kind == "e":
+                        items.append((name, NOTE_EMPTY))
+                    elif kind == "x":
+                        items.append((name, NOTE_NO_DATA))
+                    else:
+                        items.append((name, kind))
+                rec.add_frame(info, items, first)
+
     def _take_unwrapped(self, rec: Record, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                         output: Any) -> None:
         """A frame of a call inside torch.func transforms, measured through the tensors they wrap
@@ -368,6 +397,8 @@ class Watcher:
             st.rec = Record(b, targets=self.config.target_dtypes)
             st.active = self._attached and self._watches(b)
             st.checked = 0
+            if st.active and graph_stats.ON and graph_stats.has_sites():
+                graph_stats.begin_batch()  # the sites that run from now on are this batch's
         quiet = self._hooks.quiet
         if begins and not st.active:
             st.quiet = quiet.take_off(module)  # an unsampled batch: the modules it calls run without hooks
@@ -616,7 +647,7 @@ class ForwardHook(ModuleHook):
                  output: Any) -> None:
         if _compiling():  # traced into a graph: an op runs this hook at run time
             if self._slot:
-                traced_post(self._slot, args, kwargs, output)
+                traced_post(self._slot, args, kwargs, output, self._info)
             return
         if self._detect.replaying:
             return
@@ -629,6 +660,9 @@ class ForwardHook(ModuleHook):
         info = self._info
         outside_backward = _graph_task() == -1  # inside: checkpoint recomputation, not a batch
         try:
+            if graph_stats.ON and info.is_root and st.active and outside_backward and st.rec is not None \
+                    and graph_stats.has_sites():
+                self._w._graph_frames(st.rec)  # the submodules' frames measured inside the graph
             budget = self._budget
             if not st.active:  # the outermost call of an unsampled batch (inner ones returned above)
                 if outside_backward and st.rec is not None and _tracing() is None:

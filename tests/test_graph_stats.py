@@ -1,0 +1,220 @@
+"""Statistics inside the compiled graph (core/graph_stats.py, TENSORWATCH_GRAPH_STATS=1, switched on
+here through graph_stats.ON): a compiled model's submodules are measured by plain aten ops in the
+graph, so the generated code holds no op of ours; the frames equal eager watching's (names, order,
+values within 1e-3 of their magnitude, dtypes, notes) on several model shapes and under
+torch.compile(model) and watch(torch.compile(model)); an inf born in an activation is named where
+eager names it; model.compile() (the model's own hooks traced too) keeps the ops; sampling reads
+only recorded batches, and a graph break keeps the frames in the order they ran."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from _collect import Collect
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from _prenorm import Stack  # noqa: E402
+from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
+from tensorwatch_otel.core import compiled, graph_stats  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def in_graph(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(graph_stats, "ON", True)
+    yield
+    torch._dynamo.reset()
+
+
+class _Mlp(nn.Module):
+    """Integer and bool inputs beside floats, an empty tensor, keyword inputs and a dict output."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, ids, mask):
+        h = self.act(self.fc1(self.emb(ids)))
+        y = self.norm(self.fc2(h)) * mask.unsqueeze(-1)
+        return {"y": y, "n": ids.sum()}
+
+
+class _Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _Mlp()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids, mask):
+        return self.head(self.body(ids, mask)["y"])
+
+
+def _frames_of(sink):
+    return sink.batches[-1].frames
+
+
+def _rows(frames):
+    return [(f.module, f.phase, t.name, t.dtype, t.note) for f in frames for t in f.tensors]
+
+
+def _values(frames):
+    return {(f.module, t.name): (t.abs_min, t.abs_max) for f in frames for t in f.tensors}
+
+
+def _close(a, b, scale):
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-3 * scale)
+
+
+def _same_as_eager(eager, got):
+    assert _rows(got) == _rows(eager)
+    ref, vals = _values(eager), _values(got)
+    for key, (mn, mx) in ref.items():
+        scale = mx if mx is not None and math.isfinite(mx) else 1.0
+        assert _close(vals[key][1], mx, scale) and _close(vals[key][0], mn, scale), (key, vals[key], (mn, mx))
+
+
+def _cases():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    return {
+        "stack": (lambda: Stack(n_blocks=3, d=16, heads=2), (torch.randn(2, 8, 16),)),
+        "wide stack": (lambda: Stack(n_blocks=2, d=64, heads=4), (torch.randn(3, 5, 64),)),
+        "mlp with ints and bools": (_Root, (ids, mask)),
+    }
+
+
+@pytest.mark.parametrize("how", ["compile_model", "watch_compiled"])
+@pytest.mark.parametrize("case", list(_cases()))
+def test_frames_equal_eager_and_no_op_of_ours_is_in_the_graph(case, how):
+    from torch._inductor.utils import run_and_get_code
+
+    make, x = _cases()[case]
+    torch.manual_seed(0)
+    model = make()
+    ref = Collect()
+    with watch(model, sinks=[ref], on_detect="report"):
+        model(*x)
+    eager = _frames_of(ref)
+    sink = Collect()
+    if how == "compile_model":
+        w = watch(model, sinks=[sink], on_detect="report")
+        call = torch.compile(model)
+    else:
+        call = torch.compile(model)
+        w = watch(call, sinks=[sink], on_detect="report")
+    ran = compiled.ran.calls
+    _, codes = run_and_get_code(call, *x)
+    assert "tensorwatch" not in "\n".join(codes)  # no op with a Python body
+    sites = compiled.ran.calls - ran  # bumped at trace time only, one per site
+    for _ in range(2):
+        call(*x)
+    assert compiled.ran.calls - ran == sites  # nothing of ours ran in Python per call
+    assert [b.batch_number for b in sink.batches] == [0, 1, 2]
+    for b in sink.batches:
+        frames = b.frames if how == "compile_model" else [f for f in b.frames if f.module != ""]
+        _same_as_eager(eager if how == "compile_model" else [f for f in eager if f.module != ""], frames)
+    w.detach()
+
+
+def test_an_inf_born_in_an_activation_is_named_where_eager_names_it():
+    def run(compile_it):
+        torch.manual_seed(0)
+        model = Stack(n_blocks=3, d=16, heads=2)
+        x = torch.randn(2, 8, 16)
+        sink = Collect()
+        with watch(model, sinks=[sink], on_detect="report"):
+            call = torch.compile(model) if compile_it else model
+            call(x)
+            with torch.no_grad():
+                model.blocks[1].mlp.fc1.weight.fill_(1e38)  # finite weights, an inf output
+            call(x)
+        (ev,) = sink.of(NonFiniteEvent)
+        return ev.module, ev.tensor, ev.kind, ev.batch_number, [f.module for f in ev.frames][-3:]
+
+    eager, graph = run(False), run(True)
+    assert graph == eager and eager[:4] == ("blocks.1.mlp.fc1", "output", "inf", 1)
+
+
+def test_a_detection_raises_out_of_the_compiled_call():
+    from tensorwatch_otel import NonFiniteDetected
+
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2)
+    w = watch(model, sinks=[Collect()])  # on_detect="raise"
+    call = torch.compile(model)
+    x = torch.randn(2, 8, 16)
+    call(x)
+    with torch.no_grad():
+        model.blocks[0].mlp.fc2.bias[3] = float("nan")
+    with pytest.raises(NonFiniteDetected) as ei:
+        call(x)
+    assert (ei.value.event.module, ei.value.event.tensor) == ("blocks.0.mlp.fc2", "bias")
+    w.detach()
+
+
+def test_model_compile_keeps_the_ops():
+    """model.compile(): the model's own hooks are traced into the graph, the batch begins and ends
+    inside it, so its submodules keep the ops (and record the eager frames)."""
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1)
+    x = torch.randn(2, 8, 16)
+    ref = Collect()
+    with watch(model, sinks=[ref], on_detect="report"):
+        model(x)
+    model.compile()
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report")
+    model(x)
+    model(x)
+    _same_as_eager(_frames_of(ref), _frames_of(sink))
+    w.detach()
+
+
+def test_sampling_reads_recorded_batches_only_and_a_graph_break_keeps_the_order():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            x = self.b(x)
+            return self.c(x)
+
+    torch.manual_seed(0)
+    model = Broken()
+    x = torch.randn(4, 8)
+    ref = Collect()
+    with watch(model, sinks=[ref], on_detect="report"):
+        model(x)
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report", every_n_batches=2)
+    call = torch.compile(model)
+    for i in range(5):
+        call(x * (i + 1))
+    assert [b.batch_number for b in sink.batches] == [0, 2, 4]
+    assert [f.module for f in _frames_of(sink)] == ["a", "b", "c", ""]
+    last = _values(_frames_of(sink))
+    model(x * 5)  # (eager, unwatched by the compiled call's graph: the same values)
+    eager5 = Collect()
+    w.detach()
+    with watch(model, sinks=[eager5], on_detect="report"):
+        model(x * 5)
+    for key, (mn, mx) in _values(_frames_of(eager5)).items():
+        assert _close(last[key][1], mx, mx) and _close(last[key][0], mn, mx), key
