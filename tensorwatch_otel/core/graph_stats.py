@@ -98,8 +98,15 @@ class _Buffers:
     def place(self, device: torch.device, width: int) -> int:
         with self.lock:
             if device not in self.bufs:
-                self.bufs[device] = torch.zeros(CAPACITY, dtype=torch.float64, device=device)
-                self.counters[device] = torch.zeros(1, dtype=torch.float64, device=device)
+                buf = torch.zeros(CAPACITY, dtype=torch.float64, device=device)
+                counter = torch.zeros(1, dtype=torch.float64, device=device)
+                for t in (buf, counter):
+                    try:  # a fixed address: CUDA graphs (mode="reduce-overhead") may write it in place
+                        torch._dynamo.mark_static_address(t)
+                    except Exception:  # (an older torch: CUDA graphs then skip these graphs)
+                        pass
+                self.bufs[device] = buf
+                self.counters[device] = counter
                 self.used[device] = 0
             base = self.used[device]
             if base + width > CAPACITY:
