@@ -218,3 +218,24 @@ def test_sampling_reads_recorded_batches_only_and_a_graph_break_keeps_the_order(
         model(x * 5)
     for key, (mn, mx) in _values(_frames_of(eager5)).items():
         assert _close(last[key][1], mx, mx) and _close(last[key][0], mn, mx), key
+
+
+def test_what_a_site_cannot_give_keeps_the_ops():
+    """target_dtypes counts (and gradients=True, check="module") are not measured inside the
+    graph: such a watcher's graphs keep the ops, and record what eager watching records."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1)
+    x = torch.randn(2, 8, 16) * 1e3
+    ref = Collect()
+    with watch(model, sinks=[ref], on_detect="report", target_dtypes=("float16",)):
+        model(x)
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report", target_dtypes=("float16",))
+    _, codes = run_and_get_code(torch.compile(model), x)
+    assert "tensorwatch" in "\n".join(codes)
+    got, eager = _frames_of(sink), _frames_of(ref)
+    _same_as_eager(eager, got)
+    assert [t.overflow for f in got for t in f.tensors] == [t.overflow for f in eager for t in f.tensors]
+    w.detach()

@@ -374,7 +374,7 @@ class PreHook(ModuleHook):
             if self._is_root:
                 if graph_stats.ON:
                     graph_stats.mark_root_traced()
-            elif graph_stats.ON and graph_stats.sites_here():
+            elif graph_stats.ON and graph_stats.sites_here(self._slot):
                 return None  # its forward hook's site measures the call (core/graph_stats.py)
             traced_pre(self._slot)
             return None
@@ -397,7 +397,7 @@ def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output
         return
     tensors: List[torch.Tensor] = []
     spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
-    if info is not None and graph_stats.ON and not info.is_root and graph_stats.sites_here():
+    if info is not None and graph_stats.ON and not info.is_root and graph_stats.sites_here(slot):
         graph_stats.traced_site(slot, spec, info.params, tensors)
         return
     torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)

@@ -171,9 +171,20 @@ def _root_traced_here() -> bool:
 
 
 @_constant_result
-def sites_here() -> bool:
-    """At trace time: this graph's submodule hooks become sites (not ops)."""
-    return not _root_traced_here()
+def sites_here(slot: int) -> bool:
+    """At trace time: the submodule hooks of op slot `slot` become a site (not ops) in this graph:
+    the model's own hooks are not traced here, and its watcher wants nothing a site cannot give
+    (target_dtypes counts, gradients=True, check="module")."""
+    if _root_traced_here():
+        return False
+    from .compiled import SLOTS  # (trace time only)
+
+    for s in SLOTS.live(slot):
+        w = s.watcher()
+        cfg = getattr(w, "config", None)
+        if cfg is None or cfg.target_dtypes or cfg.gradients or cfg.check != "batch":
+            return False
+    return True
 
 
 _DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in MEASURED}
