@@ -3,24 +3,24 @@
 With it, a watched submodule's forward hook traced by dynamo adds no op with a Python body:
 it adds plain aten ops that take each of the call's tensors' abs min and abs max (its
 parameters, inputs and output, as float64: exact for every float and integer dtype up to 2**53)
-and write them, with a sequence number, into a per-device float64 buffer. Inductor fuses the
-reductions into the kernels around them; nothing runs in Python per module call. Each such call
-site is a *site*: its place in the buffer, its module's op slot and the structure of its values
-are fixed when the graph is traced (`site()`, run by dynamo at trace time only).
+and a sequence number from a one-element device counter the call bumps, stacked into one small
+tensor that the graph returns and dynamo stores on the call's *site* (`site.value = ...`, done
+after the graph by the code dynamo generates around it). A site is one traced call: its
+module's op slot and the structure of its values, fixed when the graph is traced (`_new_site`,
+run by dynamo at trace time only); sites are found by number in a dict that only grows, and
+dynamo guards on each site object alone, so a new graph adds no recompile to the others.
+Inductor fuses the reductions into the kernels around them; nothing runs in Python per module
+call but that store.
 
-At run time the buffer is zeroed when a recorded batch begins (one fill per device) and read
-when the model's own call returns (one copy per device): the sites whose sequence number moved
-ran in this batch, and become the batch's frames in the order they ran, named as eager watching
-names them. The sequence number comes from a device counter each site bumps, so sites of
-several graphs (graph breaks, recompiles) keep their order.
+At run time the sites' values are cleared when a recorded batch begins, and read when the
+model's own call returns: the sites holding a value ran in this batch, and become its frames in
+the order of their sequence numbers (graph breaks and recompiles keep it), named as eager
+watching names them; their values reach the host in one copy per device.
 
 Only where the model's own hooks run eagerly (`torch.compile(model)`, `watch(torch.compile(m))`):
 their pre- and post-hooks begin and end the batch around the graph. Where they are traced too
-(`model.compile()`), the ops of core/compiled.py are used as before. Not measured in the graph:
-`target_dtypes` counts, histograms and activation gradients (`gradients=True`); with any of
-them the ops are used."""
-
-from __future__ import annotations
+(`model.compile()`), and for a watcher with `target_dtypes`, `gradients=True` or
+`check="module"`, the ops of core/compiled.py are used as before."""
 
 import os
 import threading
@@ -41,9 +41,6 @@ def _constant_result(fn: _F) -> _F:
     fn._dynamo_marked_constant = True
     return fn
 
-
-#: rows of each device's buffer (float64): sites beyond it take the ops of core/compiled.py
-CAPACITY = 1 << 16
 
 #: dtypes measured in the graph (integers widened to int64 before abs(): abs(-128) of an int8
 #: is -128; bool read as int32), as the eager routes measure them
@@ -66,83 +63,69 @@ ON = enabled()
 
 
 class Site:
-    """One traced call site: its rows `[base, base + width)` in its device's buffer (two per
-    measured value, then the sequence number), its module's op slot, the structure of its
-    inputs and output (core/compiled.py's spec), its parameter names and per value its kind."""
+    """One traced call: its module's op slot, the structure of its inputs and output (core/
+    compiled.py's spec), its parameter names, per value its kind and dtype name; `value`, set
+    after each run of its graph: two float64 values per measured value, then the sequence
+    number (None: not run since the recorded batch began)."""
 
-    __slots__ = ("device", "base", "width", "slot", "spec", "params", "kinds", "dtypes")
+    __slots__ = ("device", "slot", "spec", "params", "kinds", "dtypes", "value", "rows")
 
-    def __init__(self, device: torch.device, base: int, width: int, slot: int, spec: str,
-                 params: Tuple[str, ...], kinds: str, dtypes: Tuple[str, ...]) -> None:
+    def __init__(self, device: torch.device, slot: int, spec: str, params: Tuple[str, ...], kinds: str,
+                 dtypes: Tuple[str, ...]) -> None:
         self.device = device
-        self.base = base
-        self.width = width
         self.slot = slot
         self.spec = spec
         self.params = params
         self.kinds = kinds
         self.dtypes = dtypes
+        self.value: Optional[torch.Tensor] = None
+        self.rows: Optional[List[Tuple[str, str, str]]] = None  # layout(), made once
+
+    def layout(self, kw_names: Dict[str, str]) -> List[Tuple[str, str, str]]:
+        """`names(self, kw_names)`, made once (the module's keyword names are its own)."""
+        rows = self.rows
+        if rows is None:
+            rows = self.rows = names(self, kw_names)
+        return rows
 
 
-class _Buffers:
-    """The process's site table and its per-device buffers and counters."""
+class _Sites:
+    """The process's sites by number, and one sequence counter per device."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.bufs: Dict[torch.device, torch.Tensor] = {}
+        self.by_number: Dict[int, Site] = {}
         self.counters: Dict[torch.device, torch.Tensor] = {}
-        self.used: Dict[torch.device, int] = {}
-        self.sites: List[Site] = []
-        self.host: Dict[torch.device, torch.Tensor] = {}
+        self.dirty = False  # a site holds a value not read yet (set by the graphs' own code)
 
-    def place(self, device: torch.device, width: int) -> int:
+    def add(self, site: Site) -> int:
         with self.lock:
-            if device not in self.bufs:
-                buf = torch.zeros(CAPACITY, dtype=torch.float64, device=device)
-                counter = torch.zeros(1, dtype=torch.float64, device=device)
-                for t in (buf, counter):
-                    try:  # a fixed address: CUDA graphs (mode="reduce-overhead") may write it in place
-                        torch._dynamo.mark_static_address(t)
-                    except Exception:  # (an older torch: CUDA graphs then skip these graphs)
-                        pass
-                self.bufs[device] = buf
-                self.counters[device] = counter
-                self.used[device] = 0
-            base = self.used[device]
-            if base + width > CAPACITY:
-                return -1
-            self.used[device] = base + width
-            return base
+            if site.device not in self.counters:
+                counter = torch.zeros(1, dtype=torch.float64, device=site.device)
+                try:  # a fixed address: CUDA graphs (mode="reduce-overhead") may write it in place
+                    torch._dynamo.mark_static_address(counter)
+                except Exception:  # (an older torch: CUDA graphs then skip these graphs)
+                    pass
+                self.counters[site.device] = counter
+            number = len(self.by_number)
+            self.by_number[number] = site
+            return number
 
 
-BUFFERS = _Buffers()
+SITES = _Sites()
 
 
 @_constant_result
 def _new_site(dev_type: str, dev_index: int, slot: int, spec: str, params: Tuple[str, ...], kinds: str,
               dtypes: Tuple[str, ...]) -> int:
-    """At trace time only (dynamo runs it once and keeps its result as a constant): a site's
-    first row, or -1 when the buffer is full or the model's own hooks are traced in this graph.
-    Its rows: two per measured value, then the sequence number."""
+    """At trace time only (dynamo runs it once and keeps its result as a constant): the new
+    site's number."""
     device = torch.device(dev_type, dev_index) if dev_index >= 0 else torch.device(dev_type)
-    width = 2 * kinds.count(_MEASURED) + 1
-    base = BUFFERS.place(device, width)
-    if base < 0:
-        from .process import said_once
+    number = SITES.add(Site(device, slot, spec, params, kinds, dtypes))
+    from . import compiled  # (trace time only) graphs hold this watcher's hooks: quiet batches keep them
 
-        if said_once("graph stats full"):
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "tensorwatch_otel: the in-graph statistics buffer is full (%d rows): calls traced from now on "
-                "are not recorded", CAPACITY)
-    if base >= 0:
-        with BUFFERS.lock:
-            BUFFERS.sites.append(Site(device, base, width, slot, spec, params, kinds, dtypes))
-        from . import compiled  # (trace time only) graphs hold this watcher's hooks: quiet batches keep them
-
-        compiled.ran.calls += 1
-    return base
+    compiled.ran.calls += 1
+    return number
 
 
 def _tracing_context() -> Any:
@@ -202,7 +185,7 @@ def traced_site(slot: int, spec: str, params: Dict[str, Optional[torch.nn.Parame
                 tensors: Sequence[torch.Tensor]) -> None:
     """While dynamo traces a submodule's forward hook (its pre-hook added nothing): the site's
     aten ops. Values on a second device, or of a kind the graph does not measure, are kept as
-    not measured ("x"); a full buffer leaves the call unrecorded (said once)."""
+    not measured ("x")."""
     names: Tuple[str, ...] = ()
     values: List[torch.Tensor] = []
     for k, p in params.items():
@@ -220,12 +203,8 @@ def traced_site(slot: int, spec: str, params: Dict[str, Optional[torch.nn.Parame
         dtypes = dtypes + (_DTYPE_NAMES.get(t.dtype, "other"),)
         if k == _MEASURED:
             measured.append(t)
-    base = _new_site(device.type, -1 if device.index is None else device.index, slot, spec, names, kinds, dtypes)
-    if base < 0:
-        return
-    width = 2 * len(measured) + 1
-    buf = BUFFERS.bufs[device]
-    counter = BUFFERS.counters[device]
+    number = _new_site(device.type, -1 if device.index is None else device.index, slot, spec, names, kinds, dtypes)
+    counter = SITES.counters[device]
     stats: List[torch.Tensor] = []
     for t in measured:
         d = t.detach()
@@ -238,37 +217,48 @@ def traced_site(slot: int, spec: str, params: Dict[str, Optional[torch.nn.Parame
         stats.append(a.amax().to(torch.float64))
     counter.add_(1)
     stats.append(counter[0])
-    buf[base:base + width].copy_(torch.stack(stats))
+    SITES.by_number[number].value = torch.stack(stats)
+    SITES.dirty = True
 
 
 def begin_batch() -> None:
-    """A recorded batch begins: every site's rows zeroed (one fill per device, no sync)."""
-    for device, buf in BUFFERS.bufs.items():
-        n = BUFFERS.used.get(device, 0)
-        if n:
-            buf[:n].zero_()
+    """A recorded batch begins: no site has run in it yet."""
+    for site in SITES.by_number.values():
+        site.value = None
+    SITES.dirty = False
+
+
+def pending() -> bool:
+    """Some site ran since the last `ran()` (or `begin_batch()`)."""
+    return SITES.dirty
 
 
 def has_sites() -> bool:
-    return bool(BUFFERS.sites)
+    return bool(SITES.by_number)
 
 
 def ran() -> List[Tuple[Site, List[float]]]:
-    """The sites that ran since `begin_batch()` and their values (one copy per device), in the
-    order they ran."""
+    """The sites that ran since `begin_batch()` or the last call, with their values (one copy per
+    device), in the order they ran; their values are taken (a frame recorded eagerly between
+    two graphs reads the first graph's sites before it, so the frames keep the order they ran)."""
+    SITES.dirty = False
+    done = [s for s in SITES.by_number.values() if s.value is not None]
+    if not done:
+        return []
+    by_device: Dict[torch.device, List[Site]] = {}  # (each holds a value: `done`)
+    for s in done:
+        by_device.setdefault(s.device, []).append(s)
     out: List[Tuple[float, Site, List[float]]] = []
-    host: Dict[torch.device, List[float]] = {}
-    for device, buf in BUFFERS.bufs.items():
-        n = BUFFERS.used.get(device, 0)
-        if n:
-            host[device] = buf[:n].tolist()  # one copy (and, on CUDA, the wait for it)
-    for site in BUFFERS.sites:
-        vals = host.get(site.device)
-        if vals is None:
-            continue
-        seq = vals[site.base + site.width - 1]
-        if seq > 0:
-            out.append((seq, site, vals[site.base:site.base + site.width - 1]))
+    for sites in by_device.values():
+        values = [s.value for s in sites if s.value is not None]
+        flat = torch.cat(values).tolist() if len(values) > 1 else values[0].tolist()  # one copy
+        at = 0
+        for s, v in zip(sites, values):
+            n = v.numel()
+            out.append((flat[at + n - 1], s, flat[at:at + n - 1]))
+            at += n
+    for s in done:
+        s.value = None
     out.sort(key=lambda r: r[0])
     return [(s, v) for _, s, v in out]
 

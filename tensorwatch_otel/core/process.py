@@ -32,8 +32,8 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
     "cpu_kernel.COMPILERS": "compiler processes still running, killed with their process groups at exit",
     "device_stats.DEVICE_PATH": "which devices take the fused device path (a test/benchmark switch) and the "
                                 "fused kernels, built once per process",
-    "graph_stats.BUFFERS": "in-graph statistics: per device the buffer and counter compiled graphs write "
-                           "into (their inputs: never replaced), and the sites those graphs were traced with",
+    "graph_stats.SITES": "in-graph statistics: the call sites compiled graphs were traced with (their "
+                         "values are stored on them after each run) and the per-device sequence counters",
     "graph_stats.ON": "whether submodules of compiled graphs are measured inside the graph (the environment "
                       "at import; dynamo guards on it)",
     "events.TRACE_IDS": "where events take the current trace id from (the OpenTelemetry sink sets it)",

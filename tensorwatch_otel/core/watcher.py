@@ -327,7 +327,7 @@ class Watcher:
                 items: List[Item] = []
                 first = rec.first_free()
                 j = 0
-                for name, kind, dt in graph_stats.names(site, info.kw_names):
+                for name, kind, dt in site.layout(info.kw_names):
                     if kind == "m":
                         rec.add(items, name, (vals[j], vals[j + 1]), getattr(torch, dt))
                         j += 2
@@ -660,9 +660,10 @@ class ForwardHook(ModuleHook):
         info = self._info
         outside_backward = _graph_task() == -1  # inside: checkpoint recomputation, not a batch
         try:
-            if graph_stats.ON and info.is_root and st.active and outside_backward and st.rec is not None \
-                    and graph_stats.has_sites():
-                self._w._graph_frames(st.rec)  # the submodules' frames measured inside the graph
+            if graph_stats.ON and st.active and outside_backward and st.rec is not None and graph_stats.pending():
+                # the frames measured inside graphs that ran before this call returned (for the
+                # model's own call: its submodules'; else a call run eagerly between graphs)
+                self._w._graph_frames(st.rec)
             budget = self._budget
             if not st.active:  # the outermost call of an unsampled batch (inner ones returned above)
                 if outside_backward and st.rec is not None and _tracing() is None:
