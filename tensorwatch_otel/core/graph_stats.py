@@ -24,6 +24,7 @@ their pre- and post-hooks begin and end the batch around the graph. Where they a
 
 import os
 import threading
+import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -90,12 +91,16 @@ class Site:
 
 
 class _Sites:
-    """The process's sites by number, and one sequence counter per device."""
+    """The process's sites by number, and one sequence counter per device. Graphs reach a site
+    and a counter as attributes of `holders` (a module object: dynamo reads a module's attribute
+    afresh and guards on it alone; a dict grown while a graph is traced would be read as it was
+    when the trace first looked at it)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_number: Dict[int, Site] = {}
         self.counters: Dict[torch.device, torch.Tensor] = {}
+        self.holders = types.ModuleType("tensorwatch_otel_graph_sites")
         self.dirty = False  # a site holds a value not read yet (set by the graphs' own code)
 
     def add(self, site: Site) -> int:
@@ -107,9 +112,15 @@ class _Sites:
                 except Exception:  # (an older torch: CUDA graphs then skip these graphs)
                     pass
                 self.counters[site.device] = counter
+                setattr(self.holders, counter_name(site.device), counter)
             number = len(self.by_number)
             self.by_number[number] = site
+            setattr(self.holders, f"site_{number}", site)
             return number
+
+
+def counter_name(device: torch.device) -> str:
+    return f"counter_{device.type}_{-1 if device.index is None else device.index}"
 
 
 SITES = _Sites()
@@ -204,7 +215,8 @@ def traced_site(slot: int, spec: str, params: Dict[str, Optional[torch.nn.Parame
         if k == _MEASURED:
             measured.append(t)
     number = _new_site(device.type, -1 if device.index is None else device.index, slot, spec, names, kinds, dtypes)
-    counter = SITES.counters[device]
+    holders = SITES.holders
+    counter = getattr(holders, counter_name(device))
     stats: List[torch.Tensor] = []
     for t in measured:
         d = t.detach()
@@ -217,7 +229,7 @@ def traced_site(slot: int, spec: str, params: Dict[str, Optional[torch.nn.Parame
         stats.append(a.amax().to(torch.float64))
     counter.add_(1)
     stats.append(counter[0])
-    SITES.by_number[number].value = torch.stack(stats)
+    getattr(holders, "site_" + str(number)).value = torch.stack(stats)
     SITES.dirty = True
 
 
