@@ -15,7 +15,8 @@ PY
 )"
 case "$floor" in *.*.*) ;; *) floor="$floor.0" ;; esac
 FLOOR_TESTS=(tests/test_compiled_frames.py tests/test_watcher.py tests/test_stats.py tests/test_step_guard.py
-             tests/test_replay_localize.py tests/test_dropin_parity.py tests/test_skip_steps.py)
+             tests/test_replay_localize.py tests/test_dropin_parity.py tests/test_skip_steps.py
+             tests/test_graph_stats.py)
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 echo "== torch floor job: torch $floor (pyproject.toml's floor) in a fresh virtual environment"
