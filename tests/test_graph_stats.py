@@ -3,8 +3,8 @@ here through graph_stats.ON): a compiled model's submodules are measured by plai
 graph, so the generated code holds no op of ours; the frames equal eager watching's (names, order,
 values within 1e-3 of their magnitude, dtypes, notes) on several model shapes and under
 torch.compile(model) and watch(torch.compile(model)); an inf born in an activation is named where
-eager names it; model.compile() (the model's own hooks traced too) keeps the ops; sampling reads
-only recorded batches, and a graph break keeps the frames in the order they ran."""
+eager names it; model.compile() too; sampling reads only recorded batches, and a graph break keeps
+the frames in the order they ran; a watcher wanting what a site cannot give keeps the ops."""
 
 from __future__ import annotations
 
@@ -167,9 +167,13 @@ def test_a_detection_raises_out_of_the_compiled_call():
     w.detach()
 
 
-def test_model_compile_keeps_the_ops():
-    """model.compile(): the model's own hooks are traced into the graph, the batch begins and ends
-    inside it, so its submodules keep the ops (and record the eager frames)."""
+def test_model_compile_too():
+    """model.compile(): the model's own hooks run eagerly around the compiled call here as well, so
+    its submodules are sites (were the model's hooks traced into the graph, mark_root_traced()
+    would keep the ops: the batch would end inside the graph, before the sites' values are stored)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
     torch.manual_seed(0)
     model = Stack(n_blocks=1)
     x = torch.randn(2, 8, 16)
@@ -179,9 +183,12 @@ def test_model_compile_keeps_the_ops():
     model.compile()
     sink = Collect()
     w = watch(model, sinks=[sink], on_detect="report")
+    counters.clear()
+    _, codes = run_and_get_code(model, x)
     model(x)
-    model(x)
+    assert "tensorwatch" not in "\n".join(codes)
     _same_as_eager(_frames_of(ref), _frames_of(sink))
+    assert not counters["graph_break"] and counters["frames"]["ok"] == counters["frames"]["total"] >= 1
     w.detach()
 
 

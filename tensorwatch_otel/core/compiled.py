@@ -526,6 +526,7 @@ def hook_guards() -> None:
     compiled model silently unwatched. Turned off once per process, said at INFO."""
     if not EAGER.configure():
         return
+    graph_stats.configure()
     try:
         import torch._dynamo
         from torch._dynamo.utils import counters

@@ -17,14 +17,16 @@ model's own call returns: the sites holding a value ran in this batch, and becom
 the order of their sequence numbers (graph breaks and recompiles keep it), named as eager
 watching names them; their values reach the host in one copy per device.
 
-Only where the model's own hooks run eagerly (`torch.compile(model)`, `watch(torch.compile(m))`):
-their pre- and post-hooks begin and end the batch around the graph. Where they are traced too
-(`model.compile()`), and for a watcher with `target_dtypes`, `gradients=True` or
-`check="module"`, the ops of core/compiled.py are used as before."""
+Only where the model's own hooks run eagerly around the graph (under `torch.compile(model)`,
+`watch(torch.compile(m))` and `model.compile()` alike, on the torch versions tested): their pre-
+and post-hooks begin and end the batch. A graph that traced them (`mark_root_traced`), and a
+watcher with `target_dtypes`, `gradients=True` or `check="module"`, keep the ops of
+core/compiled.py."""
 
 import os
 import threading
 import types
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,13 +36,24 @@ from .env import ENV_GRAPH_STATS
 from .events import NOTE_NONE, NOTE_NOT_TENSOR
 
 _F = Any
+_TRACE_TIME: List[Any] = []  # the functions dynamo must run at trace time (configure())
 
 
 def _constant_result(fn: _F) -> _F:
-    """torch._dynamo.assume_constant_result without importing dynamo (a second at import):
-    dynamo runs the function at trace time and keeps its result as a constant of the graph."""
-    fn._dynamo_marked_constant = True
+    """Marks `fn` for `configure()`: torch._dynamo.assume_constant_result (dynamo runs the
+    function at trace time and keeps its result as a constant of the graph), applied when the
+    first watch() loads dynamo, not at import (a second)."""
+    _TRACE_TIME.append(fn)
     return fn
+
+
+def configure() -> None:
+    """Marks the trace-time functions for dynamo (core/compiled.py's hook_guards(), at the first
+    watch(), dynamo loaded)."""
+    import torch._dynamo
+
+    for fn in _TRACE_TIME:
+        torch._dynamo.assume_constant_result(fn)
 
 
 #: dtypes measured in the graph (integers widened to int64 before abs(): abs(-128) of an int8
@@ -146,22 +159,35 @@ def _tracing_context() -> Any:
         return None
 
 
+class _RootTraced:
+    """The tracing contexts (one per graph being traced) that traced the model's own hooks."""
+
+    def __init__(self) -> None:
+        self._contexts: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def add(self, ctx: Any) -> None:
+        self._contexts.add(ctx)
+
+    def __contains__(self, ctx: Any) -> bool:
+        return ctx in self._contexts
+
+
+ROOT_TRACED = _RootTraced()
+
+
 @_constant_result
 def mark_root_traced() -> bool:
     """At trace time: the model's own hooks are traced into this graph (`model.compile()`), so
     its batch begins and ends inside it: the sites of this graph take the ops instead."""
     ctx = _tracing_context()
     if ctx is not None:
-        try:
-            ctx._tensorwatch_root_traced = True
-        except Exception:
-            pass
+        ROOT_TRACED.add(ctx)
     return True
 
 
 def _root_traced_here() -> bool:
     ctx = _tracing_context()
-    return ctx is None or bool(getattr(ctx, "_tensorwatch_root_traced", False))
+    return ctx is None or ctx in ROOT_TRACED
 
 
 @_constant_result

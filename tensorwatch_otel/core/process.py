@@ -34,6 +34,9 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
                                 "fused kernels, built once per process",
     "graph_stats.SITES": "in-graph statistics: the call sites compiled graphs were traced with (their "
                          "values are stored on them after each run) and the per-device sequence counters",
+    "graph_stats.ROOT_TRACED": "the tracing contexts (weakly held) whose graph traced a model's own hooks: "
+                               "their submodules keep the ops",
+    "graph_stats._TRACE_TIME": "the functions marked for dynamo to run at trace time, at the first watch()",
     "graph_stats.ON": "whether submodules of compiled graphs are measured inside the graph (the environment "
                       "at import; dynamo guards on it)",
     "events.TRACE_IDS": "where events take the current trace id from (the OpenTelemetry sink sets it)",
