@@ -3,6 +3,7 @@
 # docs/performance.md). Writes logs and JSON under $OUT (default ./gpu_out).
 #   bash benchmarks/gpu_check.sh tests eager compiled     # first call
 #   bash benchmarks/gpu_check.sh reduce_overhead          # second call
+#   bash benchmarks/gpu_check.sh graph_stats              # the in-graph statistics (experimental)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -18,6 +19,11 @@ for phase in "$@"; do
              --json "$OUT/eager.json" 2>&1 | tee "$OUT/bench_eager.log" ;;
     compiled) timeout 240 python3 benchmarks/bench_gpu.py --device cuda --variants compiled,compiled_watched --rounds 20 \
              --json "$OUT/compiled.json" 2>&1 | tee "$OUT/bench_compiled.log" ;;
+    graph_stats) TENSORWATCH_GRAPH_STATS=1 timeout 300 python3 benchmarks/bench_gpu.py --device cuda \
+             --variants compiled,compiled_watched,compiled_ro,compiled_ro_watched --rounds 20 \
+             --json "$OUT/graph_stats.json" 2>&1 | tee "$OUT/bench_graph_stats.log"
+           TENSORWATCH_GRAPH_STATS=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_graph_stats.py \
+             2>&1 | tee "$OUT/graph_stats_tests.log" | tail -5 ;;
     reduce_overhead) timeout 240 python3 benchmarks/bench_gpu.py --device cuda --variants compiled_ro,compiled_ro_watched --rounds 20 \
              --json "$OUT/compiled_ro.json" 2>&1 | tee "$OUT/bench_compiled_ro.log" ;;
     *) echo "unknown phase $phase" ;;
