@@ -154,6 +154,27 @@ class OpCounts:
         return self
 
 
+def counted_training(monkeypatch, model, x, steps=4, **options):
+    """`steps` watched training steps of `model` on `x` (forward, a square-mean loss, backward, an
+    SGD step) with the counts installed: (the counts, each step's row ending with its per-call
+    rows; the sink's Collect)."""
+    from _collect import Collect
+    from tensorwatch_otel import watch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    counts = OpCounts().install(monkeypatch)
+    sink = Collect()
+    with watch(model, sinks=[sink], **options):
+        for _ in range(steps):
+            start = len(counts.calls)
+            with counts.step():
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            counts.steps[-1].append(counts.calls[start:])
+    return counts, sink
+
+
 class _AtBufferRead:
     """Counts the aten launches of a buffer read (its copy and its reset) into the step's row."""
 

@@ -177,31 +177,16 @@ def test_compiled_values_equal_eager_and_the_inf_is_named_where_born(mode):
     w.detach()
 
 
-def test_one_launch_per_module_call_and_one_copy_per_step():
+def test_one_launch_per_module_call_and_one_copy_per_step(monkeypatch):
     """Counted at the dispatcher on CUDA (tests/_op_counts.py): the watcher's fused launches per
     module call, no aten op or allocation of ours per call once warm, the slot buffer's one read
     per step and the guard's one sync."""
     pytest.importorskip("triton")
-    from _op_counts import OpCounts
+    from _op_counts import counted_training
 
-    mp = pytest.MonkeyPatch()
-    try:
-        torch.manual_seed(0)
-        model = Stack(n_blocks=2, d=64, heads=4).to(CUDA)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x = torch.randn(2, 16, 64, device=CUDA)
-        counts = OpCounts().install(mp)
-        sink = Collect()
-        with watch(model, sinks=[sink]):
-            for _ in range(4):
-                start = len(counts.calls)
-                with counts.step():
-                    model(x).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad()
-                counts.steps[-1].append(counts.calls[start:])
-    finally:
-        mp.undo()
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2, d=64, heads=4).to(CUDA)
+    counts, sink = counted_training(monkeypatch, model, torch.randn(2, 16, 64, device=CUDA))
     frames = len(sink.batches[-1].frames)
     for syncs, copies, reads, _read_ops, calls in counts.steps[1:]:
         assert len(calls) == frames

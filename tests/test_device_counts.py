@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed: the device path c
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
 from _collect import Collect  # noqa: E402
-from _op_counts import OpCounts  # noqa: E402
+from _op_counts import OpCounts, counted_training  # noqa: E402
 from tensorwatch_otel import watch  # noqa: E402
 from tensorwatch_otel.core import cpu_kernel, device_stats  # noqa: E402
 
@@ -42,19 +42,7 @@ def forced(monkeypatch):
 def _counted_training(monkeypatch, steps=4, **options):
     torch.manual_seed(0)
     model = Stack(n_blocks=2, d=16, heads=2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(2, 8, 16)
-    counts = OpCounts().install(monkeypatch)
-    sink = Collect()
-    with watch(model, sinks=[sink], **options):
-        for _ in range(steps):
-            start = len(counts.calls)
-            with counts.step():
-                model(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            counts.steps[-1].append(counts.calls[start:])
-    return counts, sink
+    return counted_training(monkeypatch, model, torch.randn(2, 8, 16), steps, **options)
 
 
 def test_one_launch_and_no_allocation_per_module_call_one_copy_per_step(forced, monkeypatch):
