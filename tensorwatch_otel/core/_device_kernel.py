@@ -11,14 +11,29 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def sign_cleared_bits(v):
+    """The sign-cleared float32 bit pattern of each element of `v` (float32, float16 or
+    bfloat16), whose integer order is the order of the magnitudes: fp16 converted to float32
+    (exact: every fp16 value is a float32 normal or zero), bf16 widened on its bits (its
+    subnormals stay subnormals), float32 read as bits. No float arithmetic on the values, so
+    nothing is flushed to zero. Both kernels read their tensors through it."""
+    if v.dtype == tl.bfloat16:
+        bits = (v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16
+    elif v.dtype == tl.float16:
+        bits = v.to(tl.float32).to(tl.int32, bitcast=True)
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+    return bits & 0x7FFFFFFF
+
+
 def abs_minmax_slots(slots, xs, ns, first, programs, ranges, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
                      RANGES: tl.constexpr, RANGES_P2: tl.constexpr):
     """Abs min and abs max of each tensor xs[i] (ns[i] elements) into the int32 words of
     `slots` from 2 * first + STRIDE * i: word 0 keeps 0x7FFFFFFF minus the smallest sign-cleared
     float32 pattern, word 1 the largest, both by atomic max. Program p reads blocks p,
-    p + programs, ... of every tensor. fp16 is converted to float32 (exact: every fp16 value is
-    a float32 normal or zero), bf16 is widened on its bits (its subnormals stay subnormals),
-    float32 is read as bits: no float arithmetic, so no flush to zero.
+    p + programs, ... of every tensor, each element as its sign-cleared pattern
+    (sign_cleared_bits).
 
     With RANGES > 0 (target_dtypes, core/magnitude.py) the same read also counts, for each
     range r < RANGES, the elements whose sign-cleared float32 pattern m has lo_r <= m <= hi_r,
@@ -51,13 +66,7 @@ def abs_minmax_slots(slots, xs, ns, first, programs, ranges, BLOCK: tl.constexpr
                 offs = s + tl.arange(0, BLOCK)
                 inside = offs < n
                 v = tl.load(x + offs, mask=inside, other=0)
-                if x.dtype.element_ty == tl.bfloat16:
-                    bits = (v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16
-                elif x.dtype.element_ty == tl.float16:
-                    bits = v.to(tl.float32).to(tl.int32, bitcast=True)
-                else:
-                    bits = v.to(tl.int32, bitcast=True)
-                bits = bits & 0x7FFFFFFF
+                bits = sign_cleared_bits(v)
                 hi = tl.maximum(hi, tl.where(inside, bits, 0))
                 low = tl.maximum(low, tl.where(inside, 0x7FFFFFFF - bits, 0))
                 if RANGES > 0:  # lanes past the end read 0, below every range (lo >= 1)
@@ -114,13 +123,7 @@ def scaled_underflow_slots(slots, xs, ns, first, programs, scaled, BLOCK: tl.con
             for s in range(start, n, programs * BLOCK):
                 offs = s + tl.arange(0, BLOCK)
                 v = tl.load(x + offs, mask=offs < n, other=0)
-                if x.dtype.element_ty == tl.bfloat16:
-                    bits = (v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16
-                elif x.dtype.element_ty == tl.float16:
-                    bits = v.to(tl.float32).to(tl.int32, bitcast=True)
-                else:
-                    bits = v.to(tl.int32, bitcast=True)
-                bits = bits & 0x7FFFFFFF
+                bits = sign_cleared_bits(v)
                 hit = (bits[None, :] >= 1) & (bits[None, :] <= limit[:, None])
                 counts += tl.sum(hit.to(tl.int32), axis=1)
             tl.atomic_add(slots + base + COLUMN + s_idx, counts, mask=s_idx < SCALED)
