@@ -246,3 +246,26 @@ def test_what_a_site_cannot_give_keeps_the_ops():
     _same_as_eager(eager, got)
     assert [t.overflow for f in got for t in f.tensors] == [t.overflow for f in eager for t in f.tensors]
     w.detach()
+
+
+def test_two_watched_compiled_models_keep_their_own_frames():
+    """Each watcher reads and clears its own sites only: a model called between another's
+    batches (or inside one) leaves the other's frames whole."""
+    torch.manual_seed(0)
+    a, b = Stack(n_blocks=1), Stack(n_blocks=2)
+    x = torch.randn(2, 8, 16)
+    ref_a, ref_b = Collect(), Collect()
+    with watch(a, sinks=[ref_a], on_detect="report"), watch(b, sinks=[ref_b], on_detect="report"):
+        a(x)
+        b(x)
+    sink_a, sink_b = Collect(), Collect()
+    wa = watch(a, sinks=[sink_a], on_detect="report")
+    wb = watch(b, sinks=[sink_b], on_detect="report")
+    ca, cb = torch.compile(a), torch.compile(b)
+    for _ in range(2):
+        ca(x)
+        cb(x)
+    _same_as_eager(_frames_of(ref_a), _frames_of(sink_a))
+    _same_as_eager(_frames_of(ref_b), _frames_of(sink_b))
+    wa.detach()
+    wb.detach()

@@ -282,6 +282,25 @@ _LIB = _define_ops()
 
 
 # ------------------------------------------------------------------------------ traced side
+@graph_stats.constant_result
+def _sites_here(slot: int, post: bool) -> bool:
+    """At trace time: the submodule hooks of op slot `slot` become a site of core/graph_stats.py
+    (not ops) in this graph: the model's own hooks are not traced here, and its watcher wants
+    nothing a site cannot give (target_dtypes counts, gradients=True, check="module"). Asked by
+    the pre-hook and the forward hook alike; the forward hook's yes (`post`) moves `ran`: graphs
+    hold this watcher's hooks, so unsampled batches keep them on."""
+    if graph_stats.root_traced_here():
+        return False
+    for s in SLOTS.live(slot):
+        w = s.watcher()
+        cfg = getattr(w, "config", None)
+        if cfg is None or cfg.target_dtypes or cfg.gradients or cfg.check != "batch":
+            return False
+    if post:
+        ran.calls += 1
+    return True
+
+
 def _exporting() -> bool:
     """True while torch.export traces, False while torch.compile does, both at trace time.
 
@@ -374,7 +393,7 @@ class PreHook(ModuleHook):
             if self._is_root:
                 if graph_stats.ON:
                     graph_stats.mark_root_traced()
-            elif graph_stats.ON and graph_stats.sites_here(self._slot):
+            elif graph_stats.ON and _sites_here(self._slot, False):
                 return None  # its forward hook's site measures the call (core/graph_stats.py)
             traced_pre(self._slot)
             return None
@@ -397,7 +416,7 @@ def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output
         return
     tensors: List[torch.Tensor] = []
     spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
-    if info is not None and graph_stats.ON and not info.is_root and graph_stats.sites_here(slot):
+    if info is not None and graph_stats.ON and not info.is_root and _sites_here(slot, True):
         graph_stats.traced_site(slot, spec, info.params, tensors)
         return
     torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)

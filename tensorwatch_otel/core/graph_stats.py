@@ -27,7 +27,7 @@ import os
 import threading
 import types
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,7 +39,7 @@ _F = Any
 _TRACE_TIME: List[Any] = []  # the functions dynamo must run at trace time (configure())
 
 
-def _constant_result(fn: _F) -> _F:
+def constant_result(fn: _F) -> _F:
     """Marks `fn` for `configure()`: torch._dynamo.assume_constant_result (dynamo runs the
     function at trace time and keeps its result as a constant of the graph), applied when the
     first watch() loads dynamo, not at import (a second)."""
@@ -95,11 +95,13 @@ class Site:
         self.value: Optional[torch.Tensor] = None
         self.rows: Optional[List[Tuple[str, str, str]]] = None  # layout(), made once
 
-    def layout(self, kw_names: Dict[str, str]) -> List[Tuple[str, str, str]]:
-        """`names(self, kw_names)`, made once (the module's keyword names are its own)."""
+    def layout(self, kw_names: Dict[str, str], parse: Callable[[str], Tuple[Any, ...]]
+               ) -> List[Tuple[str, str, str]]:
+        """`names(self, kw_names, parse(self.spec))`, made once (the module's keyword names are
+        its own; `parse`: core/compiled.py's spec parser)."""
         rows = self.rows
         if rows is None:
-            rows = self.rows = names(self, kw_names)
+            rows = self.rows = names(self, kw_names, parse(self.spec))
         return rows
 
 
@@ -139,17 +141,13 @@ def counter_name(device: torch.device) -> str:
 SITES = _Sites()
 
 
-@_constant_result
+@constant_result
 def _new_site(dev_type: str, dev_index: int, slot: int, spec: str, params: Tuple[str, ...], kinds: str,
               dtypes: Tuple[str, ...]) -> int:
     """At trace time only (dynamo runs it once and keeps its result as a constant): the new
     site's number."""
     device = torch.device(dev_type, dev_index) if dev_index >= 0 else torch.device(dev_type)
-    number = SITES.add(Site(device, slot, spec, params, kinds, dtypes))
-    from . import compiled  # (trace time only) graphs hold this watcher's hooks: quiet batches keep them
-
-    compiled.ran.calls += 1
-    return number
+    return SITES.add(Site(device, slot, spec, params, kinds, dtypes))
 
 
 def _tracing_context() -> Any:
@@ -175,7 +173,7 @@ class _RootTraced:
 ROOT_TRACED = _RootTraced()
 
 
-@_constant_result
+@constant_result
 def mark_root_traced() -> bool:
     """At trace time: the model's own hooks are traced into this graph (`model.compile()`), so
     its batch begins and ends inside it: the sites of this graph take the ops instead."""
@@ -185,26 +183,10 @@ def mark_root_traced() -> bool:
     return True
 
 
-def _root_traced_here() -> bool:
+def root_traced_here() -> bool:
+    """At trace time: the graph being traced holds a model's own hooks (or no graph is traced)."""
     ctx = _tracing_context()
     return ctx is None or ctx in ROOT_TRACED
-
-
-@_constant_result
-def sites_here(slot: int) -> bool:
-    """At trace time: the submodule hooks of op slot `slot` become a site (not ops) in this graph:
-    the model's own hooks are not traced here, and its watcher wants nothing a site cannot give
-    (target_dtypes counts, gradients=True, check="module")."""
-    if _root_traced_here():
-        return False
-    from .compiled import SLOTS  # (trace time only)
-
-    for s in SLOTS.live(slot):
-        w = s.watcher()
-        cfg = getattr(w, "config", None)
-        if cfg is None or cfg.target_dtypes or cfg.gradients or cfg.check != "batch":
-            return False
-    return True
 
 
 _DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in MEASURED}
@@ -301,14 +283,12 @@ def ran() -> List[Tuple[Site, List[float]]]:
     return [(s, v) for _, s, v in out]
 
 
-def names(site: Site, kw_names: Dict[str, str]) -> List[Tuple[str, str, str]]:
+def names(site: Site, kw_names: Dict[str, str], parsed: Tuple[Any, ...]) -> List[Tuple[str, str, str]]:
     """(name, kind, dtype name) of each value of the site in the order eager watching records
     them: parameters, positional inputs, keyword inputs, output. Kind "m" (measured: two values
     in the site's rows), "e" (empty), "x" (not measured in the graph), or a note (None, not a
-    tensor) with no dtype."""
-    from .compiled import _parsed  # (the spec's parser)
-
-    args, kwargs, output = _parsed(site.spec)
+    tensor) with no dtype. `parsed`: the site's spec parsed (args, kwargs, output)."""
+    args, kwargs, output = parsed
     out: List[Tuple[str, str]] = [(p, "") for p in site.params]
 
     def walk(node: Tuple[Any, ...], name: str) -> None:

@@ -36,7 +36,8 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
                          "values are stored on them after each run) and the per-device sequence counters",
     "graph_stats.ROOT_TRACED": "the tracing contexts (weakly held) whose graph traced a model's own hooks: "
                                "their submodules keep the ops",
-    "graph_stats._TRACE_TIME": "the functions marked for dynamo to run at trace time, at the first watch()",
+    "graph_stats._TRACE_TIME": "the functions (of graph_stats and compiled) marked for dynamo to run at trace "
+                               "time, at the first watch()",
     "graph_stats.ON": "whether submodules of compiled graphs are measured inside the graph (the environment "
                       "at import; dynamo guards on it)",
     "events.TRACE_IDS": "where events take the current trace id from (the OpenTelemetry sink sets it)",

@@ -37,7 +37,7 @@ from .recorder import FrameRecorder
 from .backward import BackwardRecorder
 from .detection import DetectionPipeline
 from .attach import HookSet
-from .compiled import _live as _live_slots, run_eagerly_when_called_eagerly, traced_post
+from .compiled import _live as _live_slots, _parsed as _parsed_spec, run_eagerly_when_called_eagerly, traced_post
 from . import graph_stats
 from .copies import ModuleHook
 from . import transforms
@@ -327,7 +327,7 @@ class Watcher:
                 items: List[Item] = []
                 first = rec.first_free()
                 j = 0
-                for name, kind, dt in site.layout(info.kw_names):
+                for name, kind, dt in site.layout(info.kw_names, _parsed_spec):
                     if kind == "m":
                         rec.add(items, name, (vals[j], vals[j + 1]), getattr(torch, dt))
                         j += 2
