@@ -8,8 +8,10 @@ every step, untimed):
 
     null            a second compiled unwatched copy: copy-to-copy difference plus noise
     watched         THE PACKAGE: tensorwatch_otel.watch(model, sinks=[]) before torch.compile(model):
-                    its hooks traced into the graph as custom ops that run the eager hook at
-                    run time (core/compiled.py): every module's weights, inputs and outputs
+                    its hooks traced into the graph, as plain ops for graphs on the CPU
+                    (core/graph_stats.py; TENSORWATCH_GRAPH_STATS=0: custom ops that run the
+                    eager hook at run time, core/compiled.py, the default on a GPU): every
+                    module's weights, inputs and outputs
     watched_sampled the same, with every_n_batches=10 (a copy of its own: one watcher sees
                     consecutive batches)
     wrapped         tensorwatch_otel.watch(torch.compile(model), sinks=[]): the same frames; the

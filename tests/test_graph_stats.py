@@ -269,3 +269,38 @@ def test_two_watched_compiled_models_keep_their_own_frames():
     _same_as_eager(_frames_of(ref_b), _frames_of(sink_b))
     wa.detach()
     wb.detach()
+
+
+def test_the_traced_hooks_add_no_guard_on_the_watchers_objects_or_parameter_keys():
+    """Dynamo checks a graph's guards at every call: a traced hook that read its ModuleInfo, or
+    walked a module's parameter dict, added guards on them for every watched module (among them
+    one in Python: `module._parameters is info.params`). The sites read what they need as
+    constants of the graph instead."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2)
+    x = torch.randn(2, 8, 16)
+    with watch(model, sinks=[Collect()], on_detect="report"):
+        torch.compile(model)(x)
+        entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+        assert entries
+        guards = str(entries[0].guard_manager)
+    assert "._info" not in guards
+    assert "._parameters))" not in guards  # (a guard on a parameter dict's keys: list(dict.keys(m._parameters)))
+
+
+def test_the_default_is_cpu_graphs_and_a_bad_value_is_an_error_naming_the_variable(monkeypatch):
+    from tensorwatch_otel.core import env
+    from tensorwatch_otel.core.env import ConfigError
+
+    assert env.graph_stats_mode({}) == "cpu"
+    assert [env.graph_stats_mode({"TENSORWATCH_GRAPH_STATS": v}) for v in ("1", "on", "0", "off", "CPU")] == \
+        ["1", "1", "0", "0", "cpu"]
+    monkeypatch.setattr(graph_stats, "EVERY_DEVICE", False)
+    assert graph_stats.device_allowed("cpu") and not graph_stats.device_allowed("cuda")
+    monkeypatch.setattr(graph_stats, "EVERY_DEVICE", True)
+    assert graph_stats.device_allowed("cuda")
+    monkeypatch.setenv("TENSORWATCH_GRAPH_STATS", "sometimes")
+    with pytest.raises(ConfigError, match="TENSORWATCH_GRAPH_STATS='sometimes'"):
+        watch(nn.Linear(2, 2), sinks=[])

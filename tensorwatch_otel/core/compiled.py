@@ -283,15 +283,23 @@ _LIB = _define_ops()
 
 # ------------------------------------------------------------------------------ traced side
 @graph_stats.constant_result
-def _sites_here(slot: int, post: bool) -> bool:
+def _sites_here(slot: int, post: bool, device_type: str) -> bool:
     """At trace time: the submodule hooks of op slot `slot` become a site of core/graph_stats.py
-    (not ops) in this graph: the model's own hooks are not traced here, and its watcher wants
-    nothing a site cannot give (target_dtypes counts, gradients=True, check="module"). Asked by
-    the pre-hook and the forward hook alike; the forward hook's yes (`post`) moves `ran`: graphs
-    hold this watcher's hooks, so unsampled batches keep them on."""
+    (not ops) in this graph: the model's own hooks are not traced here, the call's device is one
+    measured inside graphs (`device_type`: its first input's; "" for none, then its module's),
+    and its watcher wants nothing a site cannot give (target_dtypes counts, gradients=True,
+    check="module"). Asked by the pre-hook and the forward hook alike; the forward hook's yes
+    (`post`) moves `ran`: graphs hold this watcher's hooks, so unsampled batches keep them on."""
     if graph_stats.root_traced_here():
         return False
-    for s in SLOTS.live(slot):
+    live = SLOTS.live(slot)
+    if not device_type:
+        m = live[0].module() if live else None
+        t = next(itertools.chain(m.parameters(), m.buffers()), None) if m is not None else None
+        device_type = t.device.type if t is not None else ""
+    if not graph_stats.device_allowed(device_type):
+        return False
+    for s in live:
         w = s.watcher()
         cfg = getattr(w, "config", None)
         if cfg is None or cfg.target_dtypes or cfg.gradients or cfg.check != "batch":
@@ -299,6 +307,28 @@ def _sites_here(slot: int, post: bool) -> bool:
     if post:
         ran.calls += 1
     return True
+
+
+@graph_stats.constant_result
+def _site_params(slot: int, device_type: str) -> Optional[Tuple[str, ...]]:
+    """At trace time, for the forward hook of op slot `slot`: None where the call keeps its op
+    (the model's own call, parameters lent per call, or `_sites_here` says no), else the names
+    of the module's parameters its site measures. A constant of the graph: read through the
+    hook, its ModuleInfo and the parameter dict, these would each be guarded on every call."""
+    live = SLOTS.live(slot)
+    hook = live[0].post() if live else None
+    info = getattr(hook, "_info", None)
+    if info is None or info.is_root or info.lent or not _sites_here(slot, True, device_type):
+        return None
+    return tuple(k for k, p in info.params.items() if p is not None)
+
+
+def _device_type(args: Tuple[Any, ...]) -> str:
+    """The device type of a call's first positional tensor ("" for none): traced, a constant."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    return ""
 
 
 def _exporting() -> bool:
@@ -393,7 +423,7 @@ class PreHook(ModuleHook):
             if self._is_root:
                 if graph_stats.ON:
                     graph_stats.mark_root_traced()
-            elif graph_stats.ON and _sites_here(self._slot, False):
+            elif graph_stats.ON and _sites_here(self._slot, False, _device_type(args)):
                 return None  # its forward hook's site measures the call (core/graph_stats.py)
             traced_pre(self._slot)
             return None
@@ -408,17 +438,23 @@ for _hook in (PreHook, Hook, Unwatched):  # (watcher.ForwardHook is marked where
 
 
 def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object,
-                info: Optional[Any] = None) -> None:
+                module: Optional[torch.nn.Module] = None) -> None:
     """Called by a hook while dynamo traces: the op call that runs it at run time, with the
     module's tensors and the structure around them (a constant of the graph); for a submodule
-    (`info`, its ModuleInfo) with in-graph statistics on, the site's aten ops instead."""
+    (`module`) with in-graph statistics on, the site's aten ops instead."""
     if _exporting():
         return
     tensors: List[torch.Tensor] = []
     spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
-    if info is not None and graph_stats.ON and not info.is_root and _sites_here(slot, True):
-        graph_stats.traced_site(slot, spec, info.params, tensors)
-        return
+    if graph_stats.ON and module is not None:
+        names = _site_params(slot, _device_type(args))
+        if names is not None:
+            # each parameter read by name from the module (as its forward reads it): no guard
+            # on the dict's keys
+            held = module._parameters
+            params = [p for p in (held[k] for k in names) if p is not None]  # (all of them: `names`)
+            graph_stats.traced_site(slot, spec, names, params, tensors)
+            return
     torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)
 
 

@@ -192,6 +192,7 @@ class WatchConfig:
         _env.warn_unknown(env)
         env_rank(env)  # a bad RANK fails when the watcher is built, not in a sink or at a detection
         _env.cpu_kernel_mode(env)  # process-wide, read by core/cpu_kernel.py; a bad value fails here, early
+        _env.graph_stats_mode(env)  # process-wide, read by core/graph_stats.py at import; the same
         return cls(max_frames=max_frames, trace_batches=traced, abort_after_batch=abort_after_batch,
                    every_n_batches=every, gradients=flags["gradients"], include=include,
                    exclude=exclude, on_detect=on_detect, check=check,

@@ -55,9 +55,10 @@ ENV_MAX_OVERHEAD = "TENSORWATCH_MAX_OVERHEAD"
 #: How CPU tensors are measured: ``native`` (a one-read kernel compiled on first use with the C
 #: compiler, torch ops when there is none; default) or ``torch`` (torch ops only). Process-wide.
 ENV_CPU_KERNEL = "TENSORWATCH_CPU_KERNEL"
-#: Experimental: ``1`` measures a compiled model's submodules with plain ops inside the graph
-#: (no Python per module call; see docs/compile.md) instead of ops with a Python body. Read
-#: once per process, at import. Off by default.
+#: Where a compiled model's submodules are measured with plain ops inside the graph (no Python
+#: per module call; see docs/compile.md) instead of ops with a Python body: ``cpu`` (default:
+#: graphs on the CPU), ``1`` (every device; CUDA not yet verified on a GPU) or ``0`` (nowhere).
+#: Read once per process, at import.
 ENV_GRAPH_STATS = "TENSORWATCH_GRAPH_STATS"
 
 # -- sinks that watch(sinks=None) adds to the text report ------------------------------------------
@@ -195,6 +196,21 @@ def parse_batches(name: str, raw: str) -> Tuple[int, ...]:
 
 
 CPU_KERNELS = ("native", "torch")
+GRAPH_STATS_MODES = ("cpu", "1", "0")
+
+
+def graph_stats_mode(environ: Mapping[str, str]) -> str:
+    """``cpu`` (default), ``1`` (every device) or ``0`` (off), from TENSORWATCH_GRAPH_STATS
+    (true/false words too)."""
+    raw = text(environ, ENV_GRAPH_STATS)
+    if raw is None:
+        return GRAPH_STATS_MODES[0]
+    low = raw.lower()
+    if low in _TRUE:
+        return "1"
+    if low in _FALSE:
+        return "0"
+    return parse_choice(ENV_GRAPH_STATS, low, GRAPH_STATS_MODES)
 
 
 def cpu_kernel_mode(environ: Mapping[str, str]) -> str:

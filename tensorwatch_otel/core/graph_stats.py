@@ -1,4 +1,5 @@
-"""Statistics inside the compiled graph (experimental; on with TENSORWATCH_GRAPH_STATS=1).
+"""Statistics inside the compiled graph: on by default for graphs on the CPU
+(TENSORWATCH_GRAPH_STATS: ``cpu``, ``1`` for every device, ``0`` off).
 
 With it, a watched submodule's forward hook traced by dynamo adds no op with a Python body:
 it adds plain aten ops that take each of the call's tensors' abs min and abs max (its
@@ -27,12 +28,12 @@ import os
 import threading
 import types
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import naming
-from .env import ENV_GRAPH_STATS
+from .env import GRAPH_STATS_MODES, ConfigError, graph_stats_mode
 from .events import NOTE_NONE, NOTE_NOT_TENSOR
 
 _F = Any
@@ -66,14 +67,27 @@ MEASURED = frozenset(FLOATS + INTEGERS + (torch.bool,))
 _MEASURED, _EMPTY = "m", "e"
 
 
-def enabled() -> bool:
-    """TENSORWATCH_GRAPH_STATS=1 (core/env.py)."""
-    return os.environ.get(ENV_GRAPH_STATS, "").strip() == "1"
+def mode() -> str:
+    """TENSORWATCH_GRAPH_STATS (core/env.py): ``cpu`` (default), ``1`` or ``0``. A bad value reads
+    as the default here; `watch()` raises on it, naming the variable (core/config.py)."""
+    try:
+        return graph_stats_mode(os.environ)
+    except ConfigError:
+        return GRAPH_STATS_MODES[0]
 
 
+_MODE = mode()
 #: On or off for the process (from the environment at import; tests set it). Dynamo guards on it:
 #: a graph traced with one setting is traced again under the other.
-ON = enabled()
+ON = _MODE != "0"
+#: Graphs on every device (``1``), not only on the CPU (the default: in-graph statistics have not
+#: yet been verified on a GPU, where CUDA graphs reuse the memory of a graph's outputs).
+EVERY_DEVICE = _MODE == "1"
+
+
+def device_allowed(device_type: str) -> bool:
+    """At trace time: graphs on this device type measure inside the graph."""
+    return EVERY_DEVICE or device_type == "cpu"
 
 
 class Site:
@@ -200,17 +214,15 @@ def _kind(t: torch.Tensor) -> str:
     return _MEASURED
 
 
-def traced_site(slot: int, spec: str, params: Dict[str, Optional[torch.nn.Parameter]],
+def traced_site(slot: int, spec: str, names: Tuple[str, ...], params: Sequence[torch.Tensor],
                 tensors: Sequence[torch.Tensor]) -> None:
     """While dynamo traces a submodule's forward hook (its pre-hook added nothing): the site's
-    aten ops. Values on a second device, or of a kind the graph does not measure, are kept as
-    not measured ("x")."""
-    names: Tuple[str, ...] = ()
-    values: List[torch.Tensor] = []
-    for k, p in params.items():
-        if p is not None:
-            names = names + (k,)
-            values.append(p)
+    aten ops, for its parameters (`params`, named `names`) and the call's tensors. Values on a
+    second device, or of a kind the graph does not measure, are kept as not measured ("x").
+
+    One stacked output per site: a graph output per statistic costs more (measured on CPU: an
+    allocation each, and the compiled wrapper's Python per output)."""
+    values: List[torch.Tensor] = list(params)
     values.extend(tensors)
     device = values[0].device if values else torch.device("cpu")
     kinds = ""
@@ -241,15 +253,16 @@ def traced_site(slot: int, spec: str, params: Dict[str, Optional[torch.nn.Parame
     SITES.dirty = True
 
 
-def begin_batch() -> None:
-    """A recorded batch begins: no site has run in it yet."""
-    for site in SITES.by_number.values():
+def begin_batch(sites: Optional[Iterable[Site]] = None) -> None:
+    """A recorded batch begins: none of `sites` (a watcher's; default every site) has run in it
+    yet."""
+    for site in SITES.by_number.values() if sites is None else sites:
         site.value = None
-    SITES.dirty = False
+    SITES.dirty = any(s.value is not None for s in SITES.by_number.values()) if sites is not None else False
 
 
 def pending() -> bool:
-    """Some site ran since the last `ran()` (or `begin_batch()`)."""
+    """Some site ran since its values were last taken (`ran()`, `begin_batch()`)."""
     return SITES.dirty
 
 
@@ -257,28 +270,37 @@ def has_sites() -> bool:
     return bool(SITES.by_number)
 
 
-def ran() -> List[Tuple[Site, List[float]]]:
-    """The sites that ran since `begin_batch()` or the last call, with their values (one copy per
-    device), in the order they ran; their values are taken (a frame recorded eagerly between
-    two graphs reads the first graph's sites before it, so the frames keep the order they ran)."""
-    SITES.dirty = False
-    done = [s for s in SITES.by_number.values() if s.value is not None]
+def sites_from(number: int) -> List[Site]:
+    """The sites numbered `number` and above (those traced since a caller looked last)."""
+    by_number = SITES.by_number
+    return [by_number[n] for n in range(number, len(by_number))]
+
+
+def ran(sites: Optional[Iterable[Site]] = None) -> List[Tuple[Site, List[float]]]:
+    """Of `sites` (a watcher's; default every site), those that ran since `begin_batch()` or the
+    last call, with their values (one copy per device), in the order they ran; their values are
+    taken (a frame recorded eagerly between two graphs reads the first graph's sites before it,
+    so the frames keep the order they ran). Other sites keep theirs."""
+    done = [s for s in (SITES.by_number.values() if sites is None else sites) if s.value is not None]
     if not done:
+        if sites is None:
+            SITES.dirty = False
         return []
     by_device: Dict[torch.device, List[Site]] = {}  # (each holds a value: `done`)
     for s in done:
         by_device.setdefault(s.device, []).append(s)
     out: List[Tuple[float, Site, List[float]]] = []
-    for sites in by_device.values():
-        values = [s.value for s in sites if s.value is not None]
+    for group in by_device.values():
+        values = [s.value for s in group if s.value is not None]
         flat = torch.cat(values).tolist() if len(values) > 1 else values[0].tolist()  # one copy
         at = 0
-        for s, v in zip(sites, values):
+        for s, v in zip(group, values):
             n = v.numel()
             out.append((flat[at + n - 1], s, flat[at:at + n - 1]))
             at += n
     for s in done:
         s.value = None
+    SITES.dirty = sites is not None and any(s.value is not None for s in SITES.by_number.values())
     out.sort(key=lambda r: r[0])
     return [(s, v) for _, s, v in out]
 

@@ -647,7 +647,7 @@ class ForwardHook(ModuleHook):
                  output: Any) -> None:
         if _compiling():  # traced into a graph: an op runs this hook at run time
             if self._slot:
-                traced_post(self._slot, args, kwargs, output, self._info)
+                traced_post(self._slot, args, kwargs, output, module)
             return
         if self._detect.replaying:
             return
