@@ -101,7 +101,7 @@ def test_unsampled_batches_are_quiet_and_unsampled_once_quiet_is_off():
     t.join()  # batch 4 (unsampled), in that thread
     model.probe.seen.clear()
     for _ in range(3):
-        model(x)  # batches 5, 6 (unsampled), 7 ... 6 is 6 % 3 == 0: recorded
+        model(x)  # batches 5 (unsampled), 6 (recorded: one in 3), 7 (unsampled)
     assert model.probe.seen == [(UNSAMPLED, 5, 2), (RECORDING, 6, 2), (UNSAMPLED, 7, 2)]
     assert w._life.phase is IDLE
     assert [b.batch_number for b in sink.batches] == [0, 3, 6]
