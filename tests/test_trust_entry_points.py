@@ -14,6 +14,7 @@ from torch import nn
 import pytest
 from _collect import Collect
 from tensorwatch_otel import DebugUnderflowOverflow, NonFiniteDetected, NonFiniteEvent, watch
+from tensorwatch_otel.core.batch_lifecycle import Phase
 
 
 class EncDec(nn.Module):
@@ -39,7 +40,7 @@ def test_calls_without_the_root_forward_end_batches_and_stay_bounded():
     for _ in range(3000):
         model.decode(model.encode(x))
     assert w.batch_number == 6000  # each outermost call (encode, then decode) is a batch
-    assert w._tls.st.rec is None  # nothing left pending (no batch open in this thread)
+    assert w._life.phase is Phase.IDLE  # nothing left pending (no batch open in this thread)
     assert sum(len(r.frames) for r in w._history.records) <= 21 + 3  # the ring's history only
     with torch.no_grad():
         model.decoder.weight[0, 0] = float("inf")

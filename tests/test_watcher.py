@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 
 import tensorwatch_otel
 import tensorwatch_otel.core.recorder as watcher_mod
+from tensorwatch_otel.core.batch_lifecycle import Phase
 from tensorwatch_otel.core.weights import WeightTable
 import tensorwatch_otel.core.watcher as watcher_core
 from tensorwatch_otel import (
@@ -602,7 +603,7 @@ def test_activation_checkpointing_recompute_adds_no_frames():
         model(x).sum().backward()
     assert model.block[0].weight.grad is not None
     assert [[f.module for f in b.frames] for b in sink.batches] == [names, names]
-    assert w._tls.st.rec is None  # no batch begun (nothing recorded) during backward
+    assert w._life.phase is Phase.IDLE  # no batch begun (nothing recorded) during backward
     w.detach()
 
 

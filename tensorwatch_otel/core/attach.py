@@ -74,7 +74,8 @@ class HookSet:
     """The watcher's hooks on one model, and what they are placed from.
 
     Built with what the hooks run: `slot_owner` (handed to core/compiled.py's op slots only:
-    their hooks run while it is attached), `pre_hook` (every module's forward pre-hook),
+    their hooks run while it is attached), `quiet` (the switch an unsampled batch takes the
+    hooks off with, shared with the batch lifecycle), `pre_hook` (every module's forward pre-hook),
     `make_hook(info, slot)` (a module's forward hook), `capture_hook` (the root's input capture,
     or None), `param_hook(info, name)` (a parameter's gradient hook, with `gradients=True`),
     `params_current` / `before_step` / `after_step` (the step tracker's), and `batch_number`
@@ -82,7 +83,7 @@ class HookSet:
     now, `current()` says whether it still holds what was last seen, `remove()` takes every
     hook off."""
 
-    def __init__(self, model: torch.nn.Module, config: WatchConfig, *, slot_owner: "_Watcher",
+    def __init__(self, model: torch.nn.Module, config: WatchConfig, *, slot_owner: "_Watcher", quiet: QuietBatches,
                  pre_hook: "_PreHook", make_hook: Callable[[ModuleInfo, int], ModuleHook],
                  capture_hook: Optional[Callable[..., Any]],
                  param_hook: Callable[[ModuleInfo, str], Callable[[torch.Tensor], None]],
@@ -108,7 +109,7 @@ class HookSet:
         self._step_hooks: Optional[StepTracker] = None
         self._compiled = False
         self._said_params_replaced = False
-        self._quiet = QuietBatches(model)
+        self._quiet = quiet
         self._copies = Copies()  # deep copies of the model's modules: their hooks are no-ops (core/copies.py)
 
     @property

@@ -433,7 +433,7 @@ class PreHook(ModuleHook):
 
 
 _compiling = torch.compiler.is_compiling
-for _hook in (PreHook, Hook, Unwatched):  # (watcher.ForwardHook is marked where it is defined)
+for _hook in (PreHook, Hook, Unwatched):  # (batch_lifecycle.ForwardHook is marked where it is defined)
     run_eagerly_when_called_eagerly(_hook.__call__.__code__)
 
 

@@ -1,5 +1,5 @@
 """Whether a set of tensors holds inf/nan, in one host read: the gradients an optimizer step
-will consume (core/steps.py), the output of an unsampled batch's outermost call (core/watcher.py).
+will consume (core/steps.py), the output of an unsampled batch's outermost call (core/batch_lifecycle.py).
 
 Dense CPU float tensors go to the statistics kernel in one call (their values are on the host at
 once: no read of their own); tensors on a device in `fused` get one inf-norm launch per device;
