@@ -304,3 +304,43 @@ def test_the_default_is_cpu_graphs_and_a_bad_value_is_an_error_naming_the_variab
     monkeypatch.setenv("TENSORWATCH_GRAPH_STATS", "sometimes")
     with pytest.raises(ConfigError, match="TENSORWATCH_GRAPH_STATS='sometimes'"):
         watch(nn.Linear(2, 2), sinks=[])
+
+
+def test_a_watched_model_run_inside_another_ones_compiled_call_leaves_its_frames_whole():
+    """Model B (watched on its own, compiled) runs in a graph break of model A's compiled call:
+    B's batch begins while A's first graph holds its sites' values unread. Each watcher clears
+    and reads only its own sites, so A keeps the frames of both its graphs."""
+    torch.manual_seed(0)
+    other = Stack(n_blocks=1)
+    other_c = torch.compile(other)
+
+    @torch._dynamo.disable
+    def run_other(h):
+        return other_c(h)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.body(x)
+            y = run_other(h)
+            return self.head(y)
+
+    outer = Outer()
+    x = torch.randn(2, 8, 16)
+    ref = Collect()
+    with watch(outer, sinks=[ref], on_detect="report"), watch(other, sinks=[Collect()], on_detect="report"):
+        outer(x)
+    sink, sink_other = Collect(), Collect()
+    wa = watch(outer, sinks=[sink], on_detect="report")
+    wb = watch(other, sinks=[sink_other], on_detect="report")
+    compiled = torch.compile(outer)
+    for _ in range(2):
+        compiled(x)
+    assert [f.module for f in _frames_of(sink)] == ["body", "head", ""]
+    _same_as_eager(_frames_of(ref), _frames_of(sink))
+    assert len(sink_other.batches) == 2 and len(_frames_of(sink_other)) > 1
+    wa.detach()
+    wb.detach()

@@ -171,6 +171,8 @@ class BatchLifecycle:
         self._batches = 0  # batches begun, by every thread: the next batch's number
         self._thread = 0  # the thread that began the last batch (a second one turns quiet batches off)
         self._said_root_alone = False  # (see _say_if_root_alone)
+        self._sites: List[graph_stats.Site] = []  # this watcher's in-graph sites (_own_sites)
+        self._sites_seen = 0  # the sites looked at so far
         self._unwrapped: Optional[transforms.UnwrappedRecorder] = None  # made at the first call inside torch.func
 
     # ---------------------------------------------------------------- what the watcher reads
@@ -290,7 +292,7 @@ class BatchLifecycle:
             if self._live() and self._sampling.watches(b):
                 st.open(rec, Phase.RECORDING)
                 if graph_stats.ON and graph_stats.has_sites():
-                    graph_stats.begin_batch()  # the sites that run from now on are this batch's
+                    graph_stats.begin_batch(self._own_sites())  # those that run from now on are this batch's
                 if quiet.off:
                     quiet.put_back()  # a recorded batch: every hook on
             else:  # an unsampled batch: the modules it calls run without hooks where they can
@@ -307,11 +309,26 @@ class BatchLifecycle:
                 # tensors by reference; inputs are held only with a capture (capture_hook)
                 capture.hold(st.rec.batch_number, args, kwargs)
 
+    def _own_sites(self) -> List["graph_stats.Site"]:
+        """This watcher's in-graph sites (core/graph_stats.py), each looked at once: those whose
+        forward hook is one of its own. Another watcher's batch never reads or clears them."""
+        seen = self._sites_seen
+        count = graph_stats.site_count()
+        if count != seen:
+            for site in graph_stats.sites_from(seen):
+                for s in _live_slots(site.slot):
+                    hook = s.post()
+                    if isinstance(hook, ForwardHook) and hook.lifecycle is self:
+                        self._sites.append(site)
+                        break
+            self._sites_seen = count
+        return self._sites
+
     def graph_frames(self, rec: Record) -> None:
         """The frames of this watcher's in-graph sites that ran in the batch (core/graph_stats.py),
         in the order they ran, read with one copy per device: added before the model's own
         frame, where eager watching has its submodules' frames."""
-        for site, vals in graph_stats.ran():
+        for site, vals in graph_stats.ran(self._own_sites()):
             for s in _live_slots(site.slot):
                 hook = s.post()
                 if not isinstance(hook, ForwardHook) or hook.lifecycle is not self:

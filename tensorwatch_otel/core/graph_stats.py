@@ -270,6 +270,10 @@ def has_sites() -> bool:
     return bool(SITES.by_number)
 
 
+def site_count() -> int:
+    return len(SITES.by_number)
+
+
 def sites_from(number: int) -> List[Site]:
     """The sites numbered `number` and above (those traced since a caller looked last)."""
     by_number = SITES.by_number
