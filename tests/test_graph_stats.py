@@ -344,3 +344,36 @@ def test_a_watched_model_run_inside_another_ones_compiled_call_leaves_its_frames
     assert len(sink_other.batches) == 2 and len(_frames_of(sink_other)) > 1
     wa.detach()
     wb.detach()
+
+
+def test_a_second_thread_turns_the_graphs_back_to_the_ops_and_each_thread_keeps_its_values(caplog):
+    """A site's values are the process's: two threads running one watcher's compiled model
+    would read each other's. A second thread's first batch turns in-graph statistics off (said
+    once); the graphs are traced again with the ops, whose hooks run in the calling thread."""
+    import logging
+    import threading
+
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1)
+    xs = [torch.randn(2, 8, 16), torch.randn(2, 8, 16) * 100]
+    refs = []
+    for x in xs:
+        ref = Collect()
+        with watch(model, sinks=[ref], on_detect="report"):
+            model(x)
+        refs.append(_frames_of(ref))
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report")
+    compiled = torch.compile(model)
+    compiled(xs[0])
+    _same_as_eager(refs[0], _frames_of(sink))
+    caplog.set_level(logging.INFO, logger="tensorwatch_otel")
+    t = threading.Thread(target=lambda: compiled(xs[1]))
+    t.start()
+    t.join()
+    assert graph_stats.ON is False
+    assert len([r for r in caplog.records if "off from now on" in r.getMessage()]) == 1
+    _same_as_eager(refs[1], _frames_of(sink))
+    compiled(xs[0])
+    _same_as_eager(refs[0], _frames_of(sink))
+    w.detach()

@@ -287,6 +287,7 @@ class BatchLifecycle:
                 if self._thread != thread:
                     if self._thread:
                         quiet.turn_off("a second thread calls the model")
+                        graph_stats.turn_off("a second thread calls a watched model")
                     self._thread = thread
             rec = Record(b, targets=self._config.target_dtypes)
             if self._live() and self._sampling.watches(b):
