@@ -32,7 +32,7 @@ from .fleet import FleetStop
 from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .events import NOTE_EMPTY, NOTE_NO_DATA
-from .record import History, Item, ModuleInfo, Record
+from .record import FrameDraft, History, ModuleInfo, Record
 from .recorder import FrameRecorder
 from .backward import BackwardRecorder
 from .detection import DetectionPipeline
@@ -324,20 +324,19 @@ class Watcher:
                 info = hook._info
                 if not info.recorded:
                     continue
-                items: List[Item] = []
-                first = rec.first_free()
+                d = FrameDraft()
                 j = 0
                 for name, kind, dt in site.layout(info.kw_names, _parsed_spec):
                     if kind == "m":
-                        rec.add(items, name, (vals[j], vals[j + 1]), getattr(torch, dt))
+                        d.add(name, (vals[j], vals[j + 1]), getattr(torch, dt))
                         j += 2
                     elif kind == "e":
-                        items.append((name, NOTE_EMPTY))
+                        d.items.append((name, NOTE_EMPTY))
                     elif kind == "x":
-                        items.append((name, NOTE_NO_DATA))
+                        d.items.append((name, NOTE_NO_DATA))
                     else:
-                        items.append((name, kind))
-                rec.add_frame(info, items, first)
+                        d.items.append((name, kind))
+                rec.add_frame(info, d)
 
     def _take_unwrapped(self, rec: Record, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                         output: Any) -> None:
@@ -486,7 +485,7 @@ class Watcher:
             self._check_call(st)  # inside batch(): the batch goes on
         elif root or self.behaviour.outermost_call_ends_batch or rec.batch_number in self.config.trace_batches:
             self._end_batch(st)
-        elif rec.frames:
+        elif rec.frame_count:
             # the peer's batches end with the root only: check what this call added, keep the
             # frames in the ring, and carry on in the same batch (bounded memory)
             st.rec = Record(rec.batch_number, header=False, targets=rec.targets)
@@ -502,7 +501,7 @@ class Watcher:
         detection raises before a backward or step that would follow it in the same batch."""
         rec = st.rec
         assert rec is not None  # (inside a call of this batch)
-        first, st.checked = st.checked, len(rec.frames)
+        first, st.checked = st.checked, rec.frame_count
         cfg = self.config
         if not st.active or first == st.checked or cfg.check != "batch" or not (
                 self.behaviour.detect_in_traced_batches or rec.batch_number not in cfg.trace_batches):
@@ -534,15 +533,15 @@ class Watcher:
         if (b + 1) % _WEIGHT_REFRESH == 0:
             self._recorder.invalidate_weights()  # `.data` writes between no-grad batches
         scale_t = self._steps.scale_tensor()
-        if rec.frames or scale_t is not None:
+        if rec.frame_count or scale_t is not None:
             # the loss scale travels in the batch's read-back; a drop is a skipped step
             scale = self._steps.batch_scale(b, rec.readback(scale_t))
-            if rec.frames:
+            if rec.frame_count:
                 try:
                     self._finish(rec, scale)
                 finally:  # a batch that raised NonFiniteDetected still precedes the next ring
                     st.history.keep(rec)
-            if sampled and rec.frames and not self._said_root_alone:
+            if sampled and rec.frame_count and not self._said_root_alone:
                 self._say_if_root_alone(rec)
         cfg = self.config
         if cfg.abort_after_batch is not None and b >= cfg.abort_after_batch:
@@ -553,7 +552,7 @@ class Watcher:
         submodules: their hooks did not run, and the model is unwatched inside. Said once, at
         WARNING: a compiled graph that dropped them, or a wrapper calling their forward()
         directly, would otherwise leave a run that looks watched and is not."""
-        if any(not rec.frame_info(fi).is_root for fi in range(len(rec.frames))):
+        if any(not rec.frame_info(fi).is_root for fi in range(rec.frame_count)):
             self._said_root_alone = True  # the submodules' hooks run: nothing to say, ever
             return
         inside = self._hooks.hooked - 1
@@ -694,8 +693,8 @@ class ForwardHook(ModuleHook):
                     w._hook_failed(info, exc)
                 if self._check_module:
                     rec.readback()
-                    w._check(rec, len(rec.frames) - 1)
-                elif len(rec.stats) > _MAX_PENDING:
+                    w._check(rec, rec.frame_count - 1)
+                elif rec.stat_count > _MAX_PENDING:
                     rec.readback()
                 if budget is not None:
                     budget.spend(t0)
