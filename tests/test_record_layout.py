@@ -7,39 +7,11 @@ state)."""
 
 from __future__ import annotations
 
-import pathlib
-import re
-
 import pytest
 import torch
 
-import tensorwatch_otel
 from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
 from tensorwatch_otel.core.recorder import FrameRecorder
-
-
-PACKAGE = pathlib.Path(tensorwatch_otel.__file__).parent
-OWNERS = {"core/record.py", "core/recorder.py"}
-MARKS = {
-    "a frame tuple appended": re.compile(r"frames\.append\(\("),
-    "statistics appended": re.compile(r"\bstats \+= "),
-    "a tensor's dtype appended": re.compile(r"\brec\.dtypes\.append\("),
-    "a frame tuple unpacked": re.compile(r"for \w+, \w+, \w+ in (rec\.|self\.)?frames|, \w+ = rec\.frames\["),
-    "the stride of two": re.compile(r"\[0::2\]|\[1::2\]|stats\[2 \* "),
-}
-
-
-def test_only_the_record_and_its_hot_path_twin_know_the_layout():
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).as_posix()
-        if rel in OWNERS:
-            continue
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            for what, mark in MARKS.items():
-                if mark.search(line):
-                    found.append(f"{rel}:{n}: {what}: {line.strip()}")
-    assert found == []
 
 
 def test_frames_written_through_a_draft_read_back_in_order():
