@@ -257,7 +257,7 @@ class CompiledTrainer:
         if self.watcher is None:
             return 0
         records = self.watcher._history.records
-        return len(records[-1].frames) if records else 0
+        return records[-1].frame_count if records else 0
 
     #: wall time, or the process' CPU time (time.process_time, CPU only): immune to the
     #: preemption of a loaded shared machine
@@ -346,7 +346,7 @@ def eager_frames(base, x, autocast) -> int:
     with tw.watch(model, sinks=[], on_detect="report") as w, torch.no_grad(), \
             torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
         model(x)
-        return len(w._history.records[-1].frames)
+        return w._history.records[-1].frame_count
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None) -> float:

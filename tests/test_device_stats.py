@@ -143,7 +143,7 @@ def test_the_slot_buffer_is_reused_and_grows_geometrically(stats):
 
 
 def test_a_record_reads_each_device_buffer_once_per_batch(stats, monkeypatch):
-    from tensorwatch_otel.core.record import Record
+    from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
 
     reads = []
     real = device_stats.SlotBuffer.read
@@ -151,17 +151,21 @@ def test_a_record_reads_each_device_buffer_once_per_batch(stats, monkeypatch):
                         lambda self, extra=None: (reads.append((self.used, extra)), real(self, extra))[1])
     frame = stats.frame()
     rec = Record(0)
+    d = FrameDraft()
     for i in range(5):
         frame.add(torch.full((4,), -float(i)))
         s, = frame.launch()
-        rec.stats += (s, s)
-    rec.stats += (0.5, 2.0)  # a float from the CPU kernel among them
+        d.add(f"t{i}", (s, s), torch.float32)
+    d.add("cpu", (0.5, 2.0), torch.float32)  # a float from the CPU kernel among them
     big = 2 ** 53 - 1  # an integer tensor's statistics (0-d float64 tensors, stats.measure)
-    rec.stats += (torch.tensor(3.0, dtype=torch.float64), torch.tensor(float(big), dtype=torch.float64))
-    rec.stats += (torch.tensor(0.25, dtype=torch.float16), torch.tensor(1e-40))  # odd tensors' 0-d results
+    d.add("int", (torch.tensor(3.0, dtype=torch.float64), torch.tensor(float(big), dtype=torch.float64)), torch.int64)
+    d.add("odd", (torch.tensor(0.25, dtype=torch.float16), torch.tensor(1e-40)), torch.float16)  # odd tensors' 0-d
+    rec.add_frame(ModuleInfo("m", torch.nn.Identity(), True, True), d)
     scale = rec.readback(torch.tensor(1024.0))  # the loss scale rides along
-    assert rec.host == [v for i in range(5) for v in (float(i), float(i))] + [0.5, 2.0, 3.0, float(big), 0.25,
-                                                                              torch.tensor(1e-40).item()]
+    mins, maxs = rec.host_extremes()
+    assert [v for pair in zip(mins.tolist(), maxs.tolist()) for v in pair] == \
+        [v for i in range(5) for v in (float(i), float(i))] + [0.5, 2.0, 3.0, float(big), 0.25,
+                                                                torch.tensor(1e-40).item()]
     assert scale == 1024.0
     (used, extra), = reads  # one read: the slots, and the 0-d tensors in the same copy
     assert used == 5 and extra.dtype == torch.float64 and extra.numel() == 5

@@ -1,7 +1,8 @@
 """The watcher's hooks have one owner (core/attach.py's HookSet): it places them, moves them to
 what the model holds after a replacement, and removes every one of them at detach(). An
 object's private state is written only by its own methods: no core module writes another
-object's underscored attributes."""
+object's underscored attributes (assigned, deleted, or changed in place), the batch record's
+layout included (core/record.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _writes_of_foreign_private_state(source: str) -> list:
     found = []
     for node in ast.walk(ast.parse(source)):
         targets: list = []
-        if isinstance(node, ast.Assign):
+        if isinstance(node, (ast.Assign, ast.Delete)):
             targets = node.targets
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             targets = [node.target]
@@ -48,6 +49,12 @@ def _writes_of_foreign_private_state(source: str) -> list:
 def test_no_core_module_writes_another_objects_private_state():
     assert _writes_of_foreign_private_state("w._compiled = True\nw._handles.extend(h)\nself._x = 1\n") == \
         [(1, "w._compiled"), (2, "w._handles.extend")]
+    # the batch record's layout (core/record.py): written by its own methods only
+    assert sorted(_writes_of_foreign_private_state(
+        "rec._stats += pair\nrec._dtypes.append(dt)\nrec._frames.append((info, items, k))\n"
+        "rec._stats[pos] = v\ndel rec._stats[m:], rec._frames[n:]\nself._stats += pair\n")) == \
+        [(1, "rec._stats"), (2, "rec._dtypes.append"), (3, "rec._frames.append"), (4, "rec._stats"),
+         (4, "rec._stats[pos]"), (5, "rec._frames"), (5, "rec._frames[n:]"), (5, "rec._stats"), (5, "rec._stats[m:]")]
     found = {f.name: _writes_of_foreign_private_state(f.read_text()) for f in sorted(CORE.glob("*.py"))}
     assert {name: w for name, w in found.items() if w} == {}
 

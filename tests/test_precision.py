@@ -17,7 +17,7 @@ from tensorwatch_otel.core.config import WatchConfig
 from tensorwatch_otel.core.cpu_kernel import KERNEL
 from tensorwatch_otel.core.env import ENV_TARGET_DTYPES, ConfigError
 from tensorwatch_otel.core.events import Magnitude
-from tensorwatch_otel.core.record import Record
+from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
 
 TARGETS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 INPUTS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -61,12 +61,26 @@ def kernel_paths():
 def shares_of(measure, x: torch.Tensor, targets=TARGETS, hist=True):
     rec = Record(0, targets=tuple(targets))
     mn, mx, counts, row = measure(x, rec.plan, hist)
-    rec.stats += [mn, mx]
-    rec.dtypes.append(x.dtype)
-    rec.counts.append(counts)
-    rec.mags.append(row)
+    rec.add_frame(INFO, _draft(mn, mx, x.dtype, counts, row))
     rec.readback()
     return rec
+
+
+INFO = ModuleInfo("x", nn.Identity(), False, True)
+
+
+def _draft(mn, mx, dtype, counts, row) -> FrameDraft:
+    """One measured tensor with its counts row and histogram row, as the recorder writes it."""
+    d = FrameDraft()
+    d.add("x", (mn, mx), dtype)
+    d.counts.append(counts)
+    d.mags.append(row)
+    return d
+
+
+def host_values(rec: Record) -> list:
+    """What the record read back: abs min, abs max per measured tensor, in order."""
+    return torch.stack(rec.host_extremes(), 1).flatten().tolist()
 
 
 def near_thresholds(dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +109,7 @@ def test_shares_match_casts_a_factor_of_two_from_thresholds(dtype):
             for j, t in enumerate(TARGETS):
                 want_u, want_o = oracle(finite, t)
                 scaled = getattr(torch, t).itemsize <= 1
-                if scaled and not math.isfinite(rec.host[1]):
+                if scaled and not math.isfinite(host_values(rec)[1]):
                     assert math.isnan(rec.underflow[j]) and math.isnan(rec.overflow[j]), (name, t)
                     continue
                 assert rec.underflow[j] == pytest.approx(want_u, abs=1e-12), (name, dtype, t, big)
@@ -147,10 +161,7 @@ def test_all_zero_and_integer_tensors():
     rec = Record(0, targets=TARGETS)
     r = M.measure_counts(torch.arange(10), rec.plan, True)
     assert r[2] is None and r[3] is None
-    rec.stats += [r[0], r[1]]
-    rec.dtypes.append(torch.int64)
-    rec.counts.append(None)
-    rec.mags.append(None)
+    rec.add_frame(INFO, _draft(r[0], r[1], torch.int64, None, None))
     rec.readback()
     assert len(rec.underflow) == 4 and all(math.isnan(v) for v in rec.underflow + rec.overflow)
     assert rec.magnitude(0) is None
@@ -251,7 +262,7 @@ def test_many_blocks_some_crossing_a_threshold(dtype, bad):
     for name, measure in kernel_paths():
         rec = shares_of(measure, x, ALL_TARGETS, hist=False)
         if bad is None:
-            assert rec.host == [float(x.abs().min()), float(x.abs().max())], name
+            assert host_values(rec) == [float(x.abs().min()), float(x.abs().max())], name
         for j, t in enumerate(ALL_TARGETS):
             if bad is not None and t.startswith("float8"):
                 assert math.isnan(rec.underflow[j]) and math.isnan(rec.overflow[j]), (name, t)

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from _otel_fixtures import parse_prom, sample
 from tensorwatch_otel.core.events import BatchStats
-from tensorwatch_otel.core.record import ModuleInfo, Record
+from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
 from tensorwatch_otel.sinks import catalogue
 from tensorwatch_otel.sinks.otel import OtelTelemetry
 from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
@@ -42,19 +42,26 @@ class Mag:
 
 
 class PrecisionRecord(Record):
-    """A Record with the agreed precision fields, filled by hand."""
+    """A Record of `infos`, each with tensors weight and output (abs min 0.5, abs max 2.0, read
+    back), with the agreed precision fields set by hand."""
 
-    __slots__ = ("targets", "underflow", "overflow", "_mags")
+    __slots__ = ("_given",)
 
-    def __init__(self, batch_number, targets=(), underflow=(), overflow=(), mags=()):
+    def __init__(self, batch_number, infos, targets=(), underflow=(), overflow=(), mags=()):
         super().__init__(batch_number)
+        for info in infos:
+            d = FrameDraft()
+            d.add("weight", (0.5, 2.0), torch.float32)
+            d.add("output", (0.5, 2.0), torch.float32)
+            self.add_frame(info, d)
+        self.readback()  # (host floats: read back as they are)
         self.targets = tuple(targets)
         self.underflow = list(underflow)
         self.overflow = list(overflow)
-        self._mags = list(mags)
+        self._given = list(mags)
 
     def magnitude(self, k: int):
-        return self._mags[k] if k < len(self._mags) else None
+        return self._given[k] if k < len(self._given) else None
 
 
 def _info(path: str, cls: str = "Linear") -> ModuleInfo:
@@ -68,15 +75,8 @@ def record(n: int, under: Sequence[Sequence[float]], over: Sequence[Sequence[flo
            mags: Sequence[Optional[Mag]] = (), targets=TARGETS, infos=INFOS) -> PrecisionRecord:
     """Modules of `infos`, each with tensors weight and output (k = 2 * module + tensor);
     under[k][j] / over[k][j]: the share for target j."""
-    rec = PrecisionRecord(n, targets, [v for row in under for v in row], [v for row in over for v in row], mags)
-    k = 0
-    for info in infos:
-        rec.frames.append((info, ["weight", "output"], k))
-        for _ in range(2):
-            rec.dtypes.append(torch.float32)
-            rec.host += [0.5, 2.0]
-            k += 1
-    return rec
+    return PrecisionRecord(n, infos, targets, [v for row in under for v in row], [v for row in over for v in row],
+                           mags)
 
 
 def stats(rec: Record) -> BatchStats:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from . import naming
-from .record import ModuleInfo, Record
+from .record import FrameDraft, ModuleInfo, Record
 from .stats import Pair, measure
 
 log = logging.getLogger(__name__)
@@ -49,20 +49,19 @@ class BackwardRecorder:
 
     def _frame(self, info: ModuleInfo, name: str, g: torch.Tensor, owner: Optional[torch.Tensor]) -> None:
         rec = self._record()
-        items: List[Union[str, Tuple[str, str]]] = []
-        first = rec.first_free()
+        d = FrameDraft()
         seen = self._seen.get(id(g))
         if seen is not None and seen[0]() is g:
-            rec.add(items, name, seen[1], seen[2])
+            d.add(name, seen[1], seen[2])
         else:
             r = measure(g)
-            rec.add(items, name, r, g.dtype)
+            d.add(name, r, g.dtype)
             if not isinstance(r, str):  # a pair, kept for the same gradient seen again
                 try:
                     self._seen[id(g)] = (weakref.ref(g), r, g.dtype)
                 except TypeError:
                     pass
-        rec.add_frame(info, items, first)
+        rec.add_frame(info, d)
         self._owners.append(owner)
         self._gids.append(id(g))
 
@@ -112,7 +111,7 @@ class BackwardRecorder:
         owners, self._owners = self._owners, []
         gids, self._gids = self._gids, []
         self._seen.clear()
-        if rec is not None and rec.frames:
+        if rec is not None and rec.frame_count:
             self._on_end(rec, owners, gids)
 
 
@@ -124,7 +123,7 @@ def producer_frame(rec: Record, fi: int, gids: List[int]) -> int:
     name = items[0] if items and items[0].__class__ is str else ""
     if not name.startswith("output"):
         return fi
-    for j in range(fi + 1, len(rec.frames)):
+    for j in range(fi + 1, rec.frame_count):
         if gids[j] == gids[fi]:
             later = rec.frame_items(j)
             item = later[0] if later else ""

@@ -42,7 +42,7 @@ from .errors import AbortAfterBatch, NonFiniteDetected
 from .events import NOTE_EMPTY, NOTE_NO_DATA, BatchStats, BatchTraceEvent
 from .finite import all_finite, output_tensors
 from .rank import current_rank
-from .record import History, Item, ModuleInfo, Record
+from .record import FrameDraft, History, Item, ModuleInfo, Record
 from .steps import FUSED_DEVICES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -173,6 +173,7 @@ class BatchLifecycle:
         self._said_root_alone = False  # (see _say_if_root_alone)
         self._sites: List[graph_stats.Site] = []  # this watcher's in-graph sites (_own_sites)
         self._sites_seen = 0  # the sites looked at so far
+        self._plans: Dict[int, Tuple[Optional[ModuleInfo], List[Item], List[torch.dtype]]] = {}  # (_frame_plan)
         self._unwrapped: Optional[transforms.UnwrappedRecorder] = None  # made at the first call inside torch.func
 
     # ---------------------------------------------------------------- what the watcher reads
@@ -329,28 +330,45 @@ class BatchLifecycle:
         """The frames of this watcher's in-graph sites that ran in the batch (core/graph_stats.py),
         in the order they ran, read with one copy per device: added before the model's own
         frame, where eager watching has its submodules' frames."""
+        plans = self._plans
         for site, vals in graph_stats.ran(self._own_sites()):
-            for s in _live_slots(site.slot):
-                hook = s.post()
-                if not isinstance(hook, ForwardHook) or hook.lifecycle is not self:
-                    continue
-                info = hook.info
-                if not info.recorded:
-                    continue
-                items: List[Item] = []
-                first = rec.first_free()
-                j = 0
-                for name, kind, dt in site.layout(info.kw_names, _parsed_spec):
-                    if kind == "m":
-                        rec.add(items, name, (vals[j], vals[j + 1]), getattr(torch, dt))
-                        j += 2
-                    elif kind == "e":
-                        items.append((name, NOTE_EMPTY))
-                    elif kind == "x":
-                        items.append((name, NOTE_NO_DATA))
-                    else:
-                        items.append((name, kind))
-                rec.add_frame(info, items, first)
+            plan = plans.get(id(site))
+            if plan is None:
+                plan = plans[id(site)] = self._frame_plan(site)
+            info, items, dtypes = plan
+            if info is None:
+                continue
+            d = FrameDraft()
+            d.items = list(items)
+            d.stats += vals  # (two per measured value, in the order of `items`)
+            d.dtypes = list(dtypes)
+            rec.add_frame(info, d)
+
+    def _frame_plan(self, site: "graph_stats.Site") -> Tuple[Optional[ModuleInfo], List[Item], List[torch.dtype]]:
+        """A site's frame, made once: its module's info (None: not this watcher's, or not
+        recorded), its items (a name per measured value, (name, note) for the others) and the
+        measured values' dtypes."""
+        for s in _live_slots(site.slot):
+            hook = s.post()
+            if not isinstance(hook, ForwardHook) or hook.lifecycle is not self:
+                continue
+            info = hook.info
+            if not info.recorded:
+                break
+            items: List[Item] = []
+            dtypes: List[torch.dtype] = []
+            for name, kind, dt in site.layout(info.kw_names, _parsed_spec):
+                if kind == "m":
+                    items.append(name)
+                    dtypes.append(getattr(torch, dt))
+                elif kind == "e":
+                    items.append((name, NOTE_EMPTY))
+                elif kind == "x":
+                    items.append((name, NOTE_NO_DATA))
+                else:
+                    items.append((name, kind))
+            return info, items, dtypes
+        return None, [], []
 
     def take_unwrapped(self, rec: Record, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                        output: Any) -> None:
@@ -410,7 +428,7 @@ class BatchLifecycle:
             self._check_call(st)  # inside batch(): the batch goes on
         elif root or self._behaviour.outermost_call_ends_batch or rec.batch_number in self._config.trace_batches:
             self._end_batch(st)
-        elif rec.frames:
+        elif rec.frame_count:
             # the peer's batches end with the root only: check what this call added, keep the
             # frames in the ring, and carry on in the same batch (bounded memory)
             st.carry_on(Record(rec.batch_number, header=False, targets=rec.targets))
@@ -426,7 +444,7 @@ class BatchLifecycle:
         detection raises before a backward or step that would follow it in the same batch."""
         rec = st.rec
         assert rec is not None  # (inside a call of this batch)
-        first, st.checked = st.checked, len(rec.frames)
+        first, st.checked = st.checked, rec.frame_count
         cfg = self._config
         if not st.recording or first == st.checked or cfg.check != "batch" or not (
                 self._behaviour.detect_in_traced_batches or rec.batch_number not in cfg.trace_batches):
@@ -452,15 +470,15 @@ class BatchLifecycle:
         if (b + 1) % _WEIGHT_REFRESH == 0:
             self._recorder.invalidate_weights()  # `.data` writes between no-grad batches
         scale_t = self._steps.scale_tensor()
-        if rec.frames or scale_t is not None:
+        if rec.frame_count or scale_t is not None:
             # the loss scale travels in the batch's read-back; a drop is a skipped step
             scale = self._steps.batch_scale(b, rec.readback(scale_t))
-            if rec.frames:
+            if rec.frame_count:
                 try:
                     self._finish(rec, scale)
                 finally:  # a batch that raised NonFiniteDetected still precedes the next ring
                     st.history.keep(rec)
-            if sampled and rec.frames and not self._said_root_alone:
+            if sampled and rec.frame_count and not self._said_root_alone:
                 self._say_if_root_alone(rec)
         cfg = self._config
         if cfg.abort_after_batch is not None and b >= cfg.abort_after_batch:
@@ -471,7 +489,7 @@ class BatchLifecycle:
         submodules: their hooks did not run, and the model is unwatched inside. Said once, at
         WARNING: a compiled graph that dropped them, or a wrapper calling their forward()
         directly, would otherwise leave a run that looks watched and is not."""
-        if any(not rec.frame_info(fi).is_root for fi in range(len(rec.frames))):
+        if any(not rec.frame_info(fi).is_root for fi in range(rec.frame_count)):
             self._said_root_alone = True  # the submodules' hooks run: nothing to say, ever
             return
         inside = self._hooked() - 1
@@ -591,8 +609,8 @@ class ForwardHook(ModuleHook):
                 except Exception as exc:  # a frame we cannot take must not stop training
                     self._life.hook_failed(info, exc)
                 if self._check_module:
-                    self._life.check_module(rec, len(rec.frames) - 1)
-                elif len(rec.stats) > _MAX_PENDING:
+                    self._life.check_module(rec, rec.frame_count - 1)
+                elif rec.stat_count > _MAX_PENDING:
                     rec.readback()
                 if budget is not None:
                     budget.spend(t0)

@@ -7,11 +7,11 @@ silently stops learning; this is where that shows. Owners come from the watcher'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Tuple, Union
+from typing import TYPE_CHECKING
 
 import torch
 
-from .record import Record
+from .record import FrameDraft, Record
 from .stats import measure
 
 if TYPE_CHECKING:
@@ -34,13 +34,12 @@ class OptimizerStateReader:
                     if owner is None or not st:
                         continue
                     info, pname = owner
-                    items: List[Union[str, Tuple[str, str]]] = []
-                    first = rec.first_free()
+                    d = FrameDraft()
                     for key, v in st.items():
                         # the step counter is a scalar, not a statistic of the parameter
                         if not isinstance(v, torch.Tensor) or v.numel() <= 1 or not v.is_floating_point():
                             continue
-                        rec.add(items, f"{pname}.{key}", measure(v), v.dtype)
-                    if items:
-                        rec.add_frame(info, items, first)
+                        d.add(f"{pname}.{key}", measure(v), v.dtype)
+                    if d.items:
+                        rec.add_frame(info, d)
         return rec

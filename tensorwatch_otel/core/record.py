@@ -23,10 +23,10 @@ from .stats import DTYPE_MAX, dtype_name
 log = logging.getLogger(__name__)
 SHARES_FAILED = "underflow/overflow shares failed"  # said_once's key: logged once per process
 
-# Record.stats entries: a 0-d device tensor, a float on the host already (the CPU kernel), or a
-# device buffer's slot until the batch's read-back (core/device_stats.py)
+# a statistic (FrameDraft.stats): a 0-d device tensor, a float on the host already (the CPU
+# kernel), or a device buffer's slot until the batch's read-back (core/device_stats.py)
 Stat = Union[torch.Tensor, float, SlotStat]
-# Record.frames items: a measured tensor's name, or (name, note) for a value without statistics
+# a frame item (FrameDraft.items): a measured tensor's name, or (name, note) for a value without statistics
 Item = Union[str, Tuple[str, str]]
 # Record._rows: (host matrix, its row, dtype) of a measured tensor's histogram
 Row = Tuple[torch.Tensor, int, torch.dtype]
@@ -58,28 +58,62 @@ class ModuleInfo:
         self.lent = True
 
 
+class FrameDraft:
+    """One frame being built: the record's write side. Whoever builds a frame (the recorder's
+    hot path, the backward and optimizer recorders, the compiled sites) fills a draft and hands
+    it to the record in one call, `Record.add_frame(info, draft)`; a frame that fails half-built
+    is dropped with its draft and leaves nothing in the record.
+
+    `items`: a tensor name (str) per measured tensor, or a (name, note) pair for a value
+    without statistics; `stats`: two entries per measured tensor (abs min, abs max: 0-d device
+    tensors, floats on the host, or a device buffer's SlotStat at both places); `dtypes`: one
+    per measured tensor; with target_dtypes `counts` and `mags`: one per measured tensor (its
+    counts row, its histogram row or None). `add` writes one tensor; the recorder's hot path
+    writes the lists inline (a call per tensor is a cost there, docs/performance.md)."""
+
+    __slots__ = ("items", "stats", "dtypes", "counts", "mags")
+
+    def __init__(self) -> None:
+        self.items: List[Item] = []
+        self.stats: List[Stat] = []
+        self.dtypes: List[torch.dtype] = []
+        self.counts: List[Union[torch.Tensor, SlotStat, None]] = []
+        self.mags: List[Optional[torch.Tensor]] = []
+
+    def add(self, name: str, result: Union[str, Tuple[Stat, ...]], dtype: torch.dtype) -> bool:
+        """One tensor: `result` is its (abs min, abs max) pair, or the note (a str) of a value
+        without statistics. True when it was a pair."""
+        if isinstance(result, str):
+            self.items.append((name, result))
+            return False
+        self.stats += result
+        self.dtypes.append(dtype)
+        self.items.append(name)
+        return True
+
+
 class Record:
-    """One batch (or one phase of it): device stats in call order, and per frame
-    (info, items, first tensor index). `items` holds a tensor name (str) per measured tensor,
-    or a (name, note) pair for a value without statistics.
+    """One batch (or one phase of it): device stats in call order, and per frame its module,
+    its items (a tensor name (str) per measured tensor, or a (name, note) pair for a value
+    without statistics) and its first tensor index.
 
     The layout (frames as those triples, two stats per measured tensor: abs min, abs max) is
-    this class's: frames are written with `first_free` / `add` / `add_frame` and read with
-    `frame_info`, `frame_items`, `measured`, `abs_min_entry` and `materialize`. The one other
-    writer is the recorder's hot path (core/recorder.py), which appends the same way inline."""
+    this class's and private: frames come in whole, built in a FrameDraft and handed over with
+    `add_frame`; they are read with `frame_count`, `frame_info`, `frame_items`, `measured`,
+    `abs_min_entry`, `host_extremes`, `materialize` and `first_nonfinite_frame`."""
 
-    __slots__ = ("batch_number", "stats", "dtypes", "frames", "host", "phase", "detected", "header",
-                 "targets", "mags", "counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats")
+    __slots__ = ("batch_number", "_stats", "_dtypes", "_frames", "_host", "phase", "detected", "header",
+                 "targets", "_mags", "_counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats")
 
     def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
                  targets: Tuple[str, ...] = ()):
         self.batch_number = batch_number
         # abs_min, abs_max, abs_min, ...: 0-d device tensors, floats already on the host (CPU), or
         # device buffer slots (the same SlotStat at a tensor's two places)
-        self.stats: List[Stat] = []
-        self.dtypes: List[torch.dtype] = []  # one per measured tensor
-        self.frames: List[Tuple[ModuleInfo, List[Item], int]] = []  # (info, items, first tensor index)
-        self.host: List[float] = []
+        self._stats: List[Stat] = []
+        self._dtypes: List[torch.dtype] = []  # one per measured tensor
+        self._frames: List[Tuple[ModuleInfo, List[Item], int]] = []  # (info, items, first tensor index)
+        self._host: List[float] = []  # the stats read back so far, in order
         self.phase = phase
         self.detected = False  # one detection per record (check="module" checks every frame)
         self.header = header and phase == "forward"  # its first frame starts a batch in the report
@@ -92,48 +126,48 @@ class Record:
         self.targets = targets
         self.plan = _mag.plan_for(targets) if targets else None
         self.histogram: Optional[bool] = None
-        self.mags: List[Optional[torch.Tensor]] = []
-        self.counts: List[Union[torch.Tensor, SlotStat, None]] = []
+        self._mags: List[Optional[torch.Tensor]] = []
+        self._counts: List[Union[torch.Tensor, SlotStat, None]] = []
         self.underflow: List[float] = []
         self.overflow: List[float] = []
         self._rows: List[Optional[Row]] = []  # per k: (host matrix, its row, dtype) or None
         self._floats: List[bool] = []  # per k: the tensor had float values (shares apply)
 
     # ------------------------------------------------------------------ the layout
-    def first_free(self) -> int:
-        """The index the next measured tensor takes (a frame's first, for add_frame)."""
-        return len(self.dtypes)
+    def add_frame(self, info: ModuleInfo, draft: FrameDraft) -> None:
+        """A frame: its module and what its draft holds (the draft's items list is kept)."""
+        first = len(self._dtypes)
+        self._stats += draft.stats
+        self._dtypes += draft.dtypes
+        counts = draft.counts
+        if counts:  # (target_dtypes)
+            self._counts += counts
+            self._mags += draft.mags
+        self._frames.append((info, draft.items, first))
 
-    def add(self, items: List[Item], name: str, result: Union[str, Tuple[Stat, ...]],
-            dtype: torch.dtype) -> bool:
-        """One tensor of the frame being built: `result` is its (abs min, abs max) pair, or
-        the note (a str) of a value without statistics. True when it was a pair."""
-        if isinstance(result, str):
-            items.append((name, result))
-            return False
-        self.stats += result
-        self.dtypes.append(dtype)
-        items.append(name)
-        return True
+    @property
+    def frame_count(self) -> int:
+        return len(self._frames)
 
-    def add_frame(self, info: ModuleInfo, items: List[Item], first: int) -> None:
-        """A frame: its module, its tensors' names (and notes), its first measured tensor."""
-        self.frames.append((info, items, first))
+    @property
+    def stat_count(self) -> int:
+        """Statistics held (two per measured tensor), read back or not."""
+        return len(self._stats)
 
     def frame_info(self, fi: int) -> ModuleInfo:
-        return self.frames[fi][0]
+        return self._frames[fi][0]
 
     def frame_items(self, fi: int) -> List[Item]:
-        return self.frames[fi][1]
+        return self._frames[fi][1]
 
     def drop_frame(self, fi: int) -> None:
         """Frame `fi` leaves the record (its stats stay: nothing else moves)."""
-        del self.frames[fi]
+        del self._frames[fi]
 
     def measured(self) -> Iterator[Tuple[ModuleInfo, str, int, torch.dtype]]:
         """(module, tensor name, tensor index, dtype) of every measured tensor, in order."""
-        dtypes = self.dtypes
-        for info, items, k in self.frames:
+        dtypes = self._dtypes
+        for info, items, k in self._frames:
             for it in items:
                 if it.__class__ is str:
                     if k < len(dtypes):
@@ -141,13 +175,14 @@ class Record:
                     k += 1
 
     def layout_key(self) -> Tuple[List[Tuple[ModuleInfo, List[Item], int]], List[torch.dtype]]:
-        """What two records with the same layout hold equal (compare with ==, in C)."""
-        return self.frames, self.dtypes
+        """What two records with the same layout hold equal (compare with ==, in C): the
+        record's own lists, to compare or copy, never to write."""
+        return self._frames, self._dtypes
 
     def host_extremes(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The values read back so far: abs mins and abs maxs, one float64 tensor each (views of
         one buffer), in tensor index order."""
-        host = self.host
+        host = self._host
         values = torch.frombuffer(array.array("d", host), dtype=torch.float64) if host else \
             torch.empty(0, dtype=torch.float64)
         return values[0::2], values[1::2]
@@ -155,13 +190,13 @@ class Record:
     def abs_min_entry(self, fi: int, name: str) -> Optional[Stat]:
         """The abs-min entry of tensor `name` of frame `fi` as recorded (a 0-d tensor, a float
         the CPU kernel wrote, or a device buffer's SlotStat), or None."""
-        if not 0 <= fi < len(self.frames):
+        if not 0 <= fi < len(self._frames):
             return None
-        _, items, k = self.frames[fi]
+        _, items, k = self._frames[fi]
         for it in items:
             if it.__class__ is str:
                 if it == name:
-                    return self.stats[2 * k] if 2 * k < len(self.stats) else None
+                    return self._stats[2 * k] if 2 * k < len(self._stats) else None
                 k += 1
         return None
 
@@ -170,8 +205,8 @@ class Record:
         loss scale), travels in the same transfer; its value is returned."""
         if self.targets:
             return self._readback_magnitudes(extra)
-        stats = self.stats
-        have = len(self.host)
+        stats = self._stats
+        have = len(self._host)
         pending = stats[have:] if have else stats
         if extra is not None:
             pending = pending + [extra]
@@ -199,9 +234,9 @@ class Record:
                 it = iter(read)
                 values = [s if s.__class__ is float else next(it) for s in pending]
         if extra is not None:
-            self.host += values[:-1]
+            self._host += values[:-1]
             return values[-1]
-        self.host += values
+        self._host += values
         return None
 
     @staticmethod
@@ -231,13 +266,13 @@ class Record:
         """readback() with target_dtypes: the counts rows (and histogram rows) travel in the
         same transfer as the stats (all as float64: stats and counts below 2**53 exactly), then
         the shares."""
-        have = len(self.host)
-        k0, k1 = have // 2, len(self.stats) // 2
-        counts, mags = self.counts[k0:k1], self.mags[k0:k1]
-        if any(s.__class__ is SlotStat for s in self.stats[have:]):
+        have = len(self._host)
+        k0, k1 = have // 2, len(self._stats) // 2
+        counts, mags = self._counts[k0:k1], self._mags[k0:k1]
+        if any(s.__class__ is SlotStat for s in self._stats[have:]):
             return self._readback_slotted(extra, counts, mags)
         # with target_dtypes every statistic is a device tensor (magnitude.measure_counts)
-        pending = cast(List[torch.Tensor], self.stats[have:])
+        pending = cast(List[torch.Tensor], self._stats[have:])
         parts = list(pending) + ([extra] if extra is not None else [])
         if not parts:
             return None
@@ -254,7 +289,7 @@ class Record:
         result = None
         if extra is not None:
             result = values.pop()
-        self.host += values
+        self._host += values
         self._shares_or_nan(k0, counts, mags, flat[n:], values)
         return result
 
@@ -264,8 +299,8 @@ class Record:
         one) come with their buffer's one copy; the device tensors among the statistics and rows
         (odd tensors measured with torch ops, histogram rows, `extra`) travel in that copy too
         when there is one buffer on their device, else in one copy of their own."""
-        have = len(self.host)
-        pending = self.stats[have:]
+        have = len(self._host)
+        pending = self._stats[have:]
         tensors = [s for s in pending if isinstance(s, torch.Tensor)] + ([extra] if extra is not None else [])
         rows = [c for c in counts if isinstance(c, torch.Tensor)] + [m for m in mags if m is not None]
         packed = [t.reshape(1).to(torch.float64) for t in tensors] + [r.reshape(-1).to(torch.float64) for r in rows]
@@ -292,7 +327,7 @@ class Record:
             elif c is not None:
                 row_values += [next(it) for _ in range(c.numel())]
         row_values += it  # the histogram rows
-        self.host += values
+        self._host += values
         self._shares_or_nan(have // 2, counts, mags, torch.tensor(row_values, dtype=torch.float64), values)
         return result
 
@@ -379,9 +414,9 @@ class Record:
         return dict(zip(self.targets, u)), dict(zip(self.targets, o)), self.magnitude(k)
 
     def materialize(self, lo: int = 0, hi: Optional[int] = None) -> Tuple[Frame, ...]:
-        host, dtypes = self.host, self.dtypes
+        host, dtypes = self._host, self._dtypes
         out = []
-        frames = self.frames
+        frames = self._frames
         hi = len(frames) if hi is None else hi
         for idx in range(lo, hi):
             info, items, k = frames[idx]
@@ -404,16 +439,16 @@ class Record:
 
     def first_nonfinite_frame(self, first_frame: int) -> Optional[int]:
         """Index of the first frame at or after `first_frame` holding inf/nan (host stats)."""
-        if first_frame < 0 or first_frame >= len(self.frames):
+        if first_frame < 0 or first_frame >= len(self._frames):
             return None
-        start = self.frames[first_frame][2] * 2
-        host = self.host
+        start = self._frames[first_frame][2] * 2
+        host = self._host
         if math.isfinite(sum(host[start:])):
             return None
         bad = next((i for i in range(start, len(host)) if not math.isfinite(host[i])), None)
         if bad is None:
             return None  # the sum overflowed; every value is finite
-        starts = [f[2] for f in self.frames]
+        starts = [f[2] for f in self._frames]
         return bisect.bisect_right(starts, bad // 2) - 1
 
 
@@ -428,9 +463,9 @@ class History:
     def keep(self, rec: Record) -> None:
         hist = self.records
         hist.append(rec)
-        total = sum(len(r.frames) for r in hist)
-        while len(hist) > 1 and total - len(hist[0].frames) >= self.max_frames:
-            total -= len(hist.pop(0).frames)
+        total = sum(r.frame_count for r in hist)
+        while len(hist) > 1 and total - hist[0].frame_count >= self.max_frames:
+            total -= hist.pop(0).frame_count
 
     def ring(self, rec: Record, fi: int, stop: Callable[[Record], bool]) -> Tuple[Frame, ...]:
         """The last max_frames frames ending with frame `fi` of `rec`, oldest first; forward
@@ -443,7 +478,7 @@ class History:
                 if missing <= 0 or stop(prev):
                     break
                 if prev is not rec:
-                    older = prev.materialize(max(0, len(prev.frames) - missing))
+                    older = prev.materialize(max(0, prev.frame_count - missing))
                     frames = older + frames
                     missing -= len(older)
         return frames

@@ -12,6 +12,7 @@ device) each tensor gives two 0-d device tensors, read back with the batch."""
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
@@ -20,7 +21,7 @@ import torch
 
 from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
-from .record import Item, ModuleInfo, Record
+from .record import FrameDraft, ModuleInfo, Record
 from .cpu_kernel import CODES, KERNEL
 from .device_stats import CountLayout, DeviceFrame, DeviceStats, SlotStat, wanted as device_path_wanted
 from .magnitude import HISTOGRAM_EVERY, measure_counts
@@ -34,8 +35,9 @@ _TENSOR = torch.Tensor
 _STRIDED = torch.strided
 _INPUT0 = naming.input_name(0)
 
-# a tensor's places in Record.stats until its frame's kernel call fills them (_batch_end)
-_UNREAD: Tuple[float, float] = (None, None)  # type: ignore[assignment]  # placeholders, never read
+# a tensor's places in its frame's draft until the frame's kernel call fills them (_batch_end,
+# before the draft goes to the record: a frame that fails is dropped with them)
+_UNREAD: Tuple[float, float] = (math.nan, math.nan)  # placeholders, never read
 
 # a measurement: two 0-d device tensors, two floats on the host (the CPU kernel), or a device
 # buffer's slot at both places until the batch's read-back (core/device_stats.py)
@@ -200,7 +202,7 @@ class FrameRecorder:
             return kind
         t = self._measured(mn)
         if t is None:  # a weight read with the weight table (core/weights.py): its module holds it
-            w = rec.frame_info(fi).params.get(stat.name) if 0 <= fi < len(rec.frames) else None
+            w = rec.frame_info(fi).params.get(stat.name) if 0 <= fi < rec.frame_count else None
             t = w if isinstance(w, torch.Tensor) else None
         if t is None:
             return kind
@@ -229,9 +231,9 @@ class FrameRecorder:
         fb = self._fb
         fb.on = fb.device is not None or getattr(KERNEL.get(), "host_many", None) is not None
 
-    def _batch_end(self, rec: Record) -> None:
+    def _batch_end(self, rec: Record, d: FrameDraft) -> None:
         """Measure the frame's gathered tensors (one kernel call) and put their values in the
-        record's places and the caches."""
+        draft's places and the caches."""
         fb = self._fb
         pending = fb.pending
         fb.on = False
@@ -246,7 +248,7 @@ class FrameRecorder:
             values = fb.measure(pending, plan.device_layout() if plan is not None else None)
         else:
             values = fb.host.measure()
-        stats = rec.stats
+        stats = d.stats
         params_seen, acts_seen = self.params_seen, self.acts_seen
         if values is None:  # the kernel went away meanwhile (tests): measure each as before
             for pos, t, is_param, _version, _ptr in pending:
@@ -267,7 +269,7 @@ class FrameRecorder:
             stats[pos + 1] = r[1]
             if counted:  # (only the device kernel's SlotStats here)
                 slot = cast(SlotStat, r[0])
-                rec.counts[pos // 2] = slot
+                d.counts[pos // 2] = slot
                 self.mags_seen[id(slot)] = (slot, slot, None)
             if is_param:
                 params_seen[t] = (version, ptr, t.dtype, r)
@@ -283,14 +285,15 @@ class FrameRecorder:
         if output.__class__ is _TENSOR and len(args) == 1 and not kwargs and not rec.targets \
                 and args[0].__class__ is _TENSOR and self._one_in_one_out(rec, info, args[0], output):
             return
-        marks = (len(rec.stats), len(rec.dtypes), len(rec.frames))
+        d = FrameDraft()
         self._batch_start()
         try:
-            self._frame(rec, info, args, kwargs, output)
-            self._batch_end(rec)
+            self._frame(rec, info, d, args, kwargs, output)
+            self._batch_end(rec, d)
         except BaseException:
-            self._abandon(rec, marks)
+            self._abandon()
             raise
+        rec.add_frame(info, d)
 
     def _one_in_one_out(self, rec: Record, info: ModuleInfo, x: torch.Tensor, y: torch.Tensor) -> bool:
         """The commonest frame (a module of small CPU weights, one tensor in, one out) taken in a
@@ -329,9 +332,8 @@ class FrameRecorder:
         out = acts_seen.get(id(y))  # (an output passed up unchanged: measured once)
         if out is None or out[0]() is not y or out[1] != y._version:
             out = acts_seen[id(y)] = (weakref.ref(y), y._version, host(y), y.dtype)  # as at its return
-        items: List[Item] = []
-        stats, rec_dtypes = rec.stats, rec.dtypes
-        start = len(rec_dtypes)
+        d = FrameDraft()
+        items, stats, rec_dtypes = d.items, d.stats, d.dtypes
         for name, i in hits:
             stats.append(vals[2 * i])
             stats.append(vals[2 * i + 1])
@@ -343,53 +345,50 @@ class FrameRecorder:
         rec_dtypes.append(out[3])
         items.append(_INPUT0)
         items.append("output")
-        rec.frames.append((info, items, start))
+        rec.add_frame(info, d)
         return True
 
-    def _abandon(self, rec: Record, marks: Tuple[int, int, int]) -> None:
-        """A frame that could not be taken leaves nothing in the record (no unread places)."""
+    def _abandon(self) -> None:
+        """A frame that could not be taken: its draft is dropped (the record never saw it), and
+        so is what this thread gathered for it."""
         fb = self._fb
         fb.pending = []
         fb.acts.clear()
         fb.gather.clear()
         fb.on = False
-        del rec.stats[marks[0]:], rec.dtypes[marks[1]:], rec.frames[marks[2]:]
-        del rec.counts[marks[1]:], rec.mags[marks[1]:]  # (target_dtypes: one of each per measured tensor)
 
-    def _frame(self, rec: Record, info: ModuleInfo, args: Tuple[object, ...], kwargs: Optional[Dict[str, object]],
-               output: object) -> None:
-        items: List[Item] = []
-        start = len(rec.dtypes)
-        self.params(rec, info, items)
+    def _frame(self, rec: Record, info: ModuleInfo, d: FrameDraft, args: Tuple[object, ...],
+               kwargs: Optional[Dict[str, object]], output: object) -> None:
+        """Fill `d` with the frame (the caller hands it to the record)."""
+        self.params(rec, info, d)
         value = self.value
         for i, a in enumerate(args):
-            value(rec, a, naming.input_name(i), items, 0)
+            value(rec, a, naming.input_name(i), d, 0)
         if kwargs:
             kw_names = info.kw_names
             for k, v in kwargs.items():
                 name = kw_names.get(k)
                 if name is None:
                     name = kw_names[k] = f"input.{k}"
-                value(rec, v, name, items, 0)
-        value(rec, output, "output", items, 0)
-        rec.frames.append((info, items, start))
+                value(rec, v, name, d, 0)
+        value(rec, output, "output", d, 0)
 
-    def params(self, rec: Record, info: ModuleInfo, items: List[Item]) -> None:
+    def params(self, rec: Record, info: ModuleInfo, d: FrameDraft) -> None:
         if info.lent:  # new tensors each call (core/offload.py): no cache or table row would hit
             for name, p in info.params.items():
                 if p is not None:
-                    self._uncached(rec, p, name, items)
+                    self._uncached(rec, p, name, d)
             return
         table = None if rec.targets else self.weights.state()
         if table is None:  # no kernel (or target_dtypes: counts per weight): one by one
             for name, p in info.params.items():
                 if p is not None:
-                    self.param(rec, p, name, items)
+                    self.param(rec, p, name, d)
             return
         # this batch's one read of the small CPU weights (core/weights.py): a weight still the
         # row's tensor at the row's version, address and dtype takes its values from the row
         rows, vals, versions, ptrs, dtypes = table
-        stats, rec_dtypes = rec.stats, rec.dtypes
+        items, stats, rec_dtypes = d.items, d.stats, d.dtypes
         for name, p in info.params.items():
             if p is None:
                 continue
@@ -403,118 +402,118 @@ class FrameRecorder:
                     continue
             elif id(p) not in self._declined and not (takes(p) and self.weights.offer(p)):  # a row next read
                 self._declined.add(id(p))  # not one, ever (an id reused later only means the slower path)
-            self.param(rec, p, name, items)
+            self.param(rec, p, name, d)
 
-    def value(self, rec: Record, v: object, name: str, items: List[Item], depth: int) -> None:
+    def value(self, rec: Record, v: object, name: str, d: FrameDraft, depth: int) -> None:
         """Any input/output value: tensors are measured, containers walked, others noted."""
         if isinstance(v, torch.Tensor):
-            self.tensor(rec, v, name, items)
+            self.tensor(rec, v, name, d)
         elif v is None:
-            items.append((name, NOTE_NONE))
+            d.items.append((name, NOTE_NONE))
         elif depth >= MAX_DEPTH:
-            items.append((name, NOTE_NOT_TENSOR))
+            d.items.append((name, NOTE_NOT_TENSOR))
         elif isinstance(v, (tuple, list)):
             child = naming.child
             for i, x in enumerate(v[:MAX_ITEMS]):
-                self.value(rec, x, child(name, i), items, depth + 1)
+                self.value(rec, x, child(name, i), d, depth + 1)
         elif isinstance(v, dict):  # includes transformers' ModelOutput
             child = naming.child
             for n, (k, x) in enumerate(v.items()):
                 if n >= MAX_ITEMS:
                     break
-                self.value(rec, x, child(name, k if isinstance(k, str) else str(k)), items, depth + 1)
+                self.value(rec, x, child(name, k if isinstance(k, str) else str(k)), d, depth + 1)
         else:
             fields = naming.dataclass_fields(v) or _tensor_attributes(v)
             if fields:
                 child = naming.child
                 for f in fields[:MAX_ITEMS]:
-                    self.value(rec, getattr(v, f, None), child(name, f), items, depth + 1)
+                    self.value(rec, getattr(v, f, None), child(name, f), d, depth + 1)
             else:
-                items.append((name, NOTE_NOT_TENSOR))
+                d.items.append((name, NOTE_NOT_TENSOR))
 
-    def param(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> None:
+    def param(self, rec: Record, p: torch.Tensor, name: str, d: FrameDraft) -> None:
         # A weight is reused while nothing wrote it: the cache is dropped at every optimizer
         # step, and the key holds version, storage and dtype (`.half()`, `.to()`, `.data =`).
         if p.is_inference():  # made under inference_mode: no version to cache it by
-            self._uncached(rec, p, name, items)
+            self._uncached(rec, p, name, d)
             return
         if rec.targets:
-            return self._param_magnitude(rec, p, name, items)
+            return self._param_magnitude(rec, p, name, d)
         seen = self.params_seen.get(p)
         version = p._version
         ptr = p.data_ptr() if p.__class__ in _PLAIN else id(p)
         if seen is not None and seen[0] == version and seen[1] == ptr and seen[2] is p.dtype:
-            rec.stats += seen[3]
-            rec.dtypes.append(seen[2])
-            items.append(name)
+            d.stats += seen[3]
+            d.dtypes.append(seen[2])
+            d.items.append(name)
             return
         fb = self._fb
         if fb.on and fb.gather.add(p):  # measured with the frame's others (_batch_end)
-            fb.pending.append((len(rec.stats), p, True, version, ptr))
-            rec.stats += _UNREAD
-            rec.dtypes.append(p.dtype)
-            items.append(name)
+            fb.pending.append((len(d.stats), p, True, version, ptr))
+            d.stats += _UNREAD
+            d.dtypes.append(p.dtype)
+            d.items.append(name)
             return
-        r = self._uncached(rec, p, name, items)
+        r = self._uncached(rec, p, name, d)
         if r is not None:
             self.params_seen[p] = (version, ptr, p.dtype, r)
 
-    def _uncached(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> Optional[StatPair]:
+    def _uncached(self, rec: Record, p: torch.Tensor, name: str, d: FrameDraft) -> Optional[StatPair]:
         """A weight measured as it is into the record; its pair (None: a note) for a cache."""
         if rec.targets:
-            return self._measure(rec, p, name, items)
+            return self._measure(rec, p, name, d)
         r = measure(p)
         if isinstance(r, str):
-            items.append((name, r))  # a note
+            d.items.append((name, r))  # a note
             return None
-        rec.stats += r
-        rec.dtypes.append(p.dtype)
-        items.append(name)
+        d.stats += r
+        d.dtypes.append(p.dtype)
+        d.items.append(name)
         return r
 
-    def tensor(self, rec: Record, t: torch.Tensor, name: str, items: List[Item]) -> None:
+    def tensor(self, rec: Record, t: torch.Tensor, name: str, d: FrameDraft) -> None:
         # The weak reference guards against id() reuse after a tensor is freed.
         if rec.targets:
-            return self._tensor_magnitude(rec, t, name, items)
+            return self._tensor_magnitude(rec, t, name, d)
         key = id(t)
         seen = self.acts_seen.get(key)
         if seen is not None and seen[0]() is t and seen[1] == t._version:
-            rec.stats += seen[2]
-            rec.dtypes.append(seen[3])
-            items.append(name)
+            d.stats += seen[2]
+            d.dtypes.append(seen[3])
+            d.items.append(name)
             return
         fb = self._fb
         if fb.on and not t.is_inference():  # (an inference tensor has no version: measured alone)
             version = t._version
             twin = fb.acts.get(key)  # gathered already in this frame, unchanged since
             if twin is not None and twin[1] is t and twin[2] == version:
-                fb.pending.append((len(rec.stats), t, twin[0], version, 0))
-                rec.stats += _UNREAD
-                rec.dtypes.append(t.dtype)
-                items.append(name)
+                fb.pending.append((len(d.stats), t, twin[0], version, 0))
+                d.stats += _UNREAD
+                d.dtypes.append(t.dtype)
+                d.items.append(name)
                 return
             if fb.gather.add(t):  # measured with the frame's others (_batch_end)
-                fb.acts[key] = (len(rec.stats), t, version)
-                fb.pending.append((len(rec.stats), t, False, version, 0))
-                rec.stats += _UNREAD
-                rec.dtypes.append(t.dtype)
-                items.append(name)
+                fb.acts[key] = (len(d.stats), t, version)
+                fb.pending.append((len(d.stats), t, False, version, 0))
+                d.stats += _UNREAD
+                d.dtypes.append(t.dtype)
+                d.items.append(name)
                 return
         r = measure(t)
         if isinstance(r, str):
-            items.append((name, r))
+            d.items.append((name, r))
             return
         try:
             self.acts_seen[key] = (weakref.ref(t), t._version, r, t.dtype)
         except (TypeError, RuntimeError):  # no weakref / no version (inference tensors): no reuse
             pass
-        rec.stats += r
-        rec.dtypes.append(t.dtype)
-        items.append(name)
+        d.stats += r
+        d.dtypes.append(t.dtype)
+        d.items.append(name)
 
     # ------------------------------------------------------------------ target_dtypes
-    # param() and tensor() with a counts row per measured tensor (rec.counts), read with the
-    # abs min/max, and on histogram batches a histogram row (rec.mags) (core/magnitude.py); the
+    # param() and tensor() with a counts row per measured tensor (d.counts), read with the
+    # abs min/max, and on histogram batches a histogram row (d.mags) (core/magnitude.py); the
     # same caches, a cached measurement reused only with its rows. On the device path, outside
     # histogram batches, the tensors the fused kernel reads are gathered as the plain ones are
     # and counted in the frame's launch (_counted_on_device); the others, and every tensor of a
@@ -529,19 +528,19 @@ class FrameRecorder:
         rec.histogram = hist
         return hist
 
-    def _reuse(self, rec: Record, r: StatPair, dtype: torch.dtype, name: str, items: List[Item]) -> bool:
+    def _reuse(self, rec: Record, r: StatPair, dtype: torch.dtype, name: str, d: FrameDraft) -> bool:
         m = self.mags_seen.get(id(r[0]))
         if m is None or m[0] is not r[0]:
             return False
-        rec.stats += r
-        rec.dtypes.append(dtype)
-        rec.counts.append(m[1])
-        rec.mags.append(m[2])
-        items.append(name)
+        d.stats += r
+        d.dtypes.append(dtype)
+        d.counts.append(m[1])
+        d.mags.append(m[2])
+        d.items.append(name)
         return True
 
     def _measure(self, rec: Record, t: torch.Tensor, name: str,
-                 items: List[Item]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+                 d: FrameDraft) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         hist = rec.histogram
         if hist is None:
             hist = self._histogram(rec)
@@ -549,19 +548,19 @@ class FrameRecorder:
         assert plan is not None  # set whenever targets are (only then is this called)
         r = measure_counts(t, plan, hist)
         if isinstance(r, str):
-            items.append((name, r))
+            d.items.append((name, r))
             return None
         pair: Tuple[torch.Tensor, torch.Tensor] = (r[0], r[1])
         self.mags_seen[id(r[0])] = (r[0], r[2], r[3])
-        rec.stats += pair
-        rec.dtypes.append(t.dtype)
-        rec.counts.append(r[2])
-        rec.mags.append(r[3])
-        items.append(name)
+        d.stats += pair
+        d.dtypes.append(t.dtype)
+        d.counts.append(r[2])
+        d.mags.append(r[3])
+        d.items.append(name)
         return pair
 
     def _counted_on_device(self, rec: Record, t: torch.Tensor, is_param: bool, version: int, ptr: int,
-                           name: str, items: List[Item]) -> bool:
+                           name: str, d: FrameDraft) -> bool:
         """Gather `t` for the frame's fused launch with its counts (the plain path's gathering,
         _batch_end fills its places, its counts row and the caches); False when the device
         kernel does not take it here: no device path, no frame being gathered, a histogram
@@ -576,36 +575,36 @@ class FrameRecorder:
         if hist or not device.add(t, counted=True):
             return False
         fb.on_device.append(True)
-        fb.pending.append((len(rec.stats), t, is_param, version, ptr))
-        rec.stats += _UNREAD
-        rec.dtypes.append(t.dtype)
-        rec.counts.append(None)  # the SlotStat, at _batch_end
-        rec.mags.append(None)
-        items.append(name)
+        fb.pending.append((len(d.stats), t, is_param, version, ptr))
+        d.stats += _UNREAD
+        d.dtypes.append(t.dtype)
+        d.counts.append(None)  # the SlotStat, at _batch_end
+        d.mags.append(None)
+        d.items.append(name)
         return True
 
-    def _param_magnitude(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> None:
+    def _param_magnitude(self, rec: Record, p: torch.Tensor, name: str, d: FrameDraft) -> None:
         seen = self.params_seen.get(p)
         version = p._version
         ptr = p.data_ptr() if p.__class__ in _PLAIN else id(p)
         if seen is not None and seen[0] == version and seen[1] == ptr and seen[2] is p.dtype \
-                and self._reuse(rec, seen[3], seen[2], name, items):
+                and self._reuse(rec, seen[3], seen[2], name, d):
             return
-        if self._counted_on_device(rec, p, True, version, ptr, name, items):
+        if self._counted_on_device(rec, p, True, version, ptr, name, d):
             return
-        pair = self._measure(rec, p, name, items)
+        pair = self._measure(rec, p, name, d)
         if pair is not None:
             self.params_seen[p] = (version, ptr, p.dtype, pair)
 
-    def _tensor_magnitude(self, rec: Record, t: torch.Tensor, name: str, items: List[Item]) -> None:
+    def _tensor_magnitude(self, rec: Record, t: torch.Tensor, name: str, d: FrameDraft) -> None:
         key = id(t)
         seen = self.acts_seen.get(key)
         if seen is not None and seen[0]() is t and seen[1] == t._version \
-                and self._reuse(rec, seen[2], seen[3], name, items):
+                and self._reuse(rec, seen[2], seen[3], name, d):
             return
-        if not t.is_inference() and self._counted_on_device(rec, t, False, t._version, 0, name, items):
+        if not t.is_inference() and self._counted_on_device(rec, t, False, t._version, 0, name, d):
             return
-        pair = self._measure(rec, t, name, items)
+        pair = self._measure(rec, t, name, d)
         if pair is None:
             return
         try:

@@ -349,7 +349,7 @@ class StepMonitor:
         batch = self._host.last_batch()
         if self._optim_state is not None and self._host.live() and self._host.watches(batch):
             rec = self._optim_state.record(optimizer, batch)
-            if rec.frames:
+            if rec.frame_count:
                 rec.readback()  # one transfer per step
                 self._host.phase_stats(rec)
                 self._host.check(rec, 0)

@@ -26,7 +26,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .events import SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent, merge_kinds
-from .record import Item, ModuleInfo, Record
+from .record import FrameDraft, ModuleInfo, Record
 from .skip import is_stand_in
 from .finite import all_finite
 from .stats import measure
@@ -196,10 +196,9 @@ class StepGuard:
             g = p.grad
             if g is None:
                 continue
-            first = rec.first_free()
-            items: List[Item] = []
-            rec.add(items, name, measure(g), g.dtype)
-            rec.add_frame(info, items, first)
+            d = FrameDraft()
+            d.add(name, measure(g), g.dtype)
+            rec.add_frame(info, d)
         rec.readback()
         return rec
 

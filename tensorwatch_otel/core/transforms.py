@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
 from .events import NOTE_NO_DATA
-from .record import Item, ModuleInfo, Record
+from .record import FrameDraft, ModuleInfo, Record
 from .recorder import FrameRecorder
 from .stats import measure_host
 
@@ -88,22 +88,23 @@ class UnwrappedRecorder(FrameRecorder):
 
     def frame(self, rec: Record, info: ModuleInfo, args: Any, kwargs: Optional[Dict[str, object]],
               output: object) -> None:
-        marks = (len(rec.stats), len(rec.dtypes), len(rec.frames))
+        d = FrameDraft()
         try:
-            self._frame(rec, info, args, kwargs, output)
+            self._frame(rec, info, d, args, kwargs, output)
         except BaseException:
-            self._abandon(rec, marks)
+            self._abandon()
             raise
+        rec.add_frame(info, d)
 
-    def params(self, rec: Record, info: ModuleInfo, items: List[Item]) -> None:
+    def params(self, rec: Record, info: ModuleInfo, d: FrameDraft) -> None:
         for name, p in info.params.items():
             if p is not None:
-                self.tensor(rec, p, name, items)
+                self.tensor(rec, p, name, d)
 
-    def param(self, rec: Record, p: torch.Tensor, name: str, items: List[Item]) -> None:
-        self.tensor(rec, p, name, items)
+    def param(self, rec: Record, p: torch.Tensor, name: str, d: FrameDraft) -> None:
+        self.tensor(rec, p, name, d)
 
-    def tensor(self, rec: Record, t: torch.Tensor, name: str, items: List[Item]) -> None:
+    def tensor(self, rec: Record, t: torch.Tensor, name: str, d: FrameDraft) -> None:
         try:
             v = plain(t)
         except Exception as exc:  # a wrapper this torch cannot open: noted, said once
@@ -111,9 +112,9 @@ class UnwrappedRecorder(FrameRecorder):
                 self._failed = True
                 log.warning("tensorwatch_otel: cannot read a tensor inside a torch.func transform (%s: %s); "
                             "reported without statistics", type(exc).__name__, exc)
-            items.append((name, NOTE_NO_DATA))
+            d.items.append((name, NOTE_NO_DATA))
             return
         if rec.targets:
-            self._measure(rec, v, name, items)
+            self._measure(rec, v, name, d)
             return
-        rec.add(items, name, measure_host(v), v.dtype)
+        d.add(name, measure_host(v), v.dtype)

@@ -19,7 +19,7 @@ from ..core.config import WatchConfig
 from ..core.copies import Copies, Hook
 from ..core.events import NOTE_NONE, NOTE_NOT_TENSOR, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent, TensorStat
 from ..core.rank import current_rank
-from ..core.record import ModuleInfo, Record
+from ..core.record import FrameDraft, ModuleInfo, Record
 from ..core.recorder import FrameRecorder
 from ..core.stats import dtype_name, measure
 from ..core.watcher import ACTIVE, Watcher
@@ -80,28 +80,27 @@ class PeerBehaviour(Behaviour):
     outermost_call_ends_batch = False
 
     def record(self, recorder: FrameRecorder, rec: Record, info: ModuleInfo, args, kwargs, output) -> None:
-        items: list = []
-        first = rec.first_free()
-        recorder.params(rec, info, items)
+        d = FrameDraft()
+        recorder.params(rec, info, d)
         for i, a in enumerate(args):
-            self._leaf(recorder, rec, a, naming.input_name(i), items)
+            self._leaf(recorder, rec, a, naming.input_name(i), d)
         if isinstance(output, tuple):
             for i, x in enumerate(output):
                 if isinstance(x, tuple):
                     for j, y in enumerate(x):
-                        self._leaf(recorder, rec, y, naming.output_nested(i, j), items)
+                        self._leaf(recorder, rec, y, naming.output_nested(i, j), d)
                 else:
-                    self._leaf(recorder, rec, x, naming.output_name(i), items)
+                    self._leaf(recorder, rec, x, naming.output_name(i), d)
         else:
-            self._leaf(recorder, rec, output, "output", items)
-        rec.add_frame(info, items, first)
+            self._leaf(recorder, rec, output, "output", d)
+        rec.add_frame(info, d)
 
     @staticmethod
-    def _leaf(recorder: FrameRecorder, rec: Record, x, name: str, items: list) -> None:
+    def _leaf(recorder: FrameRecorder, rec: Record, x, name: str, d: FrameDraft) -> None:
         if isinstance(x, torch.Tensor):
-            recorder.tensor(rec, x, name, items)
+            recorder.tensor(rec, x, name, d)
         else:
-            items.append((name, NOTE_NONE if x is None else NOTE_NOT_TENSOR))
+            d.items.append((name, NOTE_NONE if x is None else NOTE_NOT_TENSOR))
 
     def ring_stops_at(self, rec: Record, trace_batches) -> bool:
         return rec.batch_number in trace_batches
