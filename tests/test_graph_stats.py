@@ -377,3 +377,19 @@ def test_a_second_thread_turns_the_graphs_back_to_the_ops_and_each_thread_keeps_
     compiled(xs[0])
     _same_as_eager(refs[0], _frames_of(sink))
     w.detach()
+
+
+def test_threads_calling_an_eager_watched_model_leave_in_graph_statistics_on():
+    """Only a watcher with sites of its own turns them off: an eager model called from two
+    threads (a server, a data-parallel replica) changes nothing for the compiled ones."""
+    import threading
+
+    model = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with watch(model, sinks=[Collect()], on_detect="report"):
+        model(x)
+        t = threading.Thread(target=lambda: model(x))
+        t.start()
+        t.join()
+        model(x)
+    assert graph_stats.ON is True

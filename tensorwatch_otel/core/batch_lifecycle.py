@@ -173,6 +173,7 @@ class BatchLifecycle:
         self._said_root_alone = False  # (see _say_if_root_alone)
         self._sites: List[graph_stats.Site] = []  # this watcher's in-graph sites (_own_sites)
         self._sites_seen = 0  # the sites looked at so far
+        self._threads = False  # a second thread has called the model (its sites would be shared)
         self._plans: Dict[int, Tuple[Optional[ModuleInfo], List[Item], List[torch.dtype]]] = {}  # (_frame_plan)
         self._unwrapped: Optional[transforms.UnwrappedRecorder] = None  # made at the first call inside torch.func
 
@@ -288,7 +289,9 @@ class BatchLifecycle:
                 if self._thread != thread:
                     if self._thread:
                         quiet.turn_off("a second thread calls the model")
-                        graph_stats.turn_off("a second thread calls a watched model")
+                        self._threads = True
+                        if graph_stats.ON:
+                            self._own_sites()  # (with sites of its own: in-graph statistics off)
                     self._thread = thread
             rec = Record(b, targets=self._config.target_dtypes)
             if self._live() and self._sampling.watches(b):
@@ -313,10 +316,11 @@ class BatchLifecycle:
 
     def _own_sites(self) -> List["graph_stats.Site"]:
         """This watcher's in-graph sites (core/graph_stats.py), each looked at once: those whose
-        forward hook is one of its own. Another watcher's batch never reads or clears them."""
+        forward hook is one of its own. Another watcher's batch never reads or clears them. A
+        watcher with sites whose model a second thread calls turns them off for the process."""
         seen = self._sites_seen
         count = graph_stats.site_count()
-        if count != seen:
+        if count != seen or (self._threads and self._sites):
             for site in graph_stats.sites_from(seen):
                 for s in _live_slots(site.slot):
                     hook = s.post()
@@ -324,6 +328,8 @@ class BatchLifecycle:
                         self._sites.append(site)
                         break
             self._sites_seen = count
+            if self._threads and self._sites:
+                graph_stats.turn_off("a second thread calls a watched compiled model")
         return self._sites
 
     def graph_frames(self, rec: Record) -> None:
