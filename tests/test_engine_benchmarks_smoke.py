@@ -52,12 +52,19 @@ def test_bench_compiled_quick(tmp_path):
         assert first[name]["graphs"] >= 1 and first[name]["graph_breaks"] == 0, first[name]
         m = result["eager_match"][name]
         assert m["rel_diff_abs_max"] < 1e-4 and m["rows"] == 2 * 13, m
+    from tensorwatch_otel.core import graph_stats
+
+    in_graph = graph_stats.mode() != "0"  # the default for CPU graphs: no op of ours in the graph
     for name in ("watched", "watched_sampled", "wrapped"):  # the package: every module, inside the graph
         assert first[name]["graph_breaks"] == 0 and first[name]["frames"] == result["eager_frames"] == 13, first
-        assert first[name]["custom_op_calls"] >= 2 * 12, first[name]  # a pre and a post op per module
+        if in_graph:
+            assert first[name]["custom_op_calls"] <= 2, first[name]  # (the root's own call keeps its ops)
+        else:
+            assert first[name]["custom_op_calls"] >= 2 * 12, first[name]  # a pre and a post op per module
     a = result["watched_attributed"]  # the ops' bodies timed inside the watched step
-    assert 0 < a["share_median"] < 1 and a["op_dispatch_us"] > 0, a
     assert a["op_calls_per_step"] == first["watched"]["custom_op_calls"], a
+    if not in_graph:
+        assert 0 < a["share_median"] < 1 and a["op_dispatch_us"] > 0, a
     rows = result["eager_match"]["custom"]["rows"]
     # each (module, tensor) one op call in the generated code; the plain ops fused into kernels
     assert first["custom"]["custom_op_calls"] == first["custom_kernel"]["custom_op_calls"] == rows

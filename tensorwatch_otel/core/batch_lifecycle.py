@@ -42,6 +42,7 @@ from .errors import AbortAfterBatch, NonFiniteDetected
 from .events import NOTE_EMPTY, NOTE_NO_DATA, BatchStats, BatchTraceEvent
 from .finite import all_finite, output_tensors
 from .rank import current_rank
+from .process import said_once
 from .record import FrameDraft, History, Item, ModuleInfo, Record
 from .steps import FUSED_DEVICES
 
@@ -291,7 +292,7 @@ class BatchLifecycle:
                         quiet.turn_off("a second thread calls the model")
                         self._threads = True
                         if graph_stats.ON:
-                            self._own_sites()  # (with sites of its own: in-graph statistics off)
+                            self._own_sites()  # (with sites of its own: said once)
                     self._thread = thread
             rec = Record(b, targets=self._config.target_dtypes)
             if self._live() and self._sampling.watches(b):
@@ -317,7 +318,7 @@ class BatchLifecycle:
     def _own_sites(self) -> List["graph_stats.Site"]:
         """This watcher's in-graph sites (core/graph_stats.py), each looked at once: those whose
         forward hook is one of its own. Another watcher's batch never reads or clears them. A
-        watcher with sites whose model a second thread calls turns them off for the process."""
+        watcher with sites whose model a second thread calls says once that they are shared."""
         seen = self._sites_seen
         count = graph_stats.site_count()
         if count != seen or (self._threads and self._sites):
@@ -328,8 +329,12 @@ class BatchLifecycle:
                         self._sites.append(site)
                         break
             self._sites_seen = count
-            if self._threads and self._sites:
-                graph_stats.turn_off("a second thread calls a watched compiled model")
+            if self._threads and self._sites and said_once(("graph sites shared by threads", id(self))):
+                log.warning("tensorwatch_otel: a second thread calls a model whose compiled graphs measure "
+                            "inside the graph: those values are kept per process, not per thread, so "
+                            "threads running its graphs at the same time can read each other's; set "
+                            "TENSORWATCH_GRAPH_STATS=0 before importing tensorwatch_otel to measure with "
+                            "the ops, per thread; said once")
         return self._sites
 
     def graph_frames(self, rec: Record) -> None:

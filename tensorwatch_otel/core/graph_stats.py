@@ -24,7 +24,6 @@ and post-hooks begin and end the batch. A graph that traced them (`mark_root_tra
 watcher with `target_dtypes`, `gradients=True` or `check="module"`, keep the ops of
 core/compiled.py."""
 
-import logging
 import os
 import threading
 import types
@@ -84,21 +83,6 @@ ON = _MODE != "0"
 #: Graphs on every device (``1``), not only on the CPU (the default: in-graph statistics have not
 #: yet been verified on a GPU, where CUDA graphs reuse the memory of a graph's outputs).
 EVERY_DEVICE = _MODE == "1"
-
-
-def turn_off(why: str) -> None:
-    """In-graph statistics off for the rest of the process (dynamo guards on ON: graphs traced
-    with them are traced again with the ops at their next call), said once at INFO. A site's
-    values are the process's, not a thread's: two threads running one watcher's graphs would
-    read each other's."""
-    global ON
-    if not ON:
-        return
-    ON = False
-    if SITES.by_number:
-        logging.getLogger(__name__).info(
-            "tensorwatch_otel: statistics inside compiled graphs are off from now on (%s): the graphs "
-            "are traced again with the ops, once", why)
 
 
 def device_allowed(device_type: str) -> bool:
