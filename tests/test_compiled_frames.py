@@ -461,6 +461,40 @@ def test_threads_calling_one_compiled_model_each_get_their_own_batches():
 
 
 @pytest.mark.slow
+def test_threads_whose_calls_recompile_lose_no_batch():
+    """torch.compiler.is_compiling() is the process's flag: while one thread traced a new shape,
+    the hooks running eagerly in the other threads took themselves for traced, left their calls
+    unrecorded and their batches open, and later calls of those threads began no batch (13 of
+    31 batches recorded before the fix)."""
+    import threading
+
+    torch.manual_seed(0)
+    model = Stack(n_blocks=1)
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report")
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+    compiled(torch.randn(2, 8, 16))
+    errors = []
+
+    def serve(shape):
+        try:
+            for _ in range(10):
+                compiled(torch.randn(*shape))
+        except Exception as exc:  # pragma: no cover - shown by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve, args=(s,)) for s in ((2, 8, 16), (2, 4, 16), (3, 5, 16))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert w.batch_number == 31 and sorted(b.batch_number for b in sink.batches) == list(range(31))
+    assert all(_pairs(b.frames) == _pairs(sink.batches[0].frames) for b in sink.batches)
+    w.detach()
+
+
+@pytest.mark.slow
 def test_the_drop_in_prints_the_same_under_compile():
     """DebugUnderflowOverflow (the transformers.debug_utils drop-in) on a compiled model prints
     what it prints on the eager one."""

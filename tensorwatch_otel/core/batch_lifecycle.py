@@ -36,7 +36,8 @@ import torch
 
 from . import graph_stats, transforms
 from .behaviour import Behaviour
-from .compiled import _live as _live_slots, _parsed as _parsed_spec, run_eagerly_when_called_eagerly, traced_post
+from .compiled import (_live as _live_slots, _parsed as _parsed_spec, compiling_here, run_eagerly_when_called_eagerly,
+                       traced_here, traced_post)
 from .copies import ModuleHook
 from .errors import AbortAfterBatch, NonFiniteDetected
 from .events import NOTE_EMPTY, NOTE_NO_DATA, BatchStats, BatchTraceEvent
@@ -258,7 +259,7 @@ class BatchLifecycle:
     def capture_hook(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """The root's input capture: runs before the root's pre-hook, which numbers the batch and
         hands these on."""
-        if not self._detect.replaying and not torch.compiler.is_compiling():
+        if not self._detect.replaying and not compiling_here():
             st = self._tls.st
             if st.depth == 0:
                 st.inputs = (args, kwargs)
@@ -573,7 +574,7 @@ class ForwardHook(ModuleHook):
 
     def __call__(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  output: Any) -> None:
-        if _compiling():  # traced into a graph: an op runs this hook at run time
+        if _compiling() and traced_here():  # traced into a graph: an op runs this hook at run time
             if self._slot:
                 traced_post(self._slot, args, kwargs, output, module)
             return

@@ -331,6 +331,26 @@ def _device_type(args: Tuple[Any, ...]) -> str:
     return ""
 
 
+@graph_stats.constant_result
+def traced_here() -> bool:
+    """Whether dynamo is tracing in this thread; asked after `torch.compiler.is_compiling()`.
+
+    That flag is the process's: while one thread traces a graph it is True in every thread, so a
+    hook running eagerly in another thread would take itself for traced (its call then left
+    unrecorded and its batch open: batches lost whenever a graph compiled while other threads
+    ran, measured with threads and shapes recompiling under dynamic=False). At trace time dynamo
+    runs this once and keeps its True; called eagerly it reads the thread's tracing context."""
+    try:
+        return torch._guards.TracingContext.try_get() is not None
+    except Exception:  # (a torch without it: the flag alone, as before)
+        return True
+
+
+def compiling_here() -> bool:
+    """`torch.compiler.is_compiling()` for this thread only (see `traced_here`)."""
+    return torch.compiler.is_compiling() and traced_here()
+
+
 def _exporting() -> bool:
     """True while torch.export traces, False while torch.compile does, both at trace time.
 
@@ -419,7 +439,7 @@ class PreHook(ModuleHook):
         self._is_root = is_root
 
     def __call__(self, module: torch.nn.Module, args: Tuple[Any, ...]) -> object:
-        if _compiling():
+        if _compiling() and traced_here():
             if self._is_root:
                 if graph_stats.ON:
                     graph_stats.mark_root_traced()

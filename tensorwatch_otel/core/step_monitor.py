@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .backward import producer_frame
+from .compiled import compiling_here
 from .events import NonFiniteEvent
 from .fleet import FleetStop
 from .rank import current_rank
@@ -164,7 +165,7 @@ class StepMonitor:
         """Before an optimizer step of the model. With a closure (Lightning's automatic
         optimization) the closure is wrapped so its gradients are checked when it returns; the
         step's (args, kwargs) come back. on_detect="skip": see _skippable_step."""
-        if self._skipper is not None and self._host.live() and not torch.compiler.is_compiling():
+        if self._skipper is not None and self._host.live() and not compiling_here():
             return self._skippable_step(optimizer, closure, args, kwargs)
         if closure is not None:
             def checked(*a: Any, **k: Any) -> Any:
@@ -177,7 +178,7 @@ class StepMonitor:
                 return (args[0], checked) + tuple(args[2:]), dict(kwargs or {})
             return tuple(args), dict(kwargs or {}, closure=checked)
         found_inf = getattr(optimizer, "found_inf", None)
-        if found_inf.__class__ is torch.Tensor and not torch.compiler.is_compiling() and (
+        if found_inf.__class__ is torch.Tensor and not compiling_here() and (
                 self._guard is not None or self._pending is not None or self._scale is not None):
             # A GradScaler hands its verdict to a fused optimizer (AdamW(fused=True)): step()
             # runs on the still-scaled gradients and writes nothing when found_inf is set. The
@@ -199,7 +200,7 @@ class StepMonitor:
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
         batch = self._host.last_batch()
         if pending is None and self._guard is not None and self._host.live() \
-                and not torch.compiler.is_compiling() \
+                and not compiling_here() \
                 and not (self._gradients and self._host.watches(batch)):  # (gradients=True read that batch's)
             # (a compiled optimizer step: no read inside its graph)
             # after the stop point: a stop already under way (another rank's, or this rank's

@@ -31,6 +31,7 @@ from .behaviour import Behaviour
 from .budget import FixedSampling, OverheadBudget
 from .config import WatchConfig
 from .detection import DetectionPipeline
+from .compiled import compiling_here
 from .events import BatchStats
 from .fleet import FleetStop
 from .optim_state import OptimizerStateReader
@@ -255,7 +256,7 @@ class Watcher:
     def _params_current(self) -> None:
         """Parameters or submodules replaced since the last look (to_empty(), load_state_dict(
         assign=True), fully_shard, a module swap) are found again: owners, hooks, step guard."""
-        if self._rescan_failed or not self._attached or torch.compiler.is_compiling() or self._hooks.current():
+        if self._rescan_failed or not self._attached or compiling_here() or self._hooks.current():
             return
         try:
             self._hooks.rescan()
