@@ -429,8 +429,20 @@ def test_check_module_under_compile_raises_at_the_module_and_the_next_call_start
     w.detach()
 
 
+def _frames_per_thread(sink, engine):
+    """With the ops every batch has every frame. Inside the graph a site's values are the
+    process's (docs/compile.md, said once at WARNING): threads running the graphs at once can
+    take each other's, so only the model's own frame is sure in each batch."""
+    whole = _pairs(sink.batches[0].frames)
+    if engine == "ops":
+        assert all(_pairs(b.frames) == whole for b in sink.batches)
+    else:
+        assert all(b.frames and b.frames[-1].module == "" for b in sink.batches)
+        assert any(_pairs(b.frames) == whole for b in sink.batches[1:])
+
+
 @pytest.mark.slow
-def test_threads_calling_one_compiled_model_each_get_their_own_batches():
+def test_threads_calling_one_compiled_model_each_get_their_own_batches(engine):
     import threading
 
     torch.manual_seed(0)
@@ -456,12 +468,12 @@ def test_threads_calling_one_compiled_model_each_get_their_own_batches():
         t.join()
     assert errors == []
     assert w.batch_number == 81 and sorted(b.batch_number for b in sink.batches) == list(range(81))
-    assert all(_pairs(b.frames) == _pairs(sink.batches[0].frames) for b in sink.batches)
+    _frames_per_thread(sink, engine)
     w.detach()
 
 
 @pytest.mark.slow
-def test_threads_whose_calls_recompile_lose_no_batch():
+def test_threads_whose_calls_recompile_lose_no_batch(engine):
     """torch.compiler.is_compiling() is the process's flag: while one thread traced a new shape,
     the hooks running eagerly in the other threads took themselves for traced, left their calls
     unrecorded and their batches open, and later calls of those threads began no batch (13 of
@@ -490,7 +502,7 @@ def test_threads_whose_calls_recompile_lose_no_batch():
         t.join()
     assert errors == []
     assert w.batch_number == 31 and sorted(b.batch_number for b in sink.batches) == list(range(31))
-    assert all(_pairs(b.frames) == _pairs(sink.batches[0].frames) for b in sink.batches)
+    _frames_per_thread(sink, engine)
     w.detach()
 
 
