@@ -480,6 +480,10 @@ def test_threads_whose_calls_recompile_lose_no_batch(engine):
     31 batches recorded before the fix)."""
     import threading
 
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13):
+        pytest.skip("torch before 2.13 itself raises when a thread enters a compiled function while "
+                    "another compiles ('using FX to symbolically trace a dynamo-optimized function')")
+
     torch.manual_seed(0)
     model = Stack(n_blocks=1)
     sink = Collect()
