@@ -43,7 +43,6 @@ from .errors import AbortAfterBatch, NonFiniteDetected
 from .events import NOTE_EMPTY, NOTE_NO_DATA, BatchStats, BatchTraceEvent
 from .finite import all_finite, output_tensors
 from .rank import current_rank
-from .process import said_once
 from .record import FrameDraft, History, Item, ModuleInfo, Record
 from .steps import FUSED_DEVICES
 
@@ -139,6 +138,27 @@ class _PerThread(threading.local):
         self.st = ThreadBatch(max_frames)
 
 
+def _frame_plan(site: "graph_stats.Site", info: ModuleInfo
+                ) -> Tuple[Optional[ModuleInfo], List[Item], List[torch.dtype]]:
+    """A site's frame, made once: its module's info (None: not recorded), its items (a name per
+    measured value, (name, note) for the others) and the measured values' dtypes."""
+    if not info.recorded:
+        return None, [], []
+    items: List[Item] = []
+    dtypes: List[torch.dtype] = []
+    for name, kind, dt in site.layout(info.kw_names, _parsed_spec):
+        if kind == "m":
+            items.append(name)
+            dtypes.append(getattr(torch, dt))
+        elif kind == "e":
+            items.append((name, NOTE_EMPTY))
+        elif kind == "x":
+            items.append((name, NOTE_NO_DATA))
+        else:
+            items.append((name, kind))
+    return info, items, dtypes
+
+
 class BatchLifecycle:
     """Every thread's batch of one watcher: numbers them (one counter for every thread), runs the
     hooks' per-call work through the phases, and ends each batch (read-back, sinks, check).
@@ -176,7 +196,8 @@ class BatchLifecycle:
         self._sites: List[graph_stats.Site] = []  # this watcher's in-graph sites (_own_sites)
         self._sites_seen = 0  # the sites looked at so far
         self._threads = False  # a second thread has called the model (its sites would be shared)
-        self._plans: Dict[int, Tuple[Optional[ModuleInfo], List[Item], List[torch.dtype]]] = {}  # (_frame_plan)
+        self._said_shared = False  # (said so: _own_sites)
+        self._plans: Dict[int, Tuple[Optional[ModuleInfo], List[Item], List[torch.dtype]]] = {}  # by id(site)
         self._unwrapped: Optional[transforms.UnwrappedRecorder] = None  # made at the first call inside torch.func
 
     # ---------------------------------------------------------------- what the watcher reads
@@ -318,24 +339,27 @@ class BatchLifecycle:
 
     def _own_sites(self) -> List["graph_stats.Site"]:
         """This watcher's in-graph sites (core/graph_stats.py), each looked at once: those whose
-        forward hook is one of its own. Another watcher's batch never reads or clears them. A
-        watcher with sites whose model a second thread calls says once that they are shared."""
+        forward hook is one of its own, with their frame plans. Another watcher's batch never
+        reads or clears them. A watcher with sites whose model a second thread calls says once
+        that they are shared."""
         seen = self._sites_seen
         count = graph_stats.site_count()
-        if count != seen or (self._threads and self._sites):
+        if count != seen:
             for site in graph_stats.sites_from(seen):
                 for s in _live_slots(site.slot):
                     hook = s.post()
                     if isinstance(hook, ForwardHook) and hook.lifecycle is self:
                         self._sites.append(site)
+                        self._plans[id(site)] = _frame_plan(site, hook.info)
                         break
             self._sites_seen = count
-            if self._threads and self._sites and said_once(("graph sites shared by threads", id(self))):
-                log.warning("tensorwatch_otel: a second thread calls a model whose compiled graphs measure "
-                            "inside the graph: those values are kept per process, not per thread, so "
-                            "threads running its graphs at the same time can read each other's; set "
-                            "TENSORWATCH_GRAPH_STATS=0 before importing tensorwatch_otel to measure with "
-                            "the ops, per thread; said once")
+        if self._threads and self._sites and not self._said_shared:
+            self._said_shared = True
+            log.warning("tensorwatch_otel: a second thread calls a model whose compiled graphs measure "
+                        "inside the graph: those values are kept per process, not per thread, so "
+                        "threads running its graphs at the same time can read each other's; set "
+                        "TENSORWATCH_GRAPH_STATS=0 before importing tensorwatch_otel to measure with "
+                        "the ops, per thread; said once")
         return self._sites
 
     def graph_frames(self, rec: Record) -> None:
@@ -344,10 +368,7 @@ class BatchLifecycle:
         frame, where eager watching has its submodules' frames."""
         plans = self._plans
         for site, vals in graph_stats.ran(self._own_sites()):
-            plan = plans.get(id(site))
-            if plan is None:
-                plan = plans[id(site)] = self._frame_plan(site)
-            info, items, dtypes = plan
+            info, items, dtypes = plans[id(site)]
             if info is None:
                 continue
             d = FrameDraft()
@@ -355,32 +376,6 @@ class BatchLifecycle:
             d.stats += vals  # (two per measured value, in the order of `items`)
             d.dtypes = list(dtypes)
             rec.add_frame(info, d)
-
-    def _frame_plan(self, site: "graph_stats.Site") -> Tuple[Optional[ModuleInfo], List[Item], List[torch.dtype]]:
-        """A site's frame, made once: its module's info (None: not this watcher's, or not
-        recorded), its items (a name per measured value, (name, note) for the others) and the
-        measured values' dtypes."""
-        for s in _live_slots(site.slot):
-            hook = s.post()
-            if not isinstance(hook, ForwardHook) or hook.lifecycle is not self:
-                continue
-            info = hook.info
-            if not info.recorded:
-                break
-            items: List[Item] = []
-            dtypes: List[torch.dtype] = []
-            for name, kind, dt in site.layout(info.kw_names, _parsed_spec):
-                if kind == "m":
-                    items.append(name)
-                    dtypes.append(getattr(torch, dt))
-                elif kind == "e":
-                    items.append((name, NOTE_EMPTY))
-                elif kind == "x":
-                    items.append((name, NOTE_NO_DATA))
-                else:
-                    items.append((name, kind))
-            return info, items, dtypes
-        return None, [], []
 
     def take_unwrapped(self, rec: Record, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                        output: Any) -> None:
