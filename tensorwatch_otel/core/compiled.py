@@ -317,7 +317,7 @@ def _site_params(slot: int, device_type: str) -> Optional[Tuple[str, ...]]:
     hook, its ModuleInfo and the parameter dict, these would each be guarded on every call."""
     live = SLOTS.live(slot)
     hook = live[0].post() if live else None
-    info = getattr(hook, "_info", None)
+    info = getattr(hook, "info", None)  # (batch_lifecycle.ForwardHook's ModuleInfo)
     if info is None or info.is_root or info.lent or not _sites_here(slot, True, device_type):
         return None
     return tuple(k for k, p in info.params.items() if p is not None)

@@ -253,12 +253,11 @@ def traced_site(slot: int, spec: str, names: Tuple[str, ...], params: Sequence[t
     SITES.dirty = True
 
 
-def begin_batch(sites: Optional[Iterable[Site]] = None) -> None:
-    """A recorded batch begins: none of `sites` (a watcher's; default every site) has run in it
-    yet."""
-    for site in SITES.by_number.values() if sites is None else sites:
+def begin_batch(sites: Iterable[Site]) -> None:
+    """A recorded batch begins: none of `sites` (a watcher's) has run in it yet."""
+    for site in sites:
         site.value = None
-    SITES.dirty = any(s.value is not None for s in SITES.by_number.values()) if sites is not None else False
+    SITES.dirty = any(s.value is not None for s in SITES.by_number.values())
 
 
 def pending() -> bool:
@@ -280,15 +279,13 @@ def sites_from(number: int) -> List[Site]:
     return [by_number[n] for n in range(number, len(by_number))]
 
 
-def ran(sites: Optional[Iterable[Site]] = None) -> List[Tuple[Site, List[float]]]:
-    """Of `sites` (a watcher's; default every site), those that ran since `begin_batch()` or the
+def ran(sites: Iterable[Site]) -> List[Tuple[Site, List[float]]]:
+    """Of `sites` (a watcher's), those that ran since `begin_batch()` or the
     last call, with their values (one copy per device), in the order they ran; their values are
     taken (a frame recorded eagerly between two graphs reads the first graph's sites before it,
     so the frames keep the order they ran). Other sites keep theirs."""
-    done = [s for s in (SITES.by_number.values() if sites is None else sites) if s.value is not None]
+    done = [s for s in sites if s.value is not None]
     if not done:
-        if sites is None:
-            SITES.dirty = False
         return []
     by_device: Dict[torch.device, List[Site]] = {}  # (each holds a value: `done`)
     for s in done:
@@ -304,7 +301,7 @@ def ran(sites: Optional[Iterable[Site]] = None) -> List[Tuple[Site, List[float]]
             at += n
     for s in done:
         s.value = None
-    SITES.dirty = sites is not None and any(s.value is not None for s in SITES.by_number.values())
+    SITES.dirty = any(s.value is not None for s in SITES.by_number.values())
     out.sort(key=lambda r: r[0])
     return [(s, v) for _, s, v in out]
 
