@@ -429,10 +429,30 @@ def test_check_module_under_compile_raises_at_the_module_and_the_next_call_start
     w.detach()
 
 
-def _frames_per_thread(sink, engine):
-    """With the ops every batch has every frame. Inside the graph a site's values are the
-    process's (docs/compile.md, said once at WARNING): threads running the graphs at once can
-    take each other's, so only the model's own frame is sure in each batch."""
+def _served_in_threads(compiled, inputs_per_thread, w, sink, engine):
+    """Each thread calls `compiled` on its inputs; then every call was a batch of its own. With
+    the ops every batch has every frame. Inside the graph a site's values are the process's
+    (docs/compile.md, said once at WARNING): threads running the graphs at once can take each
+    other's, so only the model's own frame is sure in each batch."""
+    import threading
+
+    errors = []
+
+    def serve(inputs):
+        try:
+            for x in inputs:
+                compiled(x)
+        except Exception as exc:  # pragma: no cover - shown by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve, args=(inputs,)) for inputs in inputs_per_thread]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    n = 1 + sum(len(inputs) for inputs in inputs_per_thread)  # (one call before the threads)
+    assert w.batch_number == n and sorted(b.batch_number for b in sink.batches) == list(range(n))
     whole = _pairs(sink.batches[0].frames)
     if engine == "ops":
         assert all(_pairs(b.frames) == whole for b in sink.batches)
@@ -443,8 +463,6 @@ def _frames_per_thread(sink, engine):
 
 @pytest.mark.slow
 def test_threads_calling_one_compiled_model_each_get_their_own_batches(engine):
-    import threading
-
     torch.manual_seed(0)
     model = Stack(n_blocks=1)
     sink = Collect()
@@ -452,23 +470,7 @@ def test_threads_calling_one_compiled_model_each_get_their_own_batches(engine):
     compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(2, 8, 16)
     compiled(x)  # compiled once, before the threads
-    errors = []
-
-    def serve():
-        try:
-            for _ in range(20):
-                compiled(x)
-        except Exception as exc:  # pragma: no cover - shown by the assert below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=serve) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert w.batch_number == 81 and sorted(b.batch_number for b in sink.batches) == list(range(81))
-    _frames_per_thread(sink, engine)
+    _served_in_threads(compiled, [[x] * 20] * 4, w, sink, engine)  # 81 batches
     w.detach()
 
 
@@ -478,8 +480,6 @@ def test_threads_whose_calls_recompile_lose_no_batch(engine):
     the hooks running eagerly in the other threads took themselves for traced, left their calls
     unrecorded and their batches open, and later calls of those threads began no batch (13 of
     31 batches recorded before the fix)."""
-    import threading
-
     if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13):
         pytest.skip("torch before 2.13 itself raises when a thread enters a compiled function while "
                     "another compiles ('using FX to symbolically trace a dynamo-optimized function')")
@@ -490,23 +490,8 @@ def test_threads_whose_calls_recompile_lose_no_batch(engine):
     w = watch(model, sinks=[sink], on_detect="report")
     compiled = torch.compile(model, backend="aot_eager", dynamic=False)
     compiled(torch.randn(2, 8, 16))
-    errors = []
-
-    def serve(shape):
-        try:
-            for _ in range(10):
-                compiled(torch.randn(*shape))
-        except Exception as exc:  # pragma: no cover - shown by the assert below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=serve, args=(s,)) for s in ((2, 8, 16), (2, 4, 16), (3, 5, 16))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert w.batch_number == 31 and sorted(b.batch_number for b in sink.batches) == list(range(31))
-    _frames_per_thread(sink, engine)
+    shapes = ((2, 8, 16), (2, 4, 16), (3, 5, 16))
+    _served_in_threads(compiled, [[torch.randn(*s) for _ in range(10)] for s in shapes], w, sink, engine)  # 31
     w.detach()
 
 
