@@ -120,12 +120,16 @@ def test_the_torch_mode_builds_nothing(fresh_kernel, monkeypatch):
 
 
 def test_a_process_exiting_during_the_build_leaves_no_compiler_behind(hanging_cc):
-    """The interpreter exits while the hanging compiler runs: the exit kills its process group
-    and does not wait for it."""
+    """The interpreter exits while the hanging compiler runs: the exit kills its process group,
+    does not wait for it, and the build's thread has ended before the interpreter's finalization."""
     import subprocess
     import sys
 
-    script = ("import os, time, torch\n"
+    # registered before the package's own handler, so it runs after it, just before the
+    # interpreter's finalization: the build's thread must be gone by then
+    script = ("import atexit, os, threading, time, torch\n"
+              "atexit.register(lambda: print('left running:', [t.name for t in threading.enumerate()\n"
+              "                                                if t.name.startswith('tensorwatch')], flush=True))\n"
               "from tensorwatch_otel.core import stats\n"
               "stats.measure(torch.randn(1 << 17))  # starts the build\n"
               f"while not os.path.exists({str(hanging_cc / 'child.pid')!r}): time.sleep(0.02)\n"
@@ -134,6 +138,7 @@ def test_a_process_exiting_during_the_build_leaves_no_compiler_behind(hanging_cc
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ))
     assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
+    assert "left running: []" in done.stdout, done.stdout
     assert time.monotonic() - t0 < 30
     cc_pid = int(_wait_for_file(str(hanging_cc / "cc.pid")))
     child_pid = int(_wait_for_file(str(hanging_cc / "child.pid")))

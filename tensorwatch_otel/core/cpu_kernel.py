@@ -42,6 +42,7 @@ from .histogram_layout import row_width
 log = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 60.0  # most seconds one compiler command may run
+EXIT_WAIT_S = 2.0  # most seconds the interpreter's exit waits for the build's thread to end
 _PARALLEL_MIN = 1 << 16  # elements below which waking a second thread costs more than it saves
 
 # The kernel's C source, a file of the package (tensorwatch_otel/core/cpu_kernel.c)
@@ -141,10 +142,9 @@ def _kill_group(proc: "subprocess.Popen[str]") -> None:
         pass
 
 
-@atexit.register
 def _kill_running() -> None:
-    """The interpreter exits during a build: leave no compiler behind (and do not wait: the
-    build's thread reaps its own process)."""
+    """The interpreter exits during a build: leave no compiler behind (the build's thread reaps
+    its own process; _at_exit waits a moment for that thread)."""
     with COMPILERS.lock:
         COMPILERS.exiting = True
         procs = list(COMPILERS.running)
@@ -393,6 +393,13 @@ class _Loader:
                 self._kernel, self._done = kernel, True
         finished.set()
 
+    def wait_for_thread(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the build's thread to end (at interpreter exit)."""
+        with self._lock:
+            t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+
     def reset(self, kernel: Optional[Kernel] = None, done: bool = False) -> None:
         """Forget the kernel (tests): the next get() builds again, or returns `kernel` if done.
         A build still running is left to finish unheard."""
@@ -405,3 +412,12 @@ class _Loader:
 
 
 KERNEL = _Loader()
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Kill a compiler still running, then let the build's thread finish (it has little left once
+    its compiler is gone) before the interpreter's finalization: a daemon thread still running
+    then is stopped wherever it stands, which native code beneath it may not survive."""
+    _kill_running()
+    KERNEL.wait_for_thread(EXIT_WAIT_S)
