@@ -12,7 +12,7 @@ from accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _collect import Collect  # noqa: E402
-from _observed import write_observed  # noqa: E402
+from _observed import leave, write_observed  # noqa: E402
 from _otel_fixtures import OverflowNet  # noqa: E402
 
 from tensorwatch_otel import NonFiniteDetected, watch  # noqa: E402
@@ -47,7 +47,8 @@ finally:
 out["paths"] = sorted({f.module for b in sink.batches for f in b.frames})
 out["hooks_after"] = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in prepared.modules())
 write_observed(sys.argv[1], out["rank"], out)
-# Leave as a script should: a process group left to the interpreter's exit can abort a rank
-# ("terminate called without an active exception") while gloo's threads are torn down.
+# Leave as a script should (a process group left to the interpreter's exit can abort a rank),
+# then without the interpreter's finalization (tests/_observed.leave)
 accelerator.wait_for_everyone()
 torch.distributed.destroy_process_group()
+leave(0)

@@ -27,6 +27,7 @@ def clean_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
            if not k.startswith(("OTEL_", "TENSORWATCH_", "NCCL_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                                  "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that crashes shows every thread's Python stack
     env.update(extra or {})
     return env
 

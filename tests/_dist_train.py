@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _observed import write_observed  # noqa: E402
+from _observed import leave, write_observed  # noqa: E402
 
 from tensorwatch_otel import NonFiniteDetected, watch  # noqa: E402
 from tensorwatch_otel.sinks import JsonlLog, TextReport  # noqa: E402
@@ -167,4 +167,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _collect import Collect  # noqa: E402
 from _hf import Probe, tiny_gpt2, trainer_for  # noqa: E402
 from _hooks import remaining_hooks  # noqa: E402
-from _observed import write_observed  # noqa: E402
+from _observed import leave, write_observed  # noqa: E402
 
 from pathlib import Path  # noqa: E402
 
@@ -37,8 +37,9 @@ out["paths_ok"] = all(not f.module.startswith("module.") for b in sink.batches f
 out["batches"] = len(sink.batches)
 out["hooks_after"] = sum(remaining_hooks(model).values())
 write_observed(sys.argv[1], out["rank"], out)
-# Leave as a script should: a process group left to the interpreter's exit can abort a rank
-# ("terminate called without an active exception") while gloo's threads are torn down.
+# Leave as a script should (a process group left to the interpreter's exit can abort a rank),
+# then without the interpreter's finalization (tests/_observed.leave)
 if torch.distributed.is_initialized():
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+leave(0)
