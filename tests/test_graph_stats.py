@@ -19,7 +19,7 @@ from torch import nn
 from _collect import Collect
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from _prenorm import Stack  # noqa: E402
+from _prenorm import Mlp, Stack  # noqa: E402
 from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
 from tensorwatch_otel.core import compiled, graph_stats  # noqa: E402
 
@@ -129,6 +129,27 @@ def test_frames_equal_eager_and_no_op_of_ours_is_in_the_graph(case, how):
         frames = b.frames if how == "compile_model" else [f for f in b.frames if f.module != ""]
         _same_as_eager(eager if how == "compile_model" else [f for f in eager if f.module != ""], frames)
     w.detach()
+
+
+def test_an_activations_statistics_read_its_stored_output_instead_of_computing_it_again():
+    """A GELU module's output is stored for the next Linear; its statistics are fused into the
+    loop that stores it. Without that, inductor computes the GELU a second time inside the
+    reduction (the erf of every element twice per forward): the watched step's largest cost."""
+    from torch._inductor.utils import run_and_get_code
+
+    def erfs(watched: bool) -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Mlp(64).train()
+        w = watch(model, sinks=[Collect()]) if watched else None
+        _, codes = run_and_get_code(torch.compile(model), torch.randn(4, 32, 64))
+        if w is not None:
+            w.detach()
+        return sum(code.count(".erf()") + code.count("std::erf(") for code in codes)
+
+    unwatched = erfs(False)
+    assert unwatched >= 1
+    assert erfs(True) == unwatched
 
 
 def test_an_inf_born_in_an_activation_is_named_where_eager_names_it():

@@ -239,7 +239,10 @@ def traced_site(slot: int, spec: str, names: Tuple[str, ...], params: Sequence[t
     counter = getattr(holders, counter_name(device))
     stats: List[torch.Tensor] = []
     for t in measured:
-        d = t.detach()
+        # the same view, by as_strided: inductor stores the tensor first and the reductions read
+        # what it stored (fused into the loop that writes it) instead of computing the tensor a
+        # second time from its inputs (a GELU's output: erf twice per element)
+        d = torch.as_strided(t.detach(), t.size(), t.stride())
         if d.dtype is torch.bool:
             d = d.to(torch.int32)  # (inductor on torch 2.13 takes the amin of bool.to(uint8) as 0)
         elif d.dtype in INTEGERS and d.dtype is not torch.uint8:
