@@ -155,6 +155,37 @@ def test_an_activations_statistics_read_its_stored_output_instead_of_computing_i
     assert erfs(True) == unwatched
 
 
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.a1 = nn.Conv2d(3, 16, 3, padding=1), nn.ReLU()
+        self.c2, self.a2 = nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()
+
+    def forward(self, x):
+        return self.a2(self.c2(self.a1(self.c1(x)))).mean()
+
+
+def test_a_conv_nets_statistics_add_no_layout_copy():
+    """Around convolutions inductor keeps 4-D tensors channels-last; the statistics take them as
+    they are (no view pinning eager's layout, which costs a transposing copy each: 6 transposes
+    instead of 4 here, and 1.4x instead of 1.06x on a 3-block conv net's CPU step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def transposes(watched: bool) -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _ConvNet().train()
+        w = watch(model, sinks=[Collect()]) if watched else None
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            _, codes = run_and_get_code(torch.compile(model), torch.randn(2, 3, 16, 16))
+        if w is not None:
+            w.detach()
+        return sum(code.count("transpose_mxn") for code in codes)
+
+    assert transposes(True) == transposes(False)
+
+
 def test_an_inf_born_in_an_activation_is_named_where_eager_names_it():
     def run(compile_it):
         torch.manual_seed(0)

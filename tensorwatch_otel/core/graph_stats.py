@@ -239,10 +239,14 @@ def traced_site(slot: int, spec: str, names: Tuple[str, ...], params: Sequence[t
     counter = getattr(holders, counter_name(device))
     stats: List[torch.Tensor] = []
     for t in measured:
-        # the same view, by as_strided: inductor stores the tensor first and the reductions read
-        # what it stored (fused into the loop that writes it) instead of computing the tensor a
-        # second time from its inputs (a GELU's output: erf twice per element)
-        d = torch.as_strided(t.detach(), t.size(), t.stride())
+        d = t.detach()
+        if d.dim() < 4:
+            # the same view, by as_strided: inductor stores the tensor first and the reductions
+            # read what it stored (fused into the loop that writes it) instead of computing the
+            # tensor a second time from its inputs (a GELU's output: erf twice per element).
+            # Not for 4-D and 5-D tensors: inductor may keep those in a layout of its own
+            # (channels-last around convolutions), and as_strided pins eager's, a copy each.
+            d = torch.as_strided(d, d.size(), d.stride())
         if d.dtype is torch.bool:
             d = d.to(torch.int32)  # (inductor on torch 2.13 takes the amin of bool.to(uint8) as 0)
         elif d.dtype in INTEGERS and d.dtype is not torch.uint8:
