@@ -29,12 +29,11 @@ def read_observed(folder: Path, world: int, proc: Any) -> List[Dict[str, Any]]:
 
 def leave(code: int) -> NoReturn:
     """End a torchrun'd rank once its results are written: the exit handlers run (the package's,
-    logging's, torch's), then the process ends without the interpreter's finalization. A rank that
-    had written its results and destroyed its process group aborted there now and then under
-    load ("terminate called without an active exception", SIGABRT: 3 of about 15 full runs, never
-    in 100 runs of one test alone), failing a test whose every check had passed. The tests are
-    about the training; the launches set PYTHONFAULTHANDLER, so an abort before this point still
-    shows every thread's stack."""
+    logging's, torch's), then the process ends without the interpreter's finalization, where a
+    finished rank has aborted under load ("terminate called without an active exception",
+    cause unknown) and failed a test whose every check had passed. The tests are about the
+    training; the launches set PYTHONFAULTHANDLER, so an abort before this point still shows
+    every thread's stack."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -131,24 +131,34 @@ def test_frames_equal_eager_and_no_op_of_ours_is_in_the_graph(case, how):
     w.detach()
 
 
+def _fresh_forward_code(make_model, x: torch.Tensor, watched: bool) -> str:
+    """The code inductor generates for `make_model()`'s training forward, watched or not,
+    compiled afresh (a graph loaded from the caches brings its backward's code along)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make_model().train()
+    w = watch(model, sinks=[Collect()]) if watched else None
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            _, codes = run_and_get_code(torch.compile(model), x)
+    finally:
+        if w is not None:
+            w.detach()
+    return "".join(codes)
+
+
 def test_an_activations_statistics_read_its_stored_output_instead_of_computing_it_again():
     """A GELU module's output is stored for the next Linear; its statistics are fused into the
     loop that stores it. Without that, inductor computes the GELU a second time inside the
     reduction (the erf of every element twice per forward): the watched step's largest cost."""
-    from torch._inductor.utils import run_and_get_code
+    x = torch.randn(4, 32, 64)
 
     def erfs(watched: bool) -> int:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = Mlp(64).train()
-        w = watch(model, sinks=[Collect()]) if watched else None
-        # compiled afresh: a graph loaded from the caches brings its backward's code along
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            _, codes = run_and_get_code(torch.compile(model), torch.randn(4, 32, 64))
-        if w is not None:
-            w.detach()
-        return sum(code.count(".erf()") + code.count("std::erf(") for code in codes)
+        code = _fresh_forward_code(lambda: Mlp(64), x, watched)
+        return code.count(".erf()") + code.count("std::erf(")
 
     unwatched = erfs(False)
     assert unwatched >= 1
@@ -169,19 +179,10 @@ def test_a_conv_nets_statistics_add_no_layout_copy():
     """Around convolutions inductor keeps 4-D tensors channels-last; the statistics take them as
     they are (no view pinning eager's layout, which costs a transposing copy each: 6 transposes
     instead of 4 here, and 1.4x instead of 1.06x on a 3-block conv net's CPU step)."""
-    from torch._inductor.utils import run_and_get_code
+    x = torch.randn(2, 3, 16, 16)
 
     def transposes(watched: bool) -> int:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = _ConvNet().train()
-        w = watch(model, sinks=[Collect()]) if watched else None
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            _, codes = run_and_get_code(torch.compile(model), torch.randn(2, 3, 16, 16))
-        if w is not None:
-            w.detach()
-        return sum(code.count("transpose_mxn") for code in codes)
+        return _fresh_forward_code(_ConvNet, x, watched).count("transpose_mxn")
 
     assert transposes(True) == transposes(False)
 
