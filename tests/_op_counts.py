@@ -44,6 +44,16 @@ class _Mode(TorchDispatchMode):
             c.note_step_op(func, args, kwargs)
         return out
 
+    def __enter__(self):
+        if not self.per_call:
+            self.counts.in_step = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if not self.per_call:
+            self.counts.in_step = False
+        return super().__exit__(*exc)
+
 
 def _storages(x) -> List[int]:
     flat = x if isinstance(x, (list, tuple)) else [x]
@@ -68,6 +78,9 @@ class OpCounts:
         self.steps: List[List[int]] = []
         self.aten_ops: List[str] = []  # names of the aten ops counted as per-call launches
         self.in_readback = False
+        self.in_frame = False
+        self.in_step = False  # inside step(): reads and launches outside it (at detach) are not a step's
+        self.outside: List[int] = []  # per step: the Triton launches outside a module call (the step guard's)
 
     # -- per call
     def note_call_op(self, func, args, out) -> None:
@@ -101,6 +114,7 @@ class OpCounts:
     def step(self) -> TorchDispatchMode:
         """A mode to hold over one training step (counts its syncs and copies)."""
         self.steps.append([0, 0, 0, 0])
+        self.outside.append(0)
         return _Mode(self, per_call=False)
 
     def install(self, monkeypatch) -> "OpCounts":
@@ -112,13 +126,19 @@ class OpCounts:
 
         def frame(recorder, *args, **kwargs):
             counts.calls.append([0, 0, 0])
-            with _Mode(counts, per_call=True):
-                return real_frame(recorder, *args, **kwargs)
+            was, counts.in_frame = counts.in_frame, True
+            try:
+                with _Mode(counts, per_call=True):
+                    return real_frame(recorder, *args, **kwargs)
+            finally:
+                counts.in_frame = was
 
         def counted(real):
             def launch(buf, first, tensors, *layout):
-                if counts.calls:
+                if counts.in_frame and counts.calls:
                     counts.calls[-1][0] += 1
+                elif not counts.in_frame and counts.in_step and counts.outside:
+                    counts.outside[-1] += 1
                 was, counts.paused = counts.paused, True
                 try:
                     return real(buf, first, tensors, *layout)
@@ -127,7 +147,7 @@ class OpCounts:
             return launch
 
         def read(buf, extra=None):
-            if not ((buf.used or extra is not None) and counts.steps):
+            if not ((buf.used or extra is not None) and counts.steps and counts.in_step):
                 return real_read(buf, extra)
             counts.steps[-1][2] += 1
             was, counts.paused = counts.paused, True  # its copy is counted as a buffer read
@@ -154,14 +174,14 @@ class OpCounts:
         return self
 
 
-def counted_training(monkeypatch, model, x, steps=4, **options):
+def counted_training(monkeypatch, model, x, steps=4, optimizer=None, **options):
     """`steps` watched training steps of `model` on `x` (forward, a square-mean loss, backward, an
-    SGD step) with the counts installed: (the counts, each step's row ending with its per-call
-    rows; the sink's Collect)."""
+    optimizer step: SGD, or `optimizer(parameters)`) with the counts installed: (the counts,
+    each step's row ending with its per-call rows; the sink's Collect)."""
     from _collect import Collect
     from tensorwatch_otel import watch
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01) if optimizer is None else optimizer(model.parameters())
     counts = OpCounts().install(monkeypatch)
     sink = Collect()
     with watch(model, sinks=[sink], **options):
@@ -181,6 +201,7 @@ class _AtBufferRead:
     def __init__(self, counts: OpCounts) -> None:
         self.counts = counts
         self.paused = False
+        self.in_step = False
 
     def note_step_op(self, func, args, kwargs) -> None:
         if not func.is_view:

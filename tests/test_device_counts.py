@@ -2,7 +2,8 @@
 with the path forced on the CPU under Triton's interpreter: per module call at most one kernel
 launch (the fused Triton kernel, no aten op) and no allocation once warm; per training step one
 read of the slot buffer (one copy, on CUDA one event wait) and no other copy. The step guard
-keeps its own read (one sync): it must stop a step before the weights change.
+keeps its own read (one sync) where it must stop a step before the weights change; with a fused
+optimizer (its found_inf) or on_detect="report" its values travel in the next batch's read.
 
 The CPU statistics kernel is switched off here (as in test_sync_count.py) so the step guard
 measures with torch ops as on a GPU."""
@@ -67,6 +68,29 @@ def test_without_the_step_guard_the_buffer_read_is_the_only_transfer(forced, mon
     assert [row[:4] for row in counts.steps[1:]] == [[0, 0, 1, 2]] * 2
 
 
+def _fused_adam(params):
+    return torch.optim.Adam(params, lr=1e-3, fused=True)
+
+
+@pytest.mark.parametrize("optimizer,options", [(_fused_adam, {}), (None, {"on_detect": "report"})],
+                         ids=["fused-adam-raise", "sgd-report"])
+def test_a_step_the_guard_need_not_stop_first_costs_no_sync(forced, monkeypatch, optimizer, options):
+    """Where the step may run before the guard's verdict is known (a fused optimizer takes the
+    guard's device flag as its found_inf and skips itself; on_detect="report" lets any step
+    run), the guard measures the gradients into the slot buffer and the next batch's one read
+    brings them back with its statistics: per warm step one copy and no sync at all."""
+    counts, sink = _counted_training(monkeypatch, steps=4, optimizer=optimizer, **options)
+    frames = len(sink.batches[-1].frames)
+    for syncs, copies, reads, read_ops, calls in counts.steps[1:]:
+        launches = [c[0] for c in calls]
+        assert launches.count(1) == frames - 5 and all(c[1:] == [0, 0] for c in calls)
+        assert (reads, copies, syncs) == (1, 0, 0)
+        assert read_ops == 2  # the gradients' slots travel in the batch's copy: still one copy and one reset
+    # the guard's launches: its gradients (2 blocks' and the stack's own parameters), 16 to a launch
+    n_grads = sum(1 for _ in Stack(n_blocks=2, d=16, heads=2).parameters())
+    assert counts.outside[1:] == [-(-n_grads // device_stats.MAX_TENSORS)] * 3
+
+
 @pytest.mark.parametrize("targets,most", [(("float16", "bfloat16"), 1), (("float16", "float8_e4m3fn"), 2)],
                          ids=["direct", "with-8-bit"])
 def test_target_dtypes_counted_in_the_fused_launch_no_aten_op_no_allocation(forced, monkeypatch, targets, most):
@@ -128,5 +152,6 @@ def test_a_gpt2_with_integer_inputs_still_reads_back_once_per_step(forced, monke
         ints = {f.module for f in frames if any(t.dtype == "int64" for t in f.tensors)}
         # (an integer tensor seen again later in the batch is not measured again)
         assert with_ops and with_ops <= ints, (with_ops, ints)
-        assert (reads, copies, syncs) == (1, 0, 1)
+        # (on_detect="report": the step guard's check waits for this read, no sync of its own)
+        assert (reads, copies, syncs) == (1, 0, 0)
         assert read_ops == 3  # the packing of the 0-d statistics with the slots, the copy, the reset

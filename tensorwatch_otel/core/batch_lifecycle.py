@@ -482,11 +482,15 @@ class BatchLifecycle:
             scale = self._steps.batch_scale(b, rec.readback(scale_t))
             if rec.frame_count:
                 try:
+                    # the last step's gradient check, read in that read-back: its detection first
+                    self._steps.settle()
                     self._finish(rec, scale)
                 finally:  # a batch that raised NonFiniteDetected still precedes the next ring
                     st.history.keep(rec)
             if sampled and rec.frame_count and not self._said_root_alone:
                 self._say_if_root_alone(rec)
+        if not rec.frame_count:
+            self._steps.settle()  # (a read of its own)
         cfg = self._config
         if cfg.abort_after_batch is not None and b >= cfg.abort_after_batch:
             self._detect.abort(b)

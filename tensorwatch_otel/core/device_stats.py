@@ -373,9 +373,33 @@ class DeviceFrame:
             by_place.update(zip(idx, self._launch(k, [tensors[i] for i in idx], layout)))
         return [by_place[i] for i in range(len(tensors))]
 
+    def launch_flagged(self) -> Optional[Tuple[List[SlotStat], torch.Tensor]]:
+        """Measure the gathered tensors, all on one device, as `launch` does, and also return a
+        0-d float32 tensor on that device: 1.0 when any of them holds inf or NaN, else 0.0 (a
+        fused optimizer's `found_inf`), computed on the device from their slots: nothing is
+        read. None, and nothing launched, when the tensors are on several devices or none
+        were gathered; the frame is emptied either way."""
+        tensors, keys = self.tensors, self.keys
+        self.tensors, self.keys = [], []
+        if not tensors or keys.count(keys[0]) != len(keys):
+            return None
+        buf = self.stats.buffer(keys[0])
+        assert buf is not None  # add() took these tensors only with a buffer
+        first, stats = self._launch_at(buf, tensors, None)
+        # each tensor's abs max word: inf or NaN iff its pattern is at least inf's
+        with _on_device(buf):
+            his = buf.slots[2 * first + 1:2 * (first + len(tensors)):2]
+            flag = (his >= _INF_BITS).any().to(torch.float32)
+        return stats, flag
+
     def _launch(self, key: int, tensors: List[torch.Tensor], layout: Optional[CountLayout]) -> List[SlotStat]:
         buf = self.stats.buffer(key)
         assert buf is not None  # add() took these tensors only with a buffer
+        return self._launch_at(buf, tensors, layout)[1]
+
+    @staticmethod
+    def _launch_at(buf: SlotBuffer, tensors: List[torch.Tensor], layout: Optional[CountLayout]
+                   ) -> Tuple[int, List[SlotStat]]:
         first, stats = buf.take(len(tensors), layout)
         per = 1 if layout is None else layout.words // 2
         for i in range(0, len(tensors), MAX_TENSORS):
@@ -386,7 +410,7 @@ class DeviceFrame:
                 launch(buf, first + per * i, part, layout)
                 if layout.scaled:
                     launch_scaled(buf, first + per * i, part, layout)
-        return stats
+        return first, stats
 
 
 def _shape(buf: SlotBuffer, tensors: List[torch.Tensor]) -> Tuple[int, int, Tuple[int, ...]]:

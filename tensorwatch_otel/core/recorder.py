@@ -157,6 +157,11 @@ class FrameRecorder:
         self._declined: set[int] = set()  # ids of weights that cannot be rows
         self._hist_batch = (-1, False, 0)  # (batch number, histogram batch?, watched batches seen)
 
+    @property
+    def device_stats(self) -> Optional[DeviceStats]:
+        """The device path's slot buffers (None: this recorder's devices take the other routes)."""
+        return self._device
+
     def invalidate_weights(self) -> None:
         self.params_seen.clear()
         self.mags_seen.clear()

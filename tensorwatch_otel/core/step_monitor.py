@@ -19,6 +19,7 @@ import torch
 
 from .backward import producer_frame
 from .compiled import compiling_here
+from .errors import NonFiniteDetected
 from .events import NonFiniteEvent
 from .fleet import FleetStop
 from .rank import current_rank
@@ -27,6 +28,12 @@ from .skip import SkipStep, StepArgs, StepSkipper, stand_in, with_stand_in
 from .steps import PendingGradients, ScaleReader, SkipCounter, StepGuard
 
 log = logging.getLogger(__name__)
+
+
+def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """A torch optimizer whose fused step reads `found_inf` and writes nothing when it is 1.0."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and \
+        all(g.get("fused") for g in optimizer.param_groups)
 
 
 class StepHost:
@@ -82,8 +89,10 @@ class _Bad:
 
 class StepMonitor:
     def __init__(self, host: StepHost, fleet: FleetStop, grad_scaler: Any = None, max_skipped_steps: int = 20,
-                 gradients: bool = False, skip: bool = False) -> None:
+                 gradients: bool = False, skip: bool = False, report: bool = False, captures: bool = False) -> None:
         self._host = host
+        self._report = report  # on_detect="report": a step runs whatever its gradients hold
+        self._captures = captures  # capture_dir: a detection writes its batch's inputs, held until the next batch
         self._fleet = fleet
         self._gradients = gradients
         self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
@@ -95,6 +104,9 @@ class StepMonitor:
         self._skipper = StepSkipper() if skip else None  # on_detect="skip": steps made not to happen
         self._poisoned: Optional[NonFiniteEvent] = None  # a training forward's detection, its step still to skip
         self._poison_spent: Optional[int] = None  # the batch whose steps it has skipped (several optimizers)
+        # the step guard's check launched without a read: (its record, replicated), read with the next batch
+        self._deferred: Optional[Tuple[Record, bool]] = None
+        self._handed: Optional[torch.Tensor] = None  # its flag, set as an optimizer's found_inf for its step
 
     def use(self, guard: Optional[StepGuard], optim_state: Any) -> None:
         """The step guard and the optimizer-state reader (made where the hooks are placed)."""
@@ -165,6 +177,8 @@ class StepMonitor:
         """Before an optimizer step of the model. With a closure (Lightning's automatic
         optimization) the closure is wrapped so its gradients are checked when it returns; the
         step's (args, kwargs) come back. on_detect="skip": see _skippable_step."""
+        if self._handed is not None:  # a step that raised before its post-hook: our flag is not its verdict
+            self._take_back(optimizer)
         if self._skipper is not None and self._host.live() and not compiling_here():
             return self._skippable_step(optimizer, closure, args, kwargs)
         if closure is not None:
@@ -207,8 +221,72 @@ class StepMonitor:
             # forward detection) is raised there, not named again at the gradients it spoilt
             # every batch's step, sampled or not: every_n_batches thins the statistics, never
             # the detection (an unchecked step would spread an inf into every weight)
-            self._guard_step(optimizer, batch)
+            if not self._defer_guard(optimizer, batch):
+                self._guard_step(optimizer, batch)
         return None
+
+    def _defer_guard(self, optimizer: torch.optim.Optimizer, batch: int) -> bool:
+        """The step guard without a host read, where its verdict can wait for the next batch's
+        read-back (`settle`): on the device path (StepGuard.launch), when the step may run
+        before the verdict is known, because on_detect="report" lets it run whatever its
+        gradients hold, or because the optimizer is fused and takes the guard's device flag as
+        its `found_inf` (as from a GradScaler): it then writes nothing when a gradient holds
+        inf/nan, and on_detect="raise" raises with the next read-back, the weights untouched.
+        False where the guard reads now: another optimizer, a sharded model (the ranks agree at
+        the step), gradients the device path does not take, and where a detection needs the
+        batch's inputs, which the next batch lets go: an unrecorded batch (its detection is
+        localized by a replay of them) or `capture_dir` (they are written to a file)."""
+        hand = not self._report
+        if hand and not _takes_found_inf(optimizer):
+            return False
+        if self._captures or not self._host.watches(batch):
+            return False
+        if self._fleet.gradients_sharded(self._host.generation()):
+            return False
+        self.settle()  # a check still pending (a second optimizer in the batch): its read now
+        guard = self._guard
+        if guard is None:  # (settle's failure turned it off)
+            return False
+        try:
+            launched = guard.launch(optimizer, batch)
+        except Exception as exc:  # the guard must not stop training: the read below instead
+            log.warning("tensorwatch_otel: the optimizer-step check on the device failed (%s: %s); it reads "
+                        "the gradients instead", type(exc).__name__, exc)
+            return False
+        if launched is None:
+            return False
+        rec, flag = launched
+        if hand:
+            optimizer.found_inf = flag  # type: ignore[attr-defined]  # read by the fused step, as a GradScaler sets it
+            self._handed = flag
+        self._deferred = (rec, self._fleet.gradients_replicated())
+        return True
+
+    def _take_back(self, optimizer: torch.optim.Optimizer) -> None:
+        """The guard's flag off the optimizer it was handed to (nothing when it is not ours)."""
+        if self._handed is not None and getattr(optimizer, "found_inf", None) is self._handed:
+            delattr(optimizer, "found_inf")
+        self._handed = None
+
+    def settle(self) -> None:
+        """The deferred step check's verdict (see _defer_guard), read with the batch just read
+        back (its gradients' slots came to the host in that one copy; else this is the read):
+        a detection at the first bad gradient, in that step's batch. Called at every batch end
+        and at detach."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        rec, replicated = deferred
+        try:
+            rec.readback()
+            fi = rec.first_nonfinite_frame(0)
+        except Exception as exc:  # the guard must not stop training: it goes off, said once
+            self._guard = None
+            log.error("tensorwatch_otel: the optimizer-step gradient check failed (%s: %s); training goes on "
+                      "without it", type(exc).__name__, exc)
+            return
+        if fi is not None:
+            self._host.detect(rec, fi, replicated=replicated)
 
     def _guard_step(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
         """The step guard: one read; a detection named at the first bad gradient."""
@@ -341,6 +419,8 @@ class StepMonitor:
                                                phase="backward"), note + " (found on another rank)", recorded=False)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._handed is not None:
+            self._take_back(optimizer)
         if self._skipping_step:  # the step skipped itself, or ran on a stand-in: no weight changed
             self._skipping_step = False
             return
@@ -374,6 +454,11 @@ class StepMonitor:
         The optimizers get their own step back."""
         if self._skipper is not None:
             self._skipper.remove()
+        try:
+            self.settle()  # the last step's check: no batch came after it to read it
+        except NonFiniteDetected as exc:  # recorded in the sinks; detach does not raise
+            log.error("tensorwatch_otel: the last optimizer step's gradients held inf/nan (%s); recorded at "
+                      "detach", exc)
         if self._pending is not None:
             self.skipped()
             return

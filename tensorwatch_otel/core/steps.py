@@ -32,6 +32,7 @@ from .finite import all_finite
 from .stats import measure
 
 if TYPE_CHECKING:
+    from .device_stats import DeviceStats
     from .param_index import ParamIndex
 
 StepArgs = Tuple[Tuple[Any, ...], Dict[str, Any]]  # an optimizer step's (args, kwargs)
@@ -141,11 +142,13 @@ class StepGuard:
     step (CUDA: one fused inf-norm over each device's gradients; CPU: one call of the
     statistics kernel for all dense gradients, its values on the host at once, no read of its
     own), then, only when that read finds inf/nan, a record of every gradient to name the
-    first bad one. Only parameters of watched modules (`index.owners`,
+    first bad one. Where the step need not wait (`launch`), no read: the gradients go into the
+    device path's slot buffer, with a device flag for a fused optimizer. Only parameters of watched modules (`index.owners`,
     see core/attach.py) count; the list is made again when the model's parameters change."""
 
-    def __init__(self, index: ParamIndex) -> None:
+    def __init__(self, index: ParamIndex, device: Optional[DeviceStats] = None) -> None:
         self._index = index
+        self._device = device  # the recorder's device path (its slot buffers), or None
         self._params: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...], Watched]]" = \
             weakref.WeakKeyDictionary()
 
@@ -183,6 +186,36 @@ class StepGuard:
             if self._all_finite(watched):
                 return None
             return self._locate(watched, batch)
+
+    def launch(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[Tuple[Record, torch.Tensor]]:
+        """The check without a read, where the device path takes every gradient the step
+        consumes (on one device): their abs min/max measured into the slot buffer (a launch per
+        MAX_TENSORS gradients), whose next read-back (the next batch's) brings them to the host,
+        and a 0-d float32 flag on the device, 1.0 when any holds inf/nan (for a fused
+        optimizer's `found_inf`). Returns (the backward record, the flag), or None, with nothing
+        launched, where a read is needed (gradients on the CPU kernel's route, on several
+        devices, sparse or of other dtypes)."""
+        device = self._device
+        if device is None:
+            return None
+        watched = [(p.grad, info, name) for p, info, name in self._watched(optimizer) if p.grad is not None]
+        if not watched:
+            return None
+        frame = device.frame()
+        if not all(frame.add(g) for g, _, _ in watched):
+            frame.clear()
+            return None
+        with torch.no_grad():
+            launched = frame.launch_flagged()
+        if launched is None:
+            return None
+        slots, flag = launched
+        rec = Record(batch, phase="backward")
+        for (g, info, name), s in zip(watched, slots):
+            d = FrameDraft()
+            d.add(name, (s, s), g.dtype)
+            rec.add_frame(info, d)
+        return rec, flag
 
     @staticmethod
     def _all_finite(watched: Watched) -> bool:

@@ -109,7 +109,8 @@ class Watcher:
             watches=self._watches, live=lambda: self._attached and not self._detect.replaying,
             weights_changed=self._recorder.invalidate_weights, generation=lambda: self._hooks.index.generation,
             localize=self._detect.localized),
-            self._fleet, grad_scaler, config.max_skipped_steps, config.gradients, skip=config.on_detect == "skip")
+            self._fleet, grad_scaler, config.max_skipped_steps, config.gradients, skip=config.on_detect == "skip",
+            report=config.on_detect == "report", captures=bool(config.capture_dir))
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._life.last_batch()),
                                           self._steps.backward_done, self._hook_failed)
@@ -142,7 +143,7 @@ class Watcher:
         # adds the batches every_n_batches does not record, and on_detect="skip", whose verdict is
         # on the gradients the step consumes (DDP's all-reduced ones, a GradScaler's unscaled ones)
         guard = cfg.guard_steps and (not cfg.gradients or cfg.on_detect == "skip" or cfg.every_n_batches > 1)
-        self._steps.use(StepGuard(hooks.index) if guard else None,
+        self._steps.use(StepGuard(hooks.index, self._recorder.device_stats) if guard else None,
                         OptimizerStateReader(hooks.index) if cfg.optimizer_state else None)
         self._attached = True
         ACTIVE.add(self)
