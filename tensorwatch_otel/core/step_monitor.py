@@ -25,7 +25,7 @@ from .fleet import FleetStop
 from .rank import current_rank
 from .record import Record
 from .skip import SkipStep, StepArgs, StepSkipper, stand_in, with_stand_in
-from .steps import PendingGradients, ScaleReader, SkipCounter, StepGuard
+from .steps import LaunchedCheck, PendingGradients, ScaleReader, SkipCounter, StepGuard
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,8 @@ class StepMonitor:
         self._skipper = StepSkipper() if skip else None  # on_detect="skip": steps made not to happen
         self._poisoned: Optional[NonFiniteEvent] = None  # a training forward's detection, its step still to skip
         self._poison_spent: Optional[int] = None  # the batch whose steps it has skipped (several optimizers)
-        # the step guard's check launched without a read: (its record, replicated), read with the next batch
-        self._deferred: Optional[Tuple[Record, bool]] = None
+        # the step guard's check launched without a read, and replicated: read with the next batch
+        self._deferred: Optional[Tuple[LaunchedCheck, bool]] = None
         self._handed: Optional[torch.Tensor] = None  # its flag, set as an optimizer's found_inf for its step
 
     def use(self, guard: Optional[StepGuard], optim_state: Any) -> None:
@@ -255,11 +255,10 @@ class StepMonitor:
             return False
         if launched is None:
             return False
-        rec, flag = launched
         if hand:
-            optimizer.found_inf = flag  # type: ignore[attr-defined]  # read by the fused step, as a GradScaler sets it
-            self._handed = flag
-        self._deferred = (rec, self._fleet.gradients_replicated())
+            optimizer.found_inf = launched.flag  # type: ignore[attr-defined]  # read by the fused step, as a GradScaler sets it
+            self._handed = launched.flag
+        self._deferred = (launched, self._fleet.gradients_replicated())
         return True
 
     def _take_back(self, optimizer: torch.optim.Optimizer) -> None:
@@ -276,17 +275,16 @@ class StepMonitor:
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
-        rec, replicated = deferred
+        check, replicated = deferred
         try:
-            rec.readback()
-            fi = rec.first_nonfinite_frame(0)
+            found = check.verdict()
         except Exception as exc:  # the guard must not stop training: it goes off, said once
             self._guard = None
             log.error("tensorwatch_otel: the optimizer-step gradient check failed (%s: %s); training goes on "
                       "without it", type(exc).__name__, exc)
             return
-        if fi is not None:
-            self._host.detect(rec, fi, replicated=replicated)
+        if found is not None:
+            self._host.detect(found[0], found[1], replicated=replicated)
 
     def _guard_step(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
         """The step guard: one read; a detection named at the first bad gradient."""

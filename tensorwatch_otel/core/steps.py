@@ -17,6 +17,7 @@ each watcher keeps the handles and removes them on detach.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import time
 import weakref
@@ -32,7 +33,7 @@ from .finite import all_finite
 from .stats import measure
 
 if TYPE_CHECKING:
-    from .device_stats import DeviceStats
+    from .device_stats import DeviceStats, SlotStat
     from .param_index import ParamIndex
 
 StepArgs = Tuple[Tuple[Any, ...], Dict[str, Any]]  # an optimizer step's (args, kwargs)
@@ -143,8 +144,9 @@ class StepGuard:
     statistics kernel for all dense gradients, its values on the host at once, no read of its
     own), then, only when that read finds inf/nan, a record of every gradient to name the
     first bad one. Where the step need not wait (`launch`), no read: the gradients go into the
-    device path's slot buffer, with a device flag for a fused optimizer. Only parameters of watched modules (`index.owners`,
-    see core/attach.py) count; the list is made again when the model's parameters change."""
+    device path's slot buffer, with a device flag for a fused optimizer. Only parameters of
+    watched modules (`index.owners`, see core/attach.py) count; the list is made again when the
+    model's parameters change."""
 
     def __init__(self, index: ParamIndex, device: Optional[DeviceStats] = None) -> None:
         self._index = index
@@ -187,22 +189,21 @@ class StepGuard:
                 return None
             return self._locate(watched, batch)
 
-    def launch(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[Tuple[Record, torch.Tensor]]:
+    def launch(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional["LaunchedCheck"]:
         """The check without a read, where the device path takes every gradient the step
         consumes (on one device): their abs min/max measured into the slot buffer (a launch per
         MAX_TENSORS gradients), whose next read-back (the next batch's) brings them to the host,
-        and a 0-d float32 flag on the device, 1.0 when any holds inf/nan (for a fused
-        optimizer's `found_inf`). Returns (the backward record, the flag), or None, with nothing
+        and a flag on the device for a fused optimizer's `found_inf`. None, with nothing
         launched, where a read is needed (gradients on the CPU kernel's route, on several
         devices, sparse or of other dtypes)."""
         device = self._device
         if device is None:
             return None
-        watched = [(p.grad, info, name) for p, info, name in self._watched(optimizer) if p.grad is not None]
-        if not watched:
-            return None
+        watched = self._watched(optimizer)
+        grads = [p.grad for p, _, _ in watched]
         frame = device.frame()
-        if not all(frame.add(g) for g, _, _ in watched):
+        taken = [g for g in grads if g is not None]
+        if not taken or not all(frame.add(g) for g in taken):
             frame.clear()
             return None
         with torch.no_grad():
@@ -210,12 +211,9 @@ class StepGuard:
         if launched is None:
             return None
         slots, flag = launched
-        rec = Record(batch, phase="backward")
-        for (g, info, name), s in zip(watched, slots):
-            d = FrameDraft()
-            d.add(name, (s, s), g.dtype)
-            rec.add_frame(info, d)
-        return rec, flag
+        # (no gradient is held: their places and dtypes only)
+        places = [(info, name, g.dtype) for (_, info, name), g in zip(watched, grads) if g is not None]
+        return LaunchedCheck(batch, places, slots, flag)
 
     @staticmethod
     def _all_finite(watched: Watched) -> bool:
@@ -234,6 +232,39 @@ class StepGuard:
             rec.add_frame(info, d)
         rec.readback()
         return rec
+
+
+class LaunchedCheck:
+    """A step guard's check launched on the device (StepGuard.launch) whose values a later
+    read-back brings to the host. `flag`: a 0-d float32 tensor on the gradients' device, 1.0
+    when any of them holds inf/nan (a fused optimizer's `found_inf`)."""
+
+    __slots__ = ("batch", "places", "slots", "flag")
+
+    def __init__(self, batch: int, places: List[Tuple[ModuleInfo, str, torch.dtype]], slots: List[SlotStat],
+                 flag: torch.Tensor) -> None:
+        self.batch = batch
+        self.places = places  # per gradient: its module, its name ("weight.grad"), its dtype
+        self.slots = slots
+        self.flag = flag
+
+    def verdict(self) -> Optional[Tuple[Record, int]]:
+        """None when every gradient was finite; else the backward record of all of them, on the
+        host, and the frame of the first bad one. Reads the buffer when no read-back has since
+        the launch (one copy)."""
+        slots = self.slots
+        if not all(s.read for s in slots):
+            slots[0].buffer.read()  # (one buffer: launch_flagged takes one device)
+        if all(math.isfinite(s.hi) for s in slots):
+            return None
+        rec = Record(self.batch, phase="backward")
+        for (info, name, dtype), s in zip(self.places, slots):
+            d = FrameDraft()
+            d.add(name, (s.lo, s.hi), dtype)
+            rec.add_frame(info, d)
+        rec.readback()  # (floats: no transfer)
+        fi = rec.first_nonfinite_frame(0)
+        return None if fi is None else (rec, fi)
 
 
 class ScaleReader:
