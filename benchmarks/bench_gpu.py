@@ -90,19 +90,20 @@ def shape(quick: bool, device: torch.device):
 class Trainer:
     """One variant: its model copy, optimizer, watcher and the callable its step calls."""
 
-    def __init__(self, name: str, base: torch.nn.Module, x: torch.Tensor, autocast: Optional[torch.dtype]):
+    def __init__(self, name: str, base: torch.nn.Module, x: torch.Tensor, autocast: Optional[torch.dtype],
+                 fused: bool = False, on_detect: str = "report"):
         import tensorwatch_otel as tw
         from tensorwatch_otel.core import device_stats
 
         self.name, self.x, self.autocast = name, x, autocast
         self.model = copy.deepcopy(base)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=fused or None)
         self.watcher = None
         watched = name.endswith(("_watched", "watched_torch_ops", "watched_device")) or name == "watched"
         if watched:
             device_stats.set_mode({"watched_torch_ops": "off", "watched_device": "force"}.get(name, "auto"))
             try:
-                self.watcher = tw.watch(self.model, sinks=[], on_detect="report")
+                self.watcher = tw.watch(self.model, sinks=[], on_detect=on_detect)
             finally:
                 device_stats.set_mode("auto")
         self.call: Callable[[torch.Tensor], torch.Tensor] = self.model
@@ -179,6 +180,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--autocast", choices=("bf16", "none"), default=None,
                    help="bf16 autocast (default on CUDA) or none (default on a CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    p.add_argument("--fused", action="store_true", help="AdamW(fused=True) (default: torch's choice, foreach on CUDA)")
+    p.add_argument("--on-detect", choices=("report", "raise"), default="report",
+                   help="the watched variants' on_detect (default report; with --fused, raise hands the step "
+                        "guard's verdict to the optimizer as its found_inf)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -200,9 +205,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     base = Stack(n, d, heads).to(device).train()
     x = torch.randn(b, t, d, generator=torch.Generator().manual_seed(1)).to(device)
     print(f"model: {n} pre-norm blocks, d {d}, {heads} heads, batch {b}x{t}, device {device}, autocast {autocast}, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}, AdamW{'(fused=True)' if args.fused else ''}, on_detect={args.on_detect!r}")
 
-    trainers = {name: Trainer(name, base, x, autocast) for name in names}
+    trainers = {name: Trainer(name, base, x, autocast, args.fused, args.on_detect) for name in names}
     del base
     compile_s = {}
     for name, tr in trainers.items():
@@ -224,7 +229,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                                "recompiles": dict(dynamo_counters["recompiles"]),
                                "graph_breaks": dict(dynamo_counters["graph_break"])},
                     "device": str(device), "quick": args.quick, "shape": {"blocks": n, "d": d, "heads": heads,
-                    "batch": [b, t]}, "autocast": str(autocast), "rounds": rounds, "variants": {}}
+                    "batch": [b, t]}, "autocast": str(autocast), "rounds": rounds, "fused": args.fused,
+                    "on_detect": args.on_detect, "variants": {}}
     print(f"{'variant':22} {'step ms':>9} {'ratio':>7} {'kernels' if device.type == 'cuda' else 'aten ops':>9} "
           f"{'syncs':>6} {'copies':>7} {'reads':>6} {'slots':>6}")
     for name in names:

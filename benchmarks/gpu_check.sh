@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_check.sh tests eager compiled     # first call
 #   bash benchmarks/gpu_check.sh reduce_overhead          # second call
 #   bash benchmarks/gpu_check.sh graph_stats              # the in-graph statistics (experimental)
+#   bash benchmarks/gpu_check.sh eager_fused              # AdamW(fused=True), on_detect="raise": the guard's flag
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -17,6 +18,8 @@ for phase in "$@"; do
     tests) timeout 170 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log" | tail -25 ;;
     eager) timeout 120 python3 benchmarks/bench_gpu.py --device cuda --variants unwatched,watched,watched_torch_ops --rounds 30 \
              --json "$OUT/eager.json" 2>&1 | tee "$OUT/bench_eager.log" ;;
+    eager_fused) timeout 120 python3 benchmarks/bench_gpu.py --device cuda --variants unwatched,watched --rounds 30 \
+             --fused --on-detect raise --json "$OUT/eager_fused.json" 2>&1 | tee "$OUT/bench_eager_fused.log" ;;
     compiled) timeout 240 python3 benchmarks/bench_gpu.py --device cuda --variants compiled,compiled_watched --rounds 20 \
              --json "$OUT/compiled.json" 2>&1 | tee "$OUT/bench_compiled.log" ;;
     graph_stats) TENSORWATCH_GRAPH_STATS=1 timeout 300 python3 benchmarks/bench_gpu.py --device cuda \

@@ -42,3 +42,22 @@ def test_bench_gpu_cpu_quick(tmp_path):
         # the device path: one read of the slot buffer per step, every measured tensor's slot in it
         assert v["watched_device"]["buffer_reads"] == 1 and v["watched_device"]["slots_read"] >= 2 * 7
     assert "watched: " in proc.stdout and "unwatched" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_gpu_fused_optimizer_with_the_guards_flag(tmp_path):
+    """The options the GPU check's `eager_fused` phase uses run: AdamW(fused=True) with
+    on_detect="raise" (the step guard's verdict handed to the optimizer as its found_inf, its
+    values in the next batch's read: still one buffer read per step)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "out.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--quick", "--threads", "1", "--variants",
+                           "unwatched,watched_device", "--fused", "--on-detect", "raise", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["fused"] and result["on_detect"] == "raise"
+    row = result["variants"]["watched_device"]
+    assert row["buffer_reads"] == 1 and row["hooked_modules"] > 5
+    assert "(fused=True)" in proc.stdout

@@ -200,3 +200,32 @@ def test_a_scalers_found_inf_is_left_to_the_scaler(forced, monkeypatch):
         torch.optim.Adam.step = real
     assert len(seen) == 2 and all(f is not None for f in seen) and launches == []
     assert not hasattr(opt, "found_inf")
+
+
+def test_a_step_that_fails_after_the_flag_was_lent_does_not_keep_it(forced):
+    """The flag is lent for one step: when that step raises before torch's post-hooks (a hook of
+    the user's, an error inside), detach takes it back, or every later step of the optimizer
+    would read it and skip itself."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(4, 8)
+
+    def boom(*_):
+        raise RuntimeError("boom")
+
+    sink = Collect()
+    with watch(model, sinks=[sink]):
+        _backward(model, x, INF)
+        handle = opt.register_step_pre_hook(boom)  # runs after the global hooks: the flag is lent
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        handle.remove()
+        assert hasattr(opt, "found_inf")
+    assert not hasattr(opt, "found_inf")
+    assert [e.tensor for e in sink.of(NonFiniteEvent)] == ["weight.grad"]  # recorded at detach
+    opt.zero_grad()
+    before = model.a.weight.detach().clone()
+    _backward(model, x)
+    opt.step()  # unwatched now: a healthy step writes
+    assert not torch.equal(model.a.weight, before)

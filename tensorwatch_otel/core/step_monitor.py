@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -106,7 +107,8 @@ class StepMonitor:
         self._poison_spent: Optional[int] = None  # the batch whose steps it has skipped (several optimizers)
         # the step guard's check launched without a read, and replicated: read with the next batch
         self._deferred: Optional[Tuple[LaunchedCheck, bool]] = None
-        self._handed: Optional[torch.Tensor] = None  # its flag, set as an optimizer's found_inf for its step
+        # its flag, set as an optimizer's found_inf for its step (and that optimizer)
+        self._handed: Optional[Tuple["weakref.ref[torch.optim.Optimizer]", torch.Tensor]] = None
 
     def use(self, guard: Optional[StepGuard], optim_state: Any) -> None:
         """The step guard and the optimizer-state reader (made where the hooks are placed)."""
@@ -178,7 +180,7 @@ class StepMonitor:
         optimization) the closure is wrapped so its gradients are checked when it returns; the
         step's (args, kwargs) come back. on_detect="skip": see _skippable_step."""
         if self._handed is not None:  # a step that raised before its post-hook: our flag is not its verdict
-            self._take_back(optimizer)
+            self._take_back()
         if self._skipper is not None and self._host.live() and not compiling_here():
             return self._skippable_step(optimizer, closure, args, kwargs)
         if closure is not None:
@@ -257,15 +259,17 @@ class StepMonitor:
             return False
         if hand:
             optimizer.found_inf = launched.flag  # type: ignore[attr-defined]  # read by the fused step, as a GradScaler sets it
-            self._handed = launched.flag
+            self._handed = (weakref.ref(optimizer), launched.flag)
         self._deferred = (launched, self._fleet.gradients_replicated())
         return True
 
-    def _take_back(self, optimizer: torch.optim.Optimizer) -> None:
-        """The guard's flag off the optimizer it was handed to (nothing when it is not ours)."""
-        if self._handed is not None and getattr(optimizer, "found_inf", None) is self._handed:
+    def _take_back(self) -> None:
+        """The guard's flag off the optimizer it was handed to (after its step; before the next
+        step when that one raised; at detach), unless it holds another's now."""
+        handed, self._handed = self._handed, None
+        optimizer = handed[0]() if handed is not None else None
+        if handed is not None and getattr(optimizer, "found_inf", None) is handed[1]:
             delattr(optimizer, "found_inf")
-        self._handed = None
 
     def settle(self) -> None:
         """The deferred step check's verdict (see _defer_guard), read with the batch just read
@@ -418,7 +422,7 @@ class StepMonitor:
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._handed is not None:
-            self._take_back(optimizer)
+            self._take_back()
         if self._skipping_step:  # the step skipped itself, or ran on a stand-in: no weight changed
             self._skipping_step = False
             return
@@ -452,6 +456,7 @@ class StepMonitor:
         The optimizers get their own step back."""
         if self._skipper is not None:
             self._skipper.remove()
+        self._take_back()  # (a step that raised after the flag was handed: it would skip every later step)
         try:
             self.settle()  # the last step's check: no batch came after it to read it
         except NonFiniteDetected as exc:  # recorded in the sinks; detach does not raise
