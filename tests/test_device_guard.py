@@ -119,6 +119,9 @@ def test_the_deferred_verdict_names_what_the_read_path_names(forced, no_cpu_kern
     def grad_frames(ev):
         return [(f.module, t.name, t.abs_min, t.abs_max) for f in ev.frames for t in f.tensors
                 if t.name.endswith(".grad")]
+    # the same ring: the step's batch's forward frames, then the gradients
+    assert [(f.batch_number, f.module, [t.name for t in f.tensors]) for f in deferred.frames] == \
+        [(f.batch_number, f.module, [t.name for t in f.tensors]) for f in read.frames]
     a, b = grad_frames(deferred), grad_frames(read)
     assert [x[:2] for x in a] == [x[:2] for x in b]
     for (_, _, lo1, hi1), (_, _, lo2, hi2) in zip(a, b):
