@@ -4,7 +4,8 @@ a watched model records on the device path the frames the torch-ops route record
 names the same module and tensor eagerly and compiled (the inf born in an activation included);
 compiled values equal eager's within 1e-3 of their magnitude, `mode="reduce-overhead"` included;
 the counts of a watched step (one launch at most per module call, one copy of the slot buffer
-per batch, the guard's one sync); an fp16 GradScaler run whose overflows are the scaler's is not
+per batch, the guard's one sync, none with a fused optimizer, whose step takes the guard's flag
+and skips a bad step itself); an fp16 GradScaler run whose overflows are the scaler's is not
 a detection; an inf in an unsampled batch is localized by replay as a recorded batch names it.
 
 Run on a GPU machine: ``python -m pytest -m cuda tests/test_cuda.py``. The interpreted device-path
@@ -192,6 +193,39 @@ def test_one_launch_per_module_call_and_one_copy_per_step(monkeypatch):
         assert len(calls) == frames
         assert max(c[0] for c in calls) == 1 and all(c[1:] == [0, 0] for c in calls), calls
         assert (reads, copies) == (1, 0) and syncs <= 1  # the guard: one sync at most
+
+
+def test_a_fused_optimizer_takes_the_guards_flag_no_sync_and_skips_a_bad_step(monkeypatch):
+    """AdamW(fused=True), on_detect="raise": per warm step one buffer read and no sync of the
+    guard's (its verdict is the optimizer's found_inf on the GPU); a bad gradient makes the step
+    write nothing and the detection is raised at the next batch's read-back, named at it."""
+    pytest.importorskip("triton")
+    from _op_counts import counted_training
+    from tensorwatch_otel import NonFiniteDetected
+
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2, d=64, heads=4).to(CUDA)
+    counts, _ = counted_training(monkeypatch, model, torch.randn(2, 16, 64, device=CUDA),
+                                 optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True))
+    for syncs, copies, reads, _read_ops, _calls in counts.steps[1:]:
+        assert (reads, copies, syncs) == (1, 0, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randn(2, 16, 64, device=CUDA)
+    with watch(model, sinks=[Collect()]):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        with torch.no_grad():
+            model.blocks[1].mlp.fc1.weight.grad[0, 0] = float("inf")
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()  # skipped on the GPU: no raise here
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        opt.zero_grad()
+        with pytest.raises(NonFiniteDetected) as ei:
+            model(x)
+    ev = ei.value.event
+    assert (ev.module, ev.tensor, ev.phase, ev.batch_number) == ("blocks.1.mlp.fc1", "weight.grad", "backward", 1)
 
 
 def test_an_fp16_gradscaler_run_is_not_a_detection_and_a_real_inf_is():
