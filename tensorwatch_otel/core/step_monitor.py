@@ -267,8 +267,10 @@ class StepMonitor:
         """The guard's flag off the optimizer it was handed to (after its step; before the next
         step when that one raised; at detach), unless it holds another's now."""
         handed, self._handed = self._handed, None
-        optimizer = handed[0]() if handed is not None else None
-        if handed is not None and getattr(optimizer, "found_inf", None) is handed[1]:
+        if handed is None:
+            return
+        optimizer = handed[0]()
+        if optimizer is not None and getattr(optimizer, "found_inf", None) is handed[1]:
             delattr(optimizer, "found_inf")
 
     def settle(self) -> None:

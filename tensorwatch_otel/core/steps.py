@@ -199,20 +199,23 @@ class StepGuard:
         device = self._device
         if device is None:
             return None
-        watched = self._watched(optimizer)
-        grads = [p.grad for p, _, _ in watched]
         frame = device.frame()
-        taken = [g for g in grads if g is not None]
-        if not taken or not all(frame.add(g) for g in taken):
-            frame.clear()
+        places: List[Tuple[ModuleInfo, str, torch.dtype]] = []  # (no gradient is held: their places only)
+        for p, info, name in self._watched(optimizer):
+            g = p.grad
+            if g is None:
+                continue
+            if not frame.add(g):
+                frame.clear()
+                return None
+            places.append((info, name, g.dtype))
+        if not places:
             return None
         with torch.no_grad():
             launched = frame.launch_flagged()
         if launched is None:
             return None
         slots, flag = launched
-        # (no gradient is held: their places and dtypes only)
-        places = [(info, name, g.dtype) for (_, info, name), g in zip(watched, grads) if g is not None]
         return LaunchedCheck(batch, places, slots, flag)
 
     @staticmethod
@@ -222,16 +225,21 @@ class StepGuard:
 
     @staticmethod
     def _locate(watched: Watched, batch: int) -> Record:
-        rec = Record(batch, phase="backward")
-        for p, info, name in watched:
-            g = p.grad
-            if g is None:
-                continue
-            d = FrameDraft()
-            d.add(name, measure(g), g.dtype)
-            rec.add_frame(info, d)
-        rec.readback()
-        return rec
+        return gradient_record(batch, [(info, name, measure(g), g.dtype)
+                                       for p, info, name in watched if (g := p.grad) is not None])
+
+
+def gradient_record(batch: int, rows: List[Tuple[ModuleInfo, str, Union[str, Tuple[Any, ...]], torch.dtype]]
+                    ) -> Record:
+    """The backward record of batch `batch`: a frame per gradient row (its module, its name
+    "weight.grad", its (abs min, abs max) or note, its dtype), read back."""
+    rec = Record(batch, phase="backward")
+    for info, name, result, dtype in rows:
+        d = FrameDraft()
+        d.add(name, result, dtype)
+        rec.add_frame(info, d)
+    rec.readback()
+    return rec
 
 
 class LaunchedCheck:
@@ -257,12 +265,9 @@ class LaunchedCheck:
             slots[0].buffer.read()  # (one buffer: launch_flagged takes one device)
         if all(math.isfinite(s.hi) for s in slots):
             return None
-        rec = Record(self.batch, phase="backward")
-        for (info, name, dtype), s in zip(self.places, slots):
-            d = FrameDraft()
-            d.add(name, (s.lo, s.hi), dtype)
-            rec.add_frame(info, d)
-        rec.readback()  # (floats: no transfer)
+        # (floats: its read-back is no transfer)
+        rec = gradient_record(self.batch, [(info, name, (s.lo, s.hi), dtype)
+                                           for (info, name, dtype), s in zip(self.places, slots)])
         fi = rec.first_nonfinite_frame(0)
         return None if fi is None else (rec, fi)
 
