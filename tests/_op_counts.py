@@ -26,6 +26,16 @@ from tensorwatch_otel.core.recorder import FrameRecorder
 aten = torch.ops.aten
 
 
+def torch_ops_path(monkeypatch) -> None:
+    """CPU statistics by torch ops (as on a device, with 0-d result tensors read back once)
+    instead of the compiled kernel, for this test (undone with the monkeypatch)."""
+    from tensorwatch_otel.core import cpu_kernel
+
+    cpu_kernel.KERNEL.wait()
+    monkeypatch.setattr(cpu_kernel.KERNEL, "_kernel", None)
+    monkeypatch.setattr(cpu_kernel.KERNEL, "_done", True)
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, counts: "OpCounts", per_call: bool):
         super().__init__()

@@ -21,9 +21,9 @@ pytest.importorskip("triton", reason="triton is not installed: the device path c
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
 from _collect import Collect  # noqa: E402
-from _op_counts import OpCounts, counted_training  # noqa: E402
+from _op_counts import OpCounts, counted_training, torch_ops_path  # noqa: E402
 from tensorwatch_otel import watch  # noqa: E402
-from tensorwatch_otel.core import cpu_kernel, device_stats  # noqa: E402
+from tensorwatch_otel.core import device_stats  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Stack  # noqa: E402
@@ -32,9 +32,7 @@ from _prenorm import Stack  # noqa: E402
 
 @pytest.fixture
 def forced(monkeypatch):
-    cpu_kernel.KERNEL.wait()
-    monkeypatch.setattr(cpu_kernel.KERNEL, "_kernel", None)
-    monkeypatch.setattr(cpu_kernel.KERNEL, "_done", True)
+    torch_ops_path(monkeypatch)
     device_stats.force_on_cpu(True)
     yield
     device_stats.force_on_cpu(False)
@@ -116,9 +114,7 @@ def test_target_dtypes_counted_in_the_fused_launch_no_aten_op_no_allocation(forc
 def test_the_harness_sees_the_torch_ops_route(monkeypatch):
     """Without the device path (and without the CPU kernel) each tensor costs aten ops: the
     harness counts them, so the zeros above are measured, not blind."""
-    cpu_kernel.KERNEL.wait()
-    monkeypatch.setattr(cpu_kernel.KERNEL, "_kernel", None)
-    monkeypatch.setattr(cpu_kernel.KERNEL, "_done", True)
+    torch_ops_path(monkeypatch)
     counts, _ = _counted_training(monkeypatch, steps=2)
     calls = counts.steps[-1][4]
     assert all(c[0] == 0 for c in calls)

@@ -24,17 +24,16 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
 from _collect import Collect  # noqa: E402
 from _models import TwoLinear as Net  # noqa: E402
+from _op_counts import torch_ops_path  # noqa: E402
 from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch  # noqa: E402
-from tensorwatch_otel.core import cpu_kernel, device_stats  # noqa: E402
+from tensorwatch_otel.core import device_stats  # noqa: E402
 
 INF, NAN = float("inf"), float("nan")
 
 
 @pytest.fixture
 def no_cpu_kernel(monkeypatch):
-    cpu_kernel.KERNEL.wait()
-    monkeypatch.setattr(cpu_kernel.KERNEL, "_kernel", None)
-    monkeypatch.setattr(cpu_kernel.KERNEL, "_done", True)
+    torch_ops_path(monkeypatch)
 
 
 @pytest.fixture

@@ -132,7 +132,8 @@ def test_guard_reads_once_per_step_and_not_with_gradients_true(monkeypatch):
     """One host read per guarded step; gradients=True localizes in backward, no guard on top.
     (The device path: on a CPU with the compiled kernel the guard reads no tensor at all,
     tests/test_sync_count.py::test_the_cpu_kernel_path_transfers_nothing.)"""
-    from test_sync_count import SyncCounter, torch_ops_path
+    from _op_counts import torch_ops_path
+    from test_sync_count import SyncCounter
 
     torch_ops_path(monkeypatch)
 

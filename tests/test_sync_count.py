@@ -20,19 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensorwatch_otel import watch
 from _collect import Collect
+from _op_counts import torch_ops_path
 
 aten = torch.ops.aten
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def torch_ops_path(monkeypatch) -> None:
-    """CPU statistics by torch ops (as on a device, with 0-d result tensors read back once)
-    instead of the compiled kernel, for this test (undone with the monkeypatch)."""
-    from tensorwatch_otel.core import cpu_kernel
-
-    cpu_kernel.KERNEL.wait()
-    monkeypatch.setattr(cpu_kernel.KERNEL, "_kernel", None)
-    monkeypatch.setattr(cpu_kernel.KERNEL, "_done", True)
 
 
 @pytest.fixture(autouse=True)
