@@ -4,13 +4,17 @@ chosen batch. Each rank writes what happened into OUT (tests/_observed.py).
 
 usage: _dist_train.py OUT --mode ddp|fsdp2|eval --bad RANK[,RANK] --at BATCH [--batches N]
        [--linger S] [--inject input|shard|grad|gradshard] [--accum K] [--straggle RANK:BATCH:SECONDS]
-       [--on-detect raise|report|skip]
+       [--on-detect raise|report|skip] [--compile-step] [--reference]
 
 --inject gradshard: after the backward, that rank's own shard of layers.0's weight gradient is
 made inf (FSDP2: the other ranks' shards stay finite).
 
 --accum K: gradient accumulation, DDP `no_sync()` for K-1 micro-batches, then a micro-batch
 that all-reduces and the optimizer step. --straggle: that rank sleeps before that batch's forward.
+
+--compile-step: the optimizer step is compiled as PyTorch's recipe has it (a function calling
+`opt.step()` under torch.compile). --reference: the run that never saw the bad batch: nothing
+injected, no watcher, and no optimizer step at --at (its weights written, to compare with a skip).
 """
 
 from __future__ import annotations
@@ -61,10 +65,12 @@ def main() -> int:
     ap.add_argument("--watch-first", action="store_true", help="watch() before fully_shard()")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (DDP no_sync)")
     ap.add_argument("--straggle", default="", help="RANK:BATCH:SECONDS: that rank sleeps before that batch")
+    ap.add_argument("--compile-step", action="store_true", help="torch.compile the optimizer step")
+    ap.add_argument("--reference", action="store_true", help="unwatched, nothing injected, no step at --at")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    bad = {int(r) for r in args.bad.split(",") if r}
+    bad = {int(r) for r in args.bad.split(",") if r} if not args.reference else set()
     straggle = [float(v) for v in args.straggle.split(":")] if args.straggle else [-1, -1, 0]
     torch.manual_seed(0)
     net = Net()
@@ -86,10 +92,20 @@ def main() -> int:
     result = {"rank": rank, "world_size": dist.get_world_size(), "batches_done": 0, "local_abs_max": {},
               "polls_by_batch": []}
     gen = torch.Generator().manual_seed(100 + rank)
-    watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients,
-                                on_detect=args.on_detect)
+    if not args.reference:
+        watcher = watcher or watch(net, sinks=sinks, trace_batches=args.trace, gradients=args.gradients,
+                                    on_detect=args.on_detect)
+
+    def opt_step():
+        opt.step()
+
+    compiled_step = torch.compile(opt_step) if args.compile_step else opt_step
+
+    def step():
+        if not (args.reference and b == args.at):  # the reference run never takes that batch's step
+            compiled_step()
     try:
-        with watcher:
+        with watcher or contextlib.nullcontext():
             for b in range(args.batches):
                 x = torch.randn(4, 8, generator=gen)
                 if rank in bad and b == args.at:
@@ -115,7 +131,7 @@ def main() -> int:
                         loss = model(x).pow(2).mean()
                         loss.backward()  # no_sync: gradients accumulate locally, no all-reduce
                     if syncs:
-                        opt.step()
+                        step()
                         opt.zero_grad()
                 else:
                     loss = model(x).pow(2).mean()
@@ -127,9 +143,10 @@ def main() -> int:
                         with torch.no_grad():  # this rank's shard of the gradient alone (after FSDP's reduce-scatter)
                             g = net.layers[0].weight.grad
                             (g.to_local() if hasattr(g, "to_local") else g)[0, 0] = float("inf")
-                    opt.step()
+                    step()
                 result["batches_done"] = b + 1
-                result["polls_by_batch"].append(watcher._fleet.polls)  # store checks after each batch
+                if watcher is not None:
+                    result["polls_by_batch"].append(watcher._fleet.polls)  # store checks after each batch
     except NonFiniteDetected as exc:
         ev = exc.event
         result.update(stopped=True, time=time.time(), event=ev.event, first_rank=ev.first_rank,
@@ -139,17 +156,18 @@ def main() -> int:
     except RuntimeError as exc:  # a collective that failed (gloo: "Connection closed by peer")
         result.update(error=f"{type(exc).__name__}: {exc}"[:2000], time=time.time())
     result["weights_finite"] = all(bool(torch.isfinite(p.detach()).all()) for p in net.parameters())
-    if args.on_detect == "skip" and "error" not in result and not result.get("stopped"):
+    if (args.on_detect == "skip" or args.reference) and "error" not in result and not result.get("stopped"):
         # the whole weights (FSDP2: gathered from every rank's shard, a collective every rank runs here)
         result["weights"] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
                              for p in net.parameters()]
-    fleet = watcher._fleet
-    result.update(polls=fleet.polls, requests=fleet.requests, node_reads=fleet.node_reads,
-                  node_file=fleet._node.path if fleet._node else None,
-                  local_rank=int(os.environ.get("LOCAL_RANK", "0")), node=int(os.environ.get("GROUP_RANK", "0")))
+    if watcher is not None:
+        fleet = watcher._fleet
+        result.update(polls=fleet.polls, requests=fleet.requests, node_reads=fleet.node_reads,
+                      node_file=fleet._node.path if fleet._node else None,
+                      local_rank=int(os.environ.get("LOCAL_RANK", "0")), node=int(os.environ.get("GROUP_RANK", "0")))
+        # walks of the model: at watch(), then when parameters were replaced
+        result["param_scans"] = watcher._hooks.index.scans
     result["param_names"] = [n for n, _ in net.named_parameters()]
-    # walks of the model: at watch(), then when parameters were replaced
-    result["param_scans"] = watcher._hooks.index.scans
     result["module_classes"] = sorted({type(m).__name__ for m in net.modules()})
     write_observed(args.out, rank, result)
     if "error" in result:
@@ -158,7 +176,7 @@ def main() -> int:
         if result["event"] == "nonfinite_detected":
             time.sleep(args.linger)  # as a Prometheus sink lingering for its last scrape would
         return 3
-    if args.on_detect == "skip":
+    if args.on_detect == "skip" or args.reference:
         # every rank runs to here under skip (the gather above relies on it too): leave together,
         # so rank 0, which serves the store, does not tear down while a peer is still tearing down
         dist.barrier()

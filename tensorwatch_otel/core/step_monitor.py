@@ -19,14 +19,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .backward import producer_frame
-from .compiled import compiling_here
 from .errors import NonFiniteDetected
 from .events import NonFiniteEvent
 from .fleet import FleetStop
 from .rank import current_rank
 from .record import Record
 from .skip import SkipStep, StepArgs, StepSkipper, stand_in, with_stand_in
-from .steps import LaunchedCheck, PendingGradients, ScaleReader, SkipCounter, StepGuard
+from .steps import LaunchedCheck, PendingGradients, ScaleReader, SkipCounter, StepGuard, outside_graphs
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +180,7 @@ class StepMonitor:
         step's (args, kwargs) come back. on_detect="skip": see _skippable_step."""
         if self._handed is not None:  # a step that raised before its post-hook: our flag is not its verdict
             self._take_back()
-        if self._skipper is not None and self._host.live() and not compiling_here():
+        if self._skipper is not None and self._host.live():
             return self._skippable_step(optimizer, closure, args, kwargs)
         if closure is not None:
             def checked(*a: Any, **k: Any) -> Any:
@@ -190,11 +189,12 @@ class StepMonitor:
                     self.before_step(optimizer)
                 return loss
 
+            run = outside_graphs(checked, closure)  # (a compiled step would trace the check away)
             if len(args) > 1:  # (the optimizer, closure, ...)
-                return (args[0], checked) + tuple(args[2:]), dict(kwargs or {})
-            return tuple(args), dict(kwargs or {}, closure=checked)
+                return (args[0], run) + tuple(args[2:]), dict(kwargs or {})
+            return tuple(args), dict(kwargs or {}, closure=run)
         found_inf = getattr(optimizer, "found_inf", None)
-        if found_inf.__class__ is torch.Tensor and not compiling_here() and (
+        if found_inf.__class__ is torch.Tensor and (
                 self._guard is not None or self._pending is not None or self._scale is not None):
             # A GradScaler hands its verdict to a fused optimizer (AdamW(fused=True)): step()
             # runs on the still-scaled gradients and writes nothing when found_inf is set. The
@@ -216,9 +216,7 @@ class StepMonitor:
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
         batch = self._host.last_batch()
         if pending is None and self._guard is not None and self._host.live() \
-                and not compiling_here() \
                 and not (self._gradients and self._host.watches(batch)):  # (gradients=True read that batch's)
-            # (a compiled optimizer step: no read inside its graph)
             # after the stop point: a stop already under way (another rank's, or this rank's
             # forward detection) is raised there, not named again at the gradients it spoilt
             # every batch's step, sampled or not: every_n_batches thins the statistics, never
@@ -346,7 +344,7 @@ class StepMonitor:
                         self._skipping_step = True  # the stand-in ran the step: torch's post-hooks follow
                 return loss
 
-            return with_stand_in(args, kwargs, inst, checked)
+            return with_stand_in(args, kwargs, inst, outside_graphs(checked, closure))
         found_inf = getattr(optimizer, "found_inf", None)
         if found_inf.__class__ is torch.Tensor and bool(found_inf):
             # a fused optimizer skips this step itself on the GradScaler's word: the scaler's skip

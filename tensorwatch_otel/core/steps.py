@@ -30,6 +30,7 @@ from .events import SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent
 from .record import FrameDraft, ModuleInfo, Record
 from .skip import is_stand_in
 from .finite import all_finite
+from .process import said_once
 from .stats import measure
 
 if TYPE_CHECKING:
@@ -75,6 +76,52 @@ class PendingGradients:
         return not self.marks
 
 
+_compiling = torch.compiler.is_compiling
+
+
+def _may_break() -> bool:
+    """At trace time: the step being compiled may be split around a hook (False under
+    `fullgraph=True` or `error_on_graph_break`, where a split would fail the user's compile;
+    said once, loudly, since the step guard and on_detect="skip" then cannot act)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx: Any = InstructionTranslator.current_tx()
+        may = not (getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    except Exception as exc:  # an internal of torch's that moved: no split, and say so
+        log.debug("tensorwatch_otel: cannot tell whether a compiled step may break: %s", exc)
+        may = False
+    if not may and said_once("compiled step in one graph"):
+        log.error("tensorwatch_otel: an optimizer step is compiled into one graph (fullgraph=True): the "
+                  "watcher's step hooks cannot run inside it, so this step's gradients are not checked "
+                  "(guard_steps) and on_detect=\"skip\" cannot skip it; compile the step with "
+                  "fullgraph=False (torch's own optimizers need it) to keep them; said once")
+    return may
+
+
+# called at trace time, its answer a constant of the graph being traced
+_graph_may_break: Callable[[], bool] = torch._dynamo.assume_constant_result(_may_break)
+
+
+def outside_graphs(fn: Callable[..., Any], otherwise: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
+    """`fn` (a global optimizer step hook, or a step's closure with its check) run at every
+    step, compiled steps included.
+
+    Dynamo would trace it into a compiled step (`torch.compile(lambda: opt.step())`): it would
+    run once, at trace time, and never again, so a bad gradient would reach the weights
+    unchecked. Disabled for dynamo, it splits the compiled step around it (torch's own optimizers
+    split there anyway, around the update) and runs eagerly at every step. Where the step must be
+    one graph, `otherwise` runs instead (None: nothing), said once (_graph_may_break)."""
+    eager = torch._dynamo.disable(fn)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _compiling() and not _graph_may_break():
+            return otherwise(*args, **kwargs) if otherwise is not None else None
+        return eager(*args, **kwargs)
+
+    return call
+
+
 class StepTracker:
     """Registers the global step hooks and tells the watcher which steps concern its model: an
     optimizer whose parameters include one the model holds (`index`, see core/attach.py).
@@ -91,7 +138,8 @@ class StepTracker:
         self._on_pre = on_pre_step
         self._on_post = on_post_step
         self.steps = 0
-        self.handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+        self.handles = [register_optimizer_step_pre_hook(outside_graphs(self._pre)),
+                        register_optimizer_step_post_hook(outside_graphs(self._post))]
 
     def _concerns(self, optimizer: torch.optim.Optimizer) -> bool:
         groups = optimizer.param_groups
