@@ -302,7 +302,7 @@ class BatchLifecycle:
             # and in-place casts move no _version); no-grad batches (eval, generate) reuse
             # them until a step, a version/storage/dtype change, or every 32 batches.
             self._recorder.invalidate_weights()
-        self._steps.at_outermost_call()  # bad gradients reset without a step: a skip
+        self._steps.at_outermost_call(begins)  # bad gradients reset without a step: a skip
         quiet = self._quiet
         if begins:
             with self._lock:  # one counter for every thread
@@ -427,8 +427,8 @@ class BatchLifecycle:
         self._detect.detected(rec, 0 if fi is None else fi)
 
     # ---------------------------------------------------------------- batch end
-    def end_call(self, st: ThreadBatch, root: bool) -> None:
-        """This thread's outermost watched call ended (its batch is `st.rec`)."""
+    def end_call(self, st: ThreadBatch, root: bool, output: Any) -> None:
+        """This thread's outermost watched call ended (its batch is `st.rec`), returning `output`."""
         rec = st.rec
         assert rec is not None  # (checked by the caller)
         if st.held:
@@ -445,6 +445,7 @@ class BatchLifecycle:
                     self._detect.check(rec, 0)
             finally:
                 st.history.keep(rec)
+        self._steps.call_returned(output)  # (on_detect="skip": a verdict made in this call follows its graph)
 
     def _check_call(self, st: ThreadBatch) -> None:
         """Inside batch(): check the frames the outermost call just added (one read-back), so a
@@ -630,7 +631,7 @@ class ForwardHook(ModuleHook):
             if st.depth <= 0:
                 st.depth = 0
                 if outside_backward and st.rec is not None:
-                    self._life.end_call(st, info.is_root)
+                    self._life.end_call(st, info.is_root, output)
 
 
 run_eagerly_when_called_eagerly(ForwardHook.__call__.__code__)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -46,7 +46,7 @@ class DetectionPipeline:
     def __init__(self, model: torch.nn.Module, config: WatchConfig, behaviour: Behaviour, fanout: SinkFanout,
                  fleet: FleetStop, kind_of: KindOf, forget_batch: Callable[[], None],
                  history: Callable[[], History], make_probe: MakeProbe,
-                 forward_poisoned: Callable[[NonFiniteEvent], None] = lambda event: None,
+                 forward_poisoned: Callable[[NonFiniteEvent, List[torch.Tensor]], None] = lambda event, params: None,
                  sampled: Callable[[int], bool] = lambda batch: True):
         self._model = model
         self._config = config
@@ -144,7 +144,7 @@ class DetectionPipeline:
                 raise exc
         elif cfg.on_detect == "skip" and event.phase == "forward" and torch.is_grad_enabled():
             # the forward cannot be undone, but the step that would consume its gradients can
-            self._forward_poisoned(event)
+            self._forward_poisoned(event, [p for p in self._model.parameters() if p.requires_grad])
 
     def escalate(self, event: NonFiniteEvent, note: str, recorded: bool = True) -> None:
         """Raise `event` as on_detect="raise" would have (on_detect="skip" that can skip no more):

@@ -98,7 +98,15 @@ def output_tensors(output: Any) -> List[torch.Tensor]:
         return [loss.detach()]
     found: List[torch.Tensor] = []
     _walk(output, found, 0)
-    return found
+    return [t.detach() for t in found]
+
+
+def graph_tensors(output: Any) -> List[torch.Tensor]:
+    """The floating tensors of an output that a backward can pass through (they require grad),
+    as they are (not detached); the same bounded walk."""
+    found: List[torch.Tensor] = []
+    _walk(output, found, 0)
+    return [t for t in found if t.requires_grad]
 
 
 def _walk(v: Any, found: List[torch.Tensor], depth: int) -> None:
@@ -106,7 +114,7 @@ def _walk(v: Any, found: List[torch.Tensor], depth: int) -> None:
         return
     if isinstance(v, torch.Tensor):
         if v.is_floating_point() or v.is_complex():
-            found.append(v.detach())
+            found.append(v)
         return
     if depth >= MAX_DEPTH or v is None or isinstance(v, (str, bytes, int, float, bool)):
         return

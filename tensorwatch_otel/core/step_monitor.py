@@ -22,6 +22,7 @@ from .backward import producer_frame
 from .errors import NonFiniteDetected
 from .events import NonFiniteEvent
 from .fleet import FleetStop
+from .poison import ForwardPoison
 from .rank import current_rank
 from .record import Record
 from .skip import SkipStep, StepArgs, StepSkipper, stand_in, with_stand_in
@@ -102,8 +103,7 @@ class StepMonitor:
         self._guard: Optional[StepGuard] = None
         self._optim_state: Any = None  # OptimizerStateReader with optimizer_state=True
         self._skipper = StepSkipper() if skip else None  # on_detect="skip": steps made not to happen
-        self._poisoned: Optional[NonFiniteEvent] = None  # a training forward's detection, its step still to skip
-        self._poison_spent: Optional[int] = None  # the batch whose steps it has skipped (several optimizers)
+        self._poison: Optional[ForwardPoison] = None  # a training forward's detection and the gradients it spoilt
         # the step guard's check launched without a read, and replicated: read with the next batch
         self._deferred: Optional[Tuple[LaunchedCheck, bool]] = None
         # its flag, set as an optimizer's found_inf for its step (and that optimizer)
@@ -122,16 +122,38 @@ class StepMonitor:
     def nonfinite_steps_skipped(self) -> int:
         return self._skips.nonfinite_total
 
-    def forward_poisoned(self, event: NonFiniteEvent) -> None:
-        """on_detect="skip": a training forward went non-finite; the step that consumes its
-        gradients (they are poisoned, even when they look finite) is skipped."""
-        self._poisoned = event
-        self._poison_spent = None
+    def forward_poisoned(self, event: NonFiniteEvent, params: List[torch.Tensor]) -> None:
+        """on_detect="skip": a training forward went non-finite; the step that consumes the
+        gradients its backward writes (they are spoilt, even when they look finite) is skipped
+        (core/poison.py). `params`: the model's parameters that take gradients. A verdict that
+        already holds for the gradients stays (it names where the values went bad first)."""
+        held = self._poison
+        if held is not None and held.held and not held.gone:
+            return
+        self._drop_poison()
+        self._poison = ForwardPoison(event, params)
+
+    def call_returned(self, output: Any) -> None:
+        """An outermost watched call returned `output`: a verdict made in it follows its graph."""
+        poison = self._poison
+        if poison is not None and not poison.bound:
+            poison.bind(output)
+
+    def _drop_poison(self) -> None:
+        poison, self._poison = self._poison, None
+        if poison is not None:
+            poison.remove()
 
     # ---------------------------------------------------------------- forward side
-    def at_outermost_call(self) -> None:
+    def at_outermost_call(self, begins: bool) -> None:
         """Bad gradients reset (or the scaler backed off) without a step since the backward: a
-        skip (one host read, only while bad gradients are pending)."""
+        skip (one host read, only while bad gradients are pending). A batch `begins`: a forward
+        verdict no backward took goes (the loop dropped that batch)."""
+        poison = self._poison
+        if begins and poison is not None:
+            poison.batch_begins()
+            if poison.gone:
+                self._poison = None
         pending = self._pending
         if pending is not None and (pending.was_reset() or (
                 self._scale is not None and self._scale.dropped_since_read())):
@@ -370,9 +392,11 @@ class StepMonitor:
         step; under FSDP each rank's own verdict on its shard is agreed in one collective."""
         batch = self._host.last_batch()  # the batch whose gradients the step consumes
         pending, self._pending = self._pending, None
-        poisoned = self._poisoned
-        if poisoned is not None and self._poison_spent is not None and self._poison_spent != batch:
-            poisoned = self._poisoned = None  # its batch's steps were skipped; this is a later batch's
+        poison = self._poison
+        if poison is not None and poison.skipped_in is not None and poison.skipped_in != batch:
+            self._drop_poison()  # its batch's steps were skipped; this is a later batch's
+            poison = None
+        poisoned = poison.event if poison is not None and poison.spoils_step() else None
         replicated = self._guard is not None and self._fleet.gradients_replicated()
         bad: Optional[_Bad] = None
         if not replicated:
@@ -392,9 +416,9 @@ class StepMonitor:
                 and self._fleet.any_rank(bad is not None) and bad is None:
             bad = _Bad(batch)  # another rank's shard: every rank skips the same step
         if bad is None:
-            self._poisoned = None  # this step consumes that batch's gradients
-        elif bad.event is not None:
-            self._poison_spent = batch
+            self._drop_poison()  # this step consumes gradients no verdict holds for
+        elif bad.event is not None and poison is not None and not poison.gone:
+            poison.skipped_in = batch
         return bad
 
 
@@ -426,7 +450,7 @@ class StepMonitor:
         if self._skipping_step:  # the step skipped itself, or ran on a stand-in: no weight changed
             self._skipping_step = False
             return
-        self._poisoned = None  # a step took the gradients of that batch
+        self._drop_poison()  # a step took the gradients
         self._host.weights_changed()  # any optimizer, fused ones included
         self._skips.step_taken()
         batch = self._host.last_batch()
@@ -445,8 +469,9 @@ class StepMonitor:
         scale = self._scale.last if self._scale is not None else None
         if batch is None:
             batch = self._host.last_batch()
-        if self._poisoned is not None and self._poisoned.batch_number <= batch:
-            self._poisoned = None  # that batch's step did not happen (a GradScaler's skip): not skipped twice
+        poison = self._poison
+        if poison is not None and poison.event.batch_number <= batch:
+            self._drop_poison()  # that batch's step did not happen (a GradScaler's skip): not skipped twice
         for event in self._skips.skipped(pending, batch, current_rank(), scale):
             self._host.emit(event)
 
@@ -456,6 +481,7 @@ class StepMonitor:
         The optimizers get their own step back."""
         if self._skipper is not None:
             self._skipper.remove()
+        self._drop_poison()
         self._take_back()  # (a step that raised after the flag was handed: it would skip every later step)
         try:
             self.settle()  # the last step's check: no batch came after it to read it

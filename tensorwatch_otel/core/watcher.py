@@ -100,7 +100,7 @@ class Watcher:
         self._detect = DetectionPipeline(model, config, self.behaviour, self._fanout, self._fleet,
                                          self._recorder.kind, lambda: self._recorder.acts_seen.clear(),
                                          lambda: self._life.history, self._probe,
-                                         forward_poisoned=lambda e: self._steps.forward_poisoned(e),
+                                         forward_poisoned=lambda e, params: self._steps.forward_poisoned(e, params),
                                          sampled=self._watches)
         # optimizer steps, skips, the loss scale, the step guard (core/step_monitor.py)
         self._steps = StepMonitor(StepHost(
