@@ -227,7 +227,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     result: dict = {"dynamo": {"unique_graphs": dynamo_counters["stats"]["unique_graphs"],
                                "frames": dict(dynamo_counters["frames"]),
                                "recompiles": dict(dynamo_counters["recompiles"]),
-                               "graph_breaks": dict(dynamo_counters["graph_break"])},
+                               "graph_breaks": dict(dynamo_counters["graph_break"]),
+                               "cudagraph_skips": dynamo_counters["inductor"]["cudagraph_skips"]},
                     "device": str(device), "quick": args.quick, "shape": {"blocks": n, "d": d, "heads": heads,
                     "batch": [b, t]}, "autocast": str(autocast), "rounds": rounds, "fused": args.fused,
                     "on_detect": args.on_detect, "variants": {}}

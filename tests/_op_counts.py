@@ -5,7 +5,8 @@ syncs (`_local_scalar_dense`: .item(), bool(), .tolist() of a device tensor), th
 CPU (from a device, or any a record's read-back makes), and the device path's buffer reads
 (each one copy of a buffer to the host and, on CUDA, one wait on its event). With
 target_dtypes the second Triton launch of the 8-bit targets' counts (device_stats.launch_scaled)
-counts as a launch too.
+counts as a launch too; a table launch of deferred frames (device_stats.launch_table) is one
+launch (its staging copies are part of it), counted per step in `tables`.
 
 Use it around a model watched after `OpCounts.install(monkeypatch)`: the per-call mode is
 active only inside the recorder's frame() (the hooks' work), and aten ops Triton's
@@ -88,9 +89,13 @@ class OpCounts:
         self.steps: List[List[int]] = []
         self.aten_ops: List[str] = []  # names of the aten ops counted as per-call launches
         self.in_readback = False
+        self.in_launch = False  # inside a counted launch: its own ops are not counted
         self.in_frame = False
         self.in_step = False  # inside step(): reads and launches outside it (at detach) are not a step's
         self.outside: List[int] = []  # per step: the Triton launches outside a module call (the step guard's)
+        # per step: the table launches of deferred frames (device_stats.launch_table), wherever they ran
+        # (in a module call's frame, also counted there, or at the batch's read)
+        self.tables: List[int] = []
 
     # -- per call
     def note_call_op(self, func, args, out) -> None:
@@ -125,6 +130,7 @@ class OpCounts:
         """A mode to hold over one training step (counts its syncs and copies)."""
         self.steps.append([0, 0, 0, 0])
         self.outside.append(0)
+        self.tables.append(0)
         return _Mode(self, per_call=False)
 
     def install(self, monkeypatch) -> "OpCounts":
@@ -143,17 +149,20 @@ class OpCounts:
             finally:
                 counts.in_frame = was
 
-        def counted(real):
-            def launch(buf, first, tensors, *layout):
+        def counted(real, table=False):
+            def launch(*args):
+                if table and counts.in_step and counts.tables:
+                    counts.tables[-1] += 1
                 if counts.in_frame and counts.calls:
                     counts.calls[-1][0] += 1
-                elif not counts.in_frame and counts.in_step and counts.outside:
+                elif not counts.in_frame and counts.in_step and counts.outside and not table:
                     counts.outside[-1] += 1
-                was, counts.paused = counts.paused, True
+                # (a table launch's staging copies are its own, at a buffer read too)
+                was, counts.paused, counts.in_launch = counts.paused, True, True
                 try:
-                    return real(buf, first, tensors, *layout)
+                    return real(*args)
                 finally:
-                    counts.paused = was
+                    counts.paused, counts.in_launch = was, False
             return launch
 
         def read(buf, extra=None):
@@ -180,6 +189,7 @@ class OpCounts:
         monkeypatch.setattr(FrameRecorder, "frame", frame)
         monkeypatch.setattr(device_stats, "launch", counted(real_launch))
         monkeypatch.setattr(device_stats, "launch_scaled", counted(real_scaled))
+        monkeypatch.setattr(device_stats, "launch_table", counted(device_stats.launch_table, table=True))
         monkeypatch.setattr(device_stats.SlotBuffer, "read", read)
         return self
 
@@ -210,8 +220,11 @@ class _AtBufferRead:
 
     def __init__(self, counts: OpCounts) -> None:
         self.counts = counts
-        self.paused = False
         self.in_step = False
+
+    @property
+    def paused(self) -> bool:  # a launch made by the read (the deferred frames' table) is counted as a launch
+        return self.counts.in_launch
 
     def note_step_op(self, func, args, kwargs) -> None:
         if not func.is_view:

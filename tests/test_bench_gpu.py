@@ -42,6 +42,13 @@ def test_bench_gpu_cpu_quick(tmp_path):
         # the device path: one read of the slot buffer per step, every measured tensor's slot in it
         assert v["watched_device"]["buffer_reads"] == 1 and v["watched_device"]["slots_read"] >= 2 * 7
     assert "watched: " in proc.stdout and "unwatched" in proc.stdout
+    # the GPU check's one table (benchmarks/gpu_summary.py) reads it: one row per variant
+    summary = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "gpu_summary.py"), str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr[-2000:]
+    table = summary.stdout.splitlines()
+    assert table[0].split()[:3] == ["variant", "step", "ms"] and "cg skip" in table[0]
+    assert sorted(line.split()[0] for line in table[2:]) == sorted(expected)
 
 
 @pytest.mark.slow

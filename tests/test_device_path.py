@@ -56,8 +56,9 @@ def _train(model, xs, device_path, launches=None, **options):
 
 
 def _counting_launches(monkeypatch, counted=None):
-    """The sizes of the fused launches of module calls from now on (and, into `counted`, those
-    of the launches with a counts layout: target_dtypes). The step guard's launches over the
+    """The sizes of the fused launches of module calls from now on, deferred frames' table
+    launches included (and, into `counted`, those of the launches with a counts layout:
+    target_dtypes). The step guard's launches over the
     gradients (on_detect="report" measures them into the buffer, without counts) are left out."""
     launches = []
     real = device_stats.launch
@@ -79,7 +80,14 @@ def _counting_launches(monkeypatch, counted=None):
             counted.append(len(ts))
         return real(buf, first, ts, *layout)
 
+    real_table = device_stats.launch_table
+
+    def launch_table(buf, entries, count, *rest):  # deferred frames: many calls' tensors in one launch
+        launches.append(count)
+        return real_table(buf, entries, count, *rest)
+
     monkeypatch.setattr(device_stats, "launch", launch)
+    monkeypatch.setattr(device_stats, "launch_table", launch_table)
     monkeypatch.setattr(StepGuard, "launch", guard_launch)
     return launches
 
@@ -261,6 +269,91 @@ def test_in_place_changes_shared_modules_check_module_and_gradients(options):
     assert sum(f.module == "norm" and f.phase == "forward" for f in forced) == 4  # called twice a batch
     if options.get("gradients"):
         assert any(f.phase == "backward" for f in forced)
+
+
+class _Residual(nn.Module):
+    """A ResNet-shaped block: an inplace ReLU after a Linear, and the block's input added in
+    place to a LayerNorm's output (`out += x`), both after the module that made the tensor
+    returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        out = self.norm(self.act(self.lin(x)))
+        out += x
+        return out
+
+
+def test_deferred_frames_keep_values_written_in_place_later_and_launch_per_many_calls(monkeypatch):
+    """The module calls' tensors wait for one table launch; the first batch launches each frame
+    at once and learns which modules' tensors are written in place after they returned (lin's
+    output by the ReLU, norm's by `+=`): theirs are measured at once from then on, so every
+    batch shows every frame as the default path does, exactly."""
+    def run(forced):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[_Residual() for _ in range(6)])
+        g = torch.Generator().manual_seed(3)
+        xs = [torch.randn(4, 8, generator=g) for _ in range(4)]
+        return _train(model, xs, device_path=forced)
+
+    default, _ = run(False)
+    tables = []
+    real = device_stats.launch_table
+    monkeypatch.setattr(device_stats, "launch_table", lambda buf, e, count, *rest: (tables.append(count),
+                                                                                    real(buf, e, count, *rest))[1])
+    forced, events = run(True)
+    assert _rows(forced) == _rows(default) and len(default) == 4 * (1 + 6 * 4)
+    assert not any(t.note for f in forced for t in f.tensors)  # nothing was lost
+    assert not [e for e in events if isinstance(e, NonFiniteEvent)]
+    # after the first batch the frames of act and of the blocks wait for table launches: one a
+    # batch here; lin's and norm's (written in place later) each launch alone, as before
+    assert len(tables) == 3
+
+
+class _SometimesInPlace(nn.Module):
+    """From batch `at` on, the parent writes inf into `lin`'s output after lin returned: a write
+    the first batch never saw."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.calls >= self.at:
+            y[0, 0] = float("inf")
+        self.calls += 1
+        return self.out(y)
+
+
+def test_a_tensor_written_in_place_before_its_deferred_launch_is_said_and_never_misnamed():
+    torch.manual_seed(0)
+    model = _SometimesInPlace(at=2)
+    x = torch.randn(3, 8)
+    device_stats.force_on_cpu(True)
+    sink = Collect()
+    try:
+        with watch(model, sinks=[sink], on_detect="report") as w:
+            for _ in range(4):
+                model(x)
+        buf = w._recorder.device_stats.buffers[-1]
+    finally:
+        device_stats.force_on_cpu(False)
+    lin = [[t for t in b.frames[0].tensors if t.name == "output"][0] for b in sink.batches]
+    assert lin[0].abs_max < 1e30 and lin[1].abs_max < 1e30 and not lin[0].note
+    # batch 2: lin's output was written after lin returned, before its launch: said, not shown
+    assert (lin[2].note, lin[2].abs_min, lin[2].abs_max) == ("changed in place", None, None)
+    assert buf.changed_seen == 1
+    # batch 3: lin is measured at once now: its value as it returned, finite
+    assert lin[3].abs_max < 1e30 and not lin[3].note
+    # the inf is named where it shows, at `out`'s input, never at lin's output
+    named = [(e.batch_number, e.module, e.tensor) for e in sink.of(NonFiniteEvent)]
+    assert named == [(2, "out", "input[0]"), (3, "out", "input[0]")]
 
 
 @pytest.mark.slow

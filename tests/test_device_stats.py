@@ -179,7 +179,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tensorwatch_otel.core._device_kernel import build
-minmax, scaled = build()
+minmax, scaled, table = build()
 head = {"slots": "*i32", "xs": ("*fp32", "*bf16", "*fp16"), "ns": ("i64", "i32", "i32"), "first": "i32",
         "programs": "i32"}
 plain = dict(head, ranges="*i32", BLOCK="constexpr", STRIDE="constexpr", RANGES="constexpr", RANGES_P2="constexpr")
@@ -189,6 +189,7 @@ variants = {
     "plain": (minmax, plain, {"BLOCK": 2048, "STRIDE": 2, "RANGES": 0, "RANGES_P2": 1}),
     "counts": (minmax, plain, {"BLOCK": 2048, "STRIDE": 10, "RANGES": 5, "RANGES_P2": 8}),
     "scaled": (scaled, second, {"BLOCK": 2048, "STRIDE": 10, "COLUMN": 7, "SCALED": 2, "SCALED_P2": 2}),
+    "table": (table, {"slots": "*i32", "table": "*i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
 }
 out = {}
 for arch in (80, 90):
@@ -208,7 +209,8 @@ def test_the_kernel_compiles_for_cuda_without_a_gpu():
     """The same kernels through Triton's CUDA compiler (sm_80 and sm_90, no device needed): they
     are valid Triton for the real backend, not only for the interpreter; fp16 widens without
     flushing subnormals (no .ftz), and each of the three tensors has its two atomics (and its
-    atomic add of the counts with target_dtypes). The scaled-underflow pass's float64
+    atomic add of the counts with target_dtypes; the table kernel, one tensor a program row,
+    its two). The scaled-underflow pass's float64
     arithmetic is IEEE: a correctly rounded division and plain multiplies (no fma, no
     approximate reciprocal), as torch's ops on the host compute them."""
     import json
@@ -227,7 +229,7 @@ def test_the_kernel_compiles_for_cuda_without_a_gpu():
         assert "cvt.f32.f16" in r["cvt"] and not any(".ftz" in c for c in r["cvt"]), (key, r)
         assert r["cubin"] > 0, (key, r)
         name = key.split("/")[1]
-        assert r["atom"] == {"plain": 6, "counts": 9, "scaled": 3}[name], (key, r)
+        assert r["atom"] == {"plain": 6, "counts": 9, "scaled": 3, "table": 2}[name], (key, r)
         assert r["f64"] == ([] if name != "scaled" else ["div.rn.f64", "mul.f64"]), (key, r)
 
 

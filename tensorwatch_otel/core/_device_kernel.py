@@ -129,13 +129,46 @@ def scaled_underflow_slots(slots, xs, ns, first, programs, scaled, BLOCK: tl.con
             tl.atomic_add(slots + base + COLUMN + s_idx, counts, mask=s_idx < SCALED)
 
 
-def build() -> Tuple[Any, Any]:
-    """The two kernels (abs_minmax_slots, scaled_underflow_slots), as Triton's current
-    TRITON_INTERPRET says (JITFunctions, or their interpreter's twins). The first slot and the
+def abs_minmax_table(slots, table, BLOCK: tl.constexpr):
+    """Abs min and abs max of many tensors listed in `table`, as abs_minmax_slots writes them:
+    entry i is four int64s (the tensor's address, its element count, its dtype code: 0
+    float32, 1 float16, 2 bfloat16, and the index of its slot's first int32 word). The grid is
+    (entries, programs per tensor): program (i, p) reads blocks p, p + programs, ... of tensor
+    i. One launch for the tensors of many module calls (core/device_stats.py defers them), with
+    a signature that does not change with their number, dtypes or sizes: one compiled variant."""
+    i = tl.program_id(0)
+    p = tl.program_id(1)
+    programs = tl.num_programs(1)
+    addr = tl.load(table + 4 * i)
+    n = tl.load(table + 4 * i + 1)
+    code = tl.load(table + 4 * i + 2)
+    base = tl.load(table + 4 * i + 3)
+    hi = tl.zeros([BLOCK], dtype=tl.int32)
+    low = tl.zeros([BLOCK], dtype=tl.int32)  # 0x7FFFFFFF minus the smallest pattern
+    start = p.to(tl.int64) * BLOCK
+    for s in range(start, n, programs * BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        inside = offs < n
+        if code == 0:
+            bits = sign_cleared_bits(tl.load(addr.to(tl.pointer_type(tl.float32)) + offs, mask=inside, other=0))
+        elif code == 1:
+            bits = sign_cleared_bits(tl.load(addr.to(tl.pointer_type(tl.float16)) + offs, mask=inside, other=0))
+        else:
+            bits = sign_cleared_bits(tl.load(addr.to(tl.pointer_type(tl.bfloat16)) + offs, mask=inside, other=0))
+        hi = tl.maximum(hi, tl.where(inside, bits, 0))
+        low = tl.maximum(low, tl.where(inside, 0x7FFFFFFF - bits, 0))
+    if start < n:
+        tl.atomic_max(slots + base, tl.max(low, 0))
+        tl.atomic_max(slots + base + 1, tl.max(hi, 0))
+
+
+def build() -> Tuple[Any, Any, Any]:
+    """The three kernels (abs_minmax_slots, scaled_underflow_slots, abs_minmax_table), as
+    Triton's current TRITON_INTERPRET says (JITFunctions, or their interpreter's twins). The first slot and the
     program count change from call to call: not specialised on their values (1, multiples of
     16). Triton 3.9 still specialises the elements of a tuple (the sizes in `ns`), so variants
     are per tensor count, dtypes, pointer alignment and size class (1, multiple of 16, other),
     and per counts layout (the constexprs); each is compiled once and cached on disk by
     Triton."""
     jit = triton.jit(do_not_specialize=["first", "programs"])
-    return jit(abs_minmax_slots), jit(scaled_underflow_slots)
+    return jit(abs_minmax_slots), jit(scaled_underflow_slots), triton.jit(abs_minmax_table)

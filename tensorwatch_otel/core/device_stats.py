@@ -32,7 +32,8 @@ import math
 import os
 import struct
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -43,6 +44,11 @@ KERNEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 #: most tensors one launch reads (a module call gathering more takes one launch per this many):
 #: each count is a kernel variant compiled on first use
 MAX_TENSORS = 16
+#: deferred forward frames (SlotBuffer.defer): a table launch when this many tensors wait...
+FLUSH_TENSORS = 64
+#: ... or when they hold this many bytes (they stay alive until it)
+FLUSH_BYTES = 1 << 28
+_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the table kernel's dtype codes
 INITIAL_SLOTS = 1024
 _MASK = 0x7FFFFFFF  # the sign-cleared pattern's largest value; also the abs-min slot's complement base
 _INF_BITS = 0x7F800000
@@ -59,9 +65,9 @@ class _DevicePath:
     def __init__(self) -> None:
         self.mode = "auto"
         self.lock = threading.Lock()
-        # interpreted? -> (the abs min/max kernel, the scaled-underflow kernel), each launched as
-        # kernel[grid](...), or None
-        self.kernels: Dict[bool, Optional[Tuple[Any, Any]]] = {}
+        # interpreted? -> (the abs min/max kernel, the scaled-underflow kernel, the table kernel),
+        # each launched as kernel[grid](...), or None
+        self.kernels: Dict[bool, Optional[Tuple[Any, Any, Any]]] = {}
 
 
 DEVICE_PATH = _DevicePath()
@@ -86,7 +92,7 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def kernel(interpreted: bool) -> Optional[Tuple[Any, Any]]:
+def kernel(interpreted: bool) -> Optional[Tuple[Any, Any, Any]]:
     """The Triton kernels (_device_kernel.build) for GPU tensors (`interpreted` False) or for CPU
     tensors under Triton's interpreter (True), made on first use; None when Triton cannot be
     imported, or when TRITON_INTERPRET says otherwise at that first use."""
@@ -97,7 +103,7 @@ def kernel(interpreted: bool) -> Optional[Tuple[Any, Any]]:
         return None
     with DEVICE_PATH.lock:
         if interpreted not in kernels:
-            k: Optional[Tuple[Any, Any]] = None
+            k: Optional[Tuple[Any, Any, Any]] = None
             try:
                 from . import _device_kernel
                 k = _device_kernel.build()
@@ -172,7 +178,7 @@ class SlotStat:
     `buffer.read()` after its launch. A record holds it at both of the tensor's places
     (Record.readback), and as the tensor's counts row with target_dtypes."""
 
-    __slots__ = ("buffer", "lo", "hi", "read", "width", "counts")
+    __slots__ = ("buffer", "lo", "hi", "read", "width", "counts", "changed")
 
     def __init__(self, buffer: "SlotBuffer", width: int = 0) -> None:
         self.buffer = buffer
@@ -180,6 +186,9 @@ class SlotStat:
         self.read = False  # lo and hi hold the values
         self.width = width
         self.counts: Tuple[int, ...] = ()
+        # its tensor was written in place after its module returned and before its deferred
+        # launch (SlotBuffer.defer): its value at the return is lost; lo and hi mean nothing
+        self.changed = False
 
 
 @contextlib.contextmanager
@@ -200,7 +209,19 @@ def _decode(patterns: Sequence[int]) -> Tuple[float, ...]:
 class SlotBuffer:
     """One device's slots for a batch: preallocated, grown geometrically when a batch needs more,
     reset by one fill at each read. A slot is two int32 words; a tensor measured with a
-    CountLayout takes layout.words // 2 consecutive slots."""
+    CountLayout takes layout.words // 2 consecutive slots.
+
+    Forward frames are deferred (`defer`): their tensors wait in the buffer's table (address,
+    element count, dtype code, slot) and one launch of the table kernel measures the waiting
+    tensors of many module calls (`flush`: at FLUSH_TENSORS tensors, FLUSH_BYTES bytes, before
+    any other launch reads the buffer, and at the read), instead of one launch per call. A
+    waiting tensor is held (its memory cannot be reused before the launch reads it), and its
+    version is checked at the flush: one written in place meanwhile (an inplace ReLU, a
+    residual `+=` on a module's output) has lost the value it had when its module returned,
+    so its SlotStat says `changed`, and its module's frames are measured at once from then on
+    (`eager`: a launch of their own, as every frame had before). The first batch learns those
+    modules before any frame is deferred: its frames launch at once and its tensors' versions
+    are checked at its read (`learning`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -214,6 +235,26 @@ class SlotBuffer:
         self.event: Optional[torch.cuda.Event] = torch.cuda.Event() if self.cuda else None
         self._lock = threading.Lock()
         self._grow(INITIAL_SLOTS)
+        # deferred frames (defer/flush): the waiting tensors, their SlotStats, versions and
+        # modules (`key`), the table's entries (four ints a tensor) and their bytes
+        self._waiting: List[torch.Tensor] = []
+        self._waiting_stats: List[SlotStat] = []
+        self._versions: List[int] = []
+        self._keys: List[object] = []
+        self._entries: List[int] = []
+        self._bytes = 0
+        # the table as the kernel reads it: pinned host rows written in order during a batch
+        # (a row is copied to the device when the stream gets to it: never written twice before
+        # the read's wait), and one device table reused by every launch (stream order)
+        self._table_host = torch.empty(0, dtype=torch.int64)
+        self._table_at = 0
+        self._table_dev = torch.empty(0, dtype=torch.int64, device=device)
+        self._old_tables: List[torch.Tensor] = []  # host tables outgrown this batch (rows in flight)
+        self.eager: Set[object] = set()  # modules whose frames are measured at once (see above)
+        self.learning = True  # the first batch: every frame at once, versions checked at the read
+        self._learn: List[Tuple["weakref.ref[torch.Tensor]", int, object]] = []
+        self.launches = 0  # table launches, for the tests' and benchmarks' counts
+        self.changed_seen = 0  # SlotStats that said `changed`
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * self.capacity)
@@ -226,26 +267,113 @@ class SlotBuffer:
 
     def take(self, k: int, layout: Optional[CountLayout] = None) -> Tuple[int, List[SlotStat]]:
         """Slots for `k` tensors, consecutive (one each, or layout.words // 2 each with a
-        CountLayout): the first's index and their SlotStats."""
+        CountLayout): the first's index and their SlotStats. The tensors waiting for a table
+        launch are launched first (a launch of the caller's own follows)."""
+        with self._lock:
+            self._flush()
+            return self._take(k, layout)
+
+    def _take(self, k: int, layout: Optional[CountLayout]) -> Tuple[int, List[SlotStat]]:
         per = 1 if layout is None else layout.words // 2
         width = 0 if layout is None else layout.width
+        first = self.used
+        if first + per * k > self.capacity:
+            self._grow(first + per * k)
+        self.used = first + per * k
+        stats = [SlotStat(self, width) for _ in range(k)]
+        self.issued += stats
+        if width:
+            self.counted = True
+        return first, stats
+
+    def defer(self, tensors: List[torch.Tensor], key: object) -> List[SlotStat]:
+        """Slots for `tensors` (taken by DeviceFrame.add) of one forward frame of module `key`,
+        measured by a later table launch (see the class); their SlotStats in order."""
         with self._lock:
-            first = self.used
-            if first + per * k > self.capacity:
-                self._grow(first + per * k)
-            self.used = first + per * k
-            stats = [SlotStat(self, width) for _ in range(k)]
-            self.issued += stats
-            if width:
-                self.counted = True
-            return first, stats
+            first, stats = self._take(len(tensors), None)
+            if self.learning or key in self.eager:  # measured now, in a launch of their own
+                if self.learning:
+                    self._learn += [(weakref.ref(t), t._version, key) for t in tensors]
+                for i in range(0, len(tensors), MAX_TENSORS):
+                    launch(self, first + i, tensors[i:i + MAX_TENSORS])
+                return stats
+            entries, waiting = self._entries, self._waiting
+            for j, t in enumerate(tensors):
+                entries += (t.data_ptr(), t.numel(), _CODES[t.dtype], 2 * (first + j))
+                waiting.append(t)
+                self._versions.append(t._version)
+                self._keys.append(key)
+                self._bytes += t.numel() * t.element_size()
+            self._waiting_stats += stats
+            if len(waiting) >= FLUSH_TENSORS or self._bytes >= FLUSH_BYTES:
+                self._flush()
+            return stats
+
+    def flush(self) -> None:
+        """Launch the waiting tensors' table (nothing when none waits)."""
+        if self._waiting:
+            with self._lock:
+                self._flush()
+
+    def _flush(self) -> None:
+        waiting = self._waiting
+        if not waiting:
+            return
+        entries = self._entries
+        stats = self._waiting_stats
+        for j, t in enumerate(waiting):
+            if t._version != self._versions[j]:  # written in place since its module returned
+                stats[j].changed = True
+                self.changed_seen += 1
+                self.eager.add(self._keys[j])
+        count = len(waiting)
+        longest = max(t.numel() for t in waiting)
+        block, most = (_BLOCK_CUDA, _TABLE_PROGRAMS_CUDA) if self.cuda else (_BLOCK_INTERPRETED, _PROGRAMS_INTERPRETED)
+        programs = max(1, min(-(-longest // block), most // count))
+        launch_table(self, entries, count, programs, block)
+        self.launches += 1
+        self._waiting, self._waiting_stats, self._versions, self._keys, self._entries = [], [], [], [], []
+        self._bytes = 0
+
+    def stage(self, entries: List[int]) -> torch.Tensor:
+        """The table kernel's rows for `entries` on the device: written to the next free rows of
+        the pinned host table (never rewritten before the read's wait, so each asynchronous copy
+        reads what was written for it), then copied to the device table (reused by every launch:
+        stream order keeps a launch's rows until it ran)."""
+        m = len(entries)
+        if self._table_at + m > self._table_host.numel():
+            if self._table_at:
+                self._old_tables.append(self._table_host)
+            self._table_host = torch.empty(max(4 * m, 2 * self._table_host.numel(), 1024), dtype=torch.int64,
+                                           pin_memory=self.cuda)
+            self._table_at = 0
+        if self._table_dev.numel() < m:
+            self._table_dev = torch.empty(max(m, 4 * FLUSH_TENSORS), dtype=torch.int64, device=self.device)
+        at = self._table_at
+        rows = self._table_host[at:at + m]
+        rows.copy_(torch.tensor(entries, dtype=torch.int64))
+        self._table_at = at + m
+        table = self._table_dev[:m]
+        table.copy_(rows, non_blocking=self.cuda)
+        return table
+
+    def _learned(self) -> None:
+        """The first batch read: modules whose measured tensors were written in place after they
+        returned are measured at once from now on; the others' frames are deferred."""
+        for ref, version, key in self._learn:
+            t = ref()
+            if t is not None and t._version != version:
+                self.eager.add(key)
+        self._learn = []
+        self.learning = False
 
     def read(self, extra: Optional[torch.Tensor] = None) -> List[float]:
         """Copy the used slots to the host (one copy), give every issued SlotStat its values and
         reset the slots for the next batch (one fill). `extra`, a 1-d float64 tensor on this
         buffer's device (the batch's other statistics), travels in the same copy: its values
-        are returned."""
+        are returned. Waiting tensors are launched first."""
         with self._lock:
+            self._flush()
             n = 2 * self.used
             issued, self.issued, self.used = self.issued, [], 0
             counted, self.counted = self.counted, False
@@ -267,6 +395,10 @@ class SlotBuffer:
                     self.slots[:n].zero_()
             if event is not None:
                 event.synchronize()
+            self._table_at = 0  # every table row has reached the device
+            self._old_tables = []
+            if self.learning:
+                self._learned()
             raw = host[:n].tolist()
             rest = host[n:].view(torch.float64).tolist() if m else []
         if not counted:
@@ -317,6 +449,7 @@ class DeviceStats:
 
 # launch shape: elements per program and loop step, and most programs per launch
 _BLOCK_CUDA, _PROGRAMS_CUDA = 2048, 1024
+_TABLE_PROGRAMS_CUDA = 4096  # programs of a table launch, all its tensors together (small ones exit at once)
 _BLOCK_INTERPRETED, _PROGRAMS_INTERPRETED = 8192, 2
 #: elements a tensor with a counts layout may have: each count is an int32 word read as
 #: unsigned, exact below 2**32 (larger tensors keep the torch ops' counts)
@@ -373,6 +506,27 @@ class DeviceFrame:
             by_place.update(zip(idx, self._launch(k, [tensors[i] for i in idx], layout)))
         return [by_place[i] for i in range(len(tensors))]
 
+    def defer(self, key: object) -> List[SlotStat]:
+        """As `launch`, for a forward frame of module `key`: the tensors wait in their device's
+        table for a launch that measures many frames' tensors at once (SlotBuffer.defer)."""
+        tensors, keys = self.tensors, self.keys
+        self.tensors, self.keys = [], []
+        if not tensors:
+            return []
+        k0 = keys[0]
+        if keys.count(k0) == len(keys):
+            return self._buffer(k0).defer(tensors, key)
+        by_place: Dict[int, SlotStat] = {}
+        for k in dict.fromkeys(keys):
+            idx = [i for i, x in enumerate(keys) if x == k]
+            by_place.update(zip(idx, self._buffer(k).defer([tensors[i] for i in idx], key)))
+        return [by_place[i] for i in range(len(tensors))]
+
+    def _buffer(self, key: int) -> SlotBuffer:
+        buf = self.stats.buffer(key)
+        assert buf is not None  # add() took these tensors only with a buffer
+        return buf
+
     def launch_flagged(self) -> Optional[Tuple[List[SlotStat], torch.Tensor]]:
         """Measure the gathered tensors, all on one device, as `launch` does, and also return a
         0-d float32 tensor on that device: 1.0 when any of them holds inf or NaN, else 0.0 (a
@@ -423,7 +577,7 @@ def _shape(buf: SlotBuffer, tensors: List[torch.Tensor]) -> Tuple[int, int, Tupl
     return block, min(most, -(-longest // block)), tuple(t.numel() for t in tensors)
 
 
-def _kernels(buf: SlotBuffer) -> Tuple[Any, Any]:
+def _kernels(buf: SlotBuffer) -> Tuple[Any, Any, Any]:
     k = kernel(not buf.cuda)
     assert k is not None  # a buffer exists only with its kernels
     return k
@@ -449,6 +603,15 @@ def launch(buf: SlotBuffer, first: int, tensors: List[torch.Tensor], layout: Opt
     with _on_device(buf):
         k[(programs,)](buf.slots, tuple(tensors), sizes, first, programs, ranges, BLOCK=block, STRIDE=stride,
                        RANGES=n_ranges, RANGES_P2=ranges_p2)
+
+
+def launch_table(buf: SlotBuffer, entries: List[int], count: int, programs: int, block: int) -> None:
+    """One launch of the table kernel over `count` tensors listed in `entries` (four ints each:
+    address, elements, dtype code, first slot word; SlotBuffer.defer), `programs` programs
+    each, their rows staged and copied to the device first (SlotBuffer.stage)."""
+    with _on_device(buf):
+        table = buf.stage(entries)
+        _kernels(buf)[2][(count, programs)](buf.slots, table, BLOCK=block)
 
 
 def launch_scaled(buf: SlotBuffer, first: int, tensors: List[torch.Tensor], layout: CountLayout) -> None:

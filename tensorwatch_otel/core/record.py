@@ -15,7 +15,7 @@ from . import magnitude as _mag
 from .device_stats import SlotStat
 from .histogram_layout import ROW_DTYPE
 from .process import said_once
-from .events import Frame, Magnitude, TensorStat
+from .events import NOTE_CHANGED, Frame, Magnitude, TensorStat
 from .naming import module_class_name
 from .stats import DTYPE_MAX, dtype_name
 
@@ -103,7 +103,8 @@ class Record:
     `abs_min_entry`, `host_extremes`, `materialize` and `first_nonfinite_frame`."""
 
     __slots__ = ("batch_number", "_stats", "_dtypes", "_frames", "_host", "phase", "detected", "header",
-                 "targets", "_mags", "_counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats")
+                 "targets", "_mags", "_counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats",
+                 "_lost")
 
     def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
                  targets: Tuple[str, ...] = ()):
@@ -132,6 +133,10 @@ class Record:
         self.overflow: List[float] = []
         self._rows: List[Optional[Row]] = []  # per k: (host matrix, its row, dtype) or None
         self._floats: List[bool] = []  # per k: the tensor had float values (shares apply)
+        # measured tensors whose values were lost (a deferred measurement read the tensor after an
+        # in-place write, core/device_stats.py): their host values are 0.0 placeholders, never
+        # shown, exported or checked
+        self._lost: Optional[set[int]] = None
 
     # ------------------------------------------------------------------ the layout
     def add_frame(self, info: ModuleInfo, draft: FrameDraft) -> None:
@@ -165,12 +170,14 @@ class Record:
         del self._frames[fi]
 
     def measured(self) -> Iterator[Tuple[ModuleInfo, str, int, torch.dtype]]:
-        """(module, tensor name, tensor index, dtype) of every measured tensor, in order."""
+        """(module, tensor name, tensor index, dtype) of every measured tensor whose values are
+        known, in order."""
         dtypes = self._dtypes
+        lost = self._lost or ()
         for info, items, k in self._frames:
             for it in items:
                 if it.__class__ is str:
-                    if k < len(dtypes):
+                    if k < len(dtypes) and k not in lost:
                         yield info, it, k, dtypes[k]
                     k += 1
 
@@ -217,6 +224,8 @@ class Record:
         if others and any(s.__class__ is SlotStat for s in others):
             # the device path's slots: each device buffer copied to the host once (device_stats)
             pending = self._slot_values(pending, have)
+            if any(isinstance(s, SlotStat) and s.changed for s in others):
+                self._lose(pending, have)
             others = [s for s in pending if s.__class__ is not float]
         values: List[float]
         if not others:
@@ -238,6 +247,18 @@ class Record:
             return values[-1]
         self._host += values
         return None
+
+    def _lose(self, pending: List[Stat], first: int) -> None:
+        """The tensors among `pending` (statistics from place `first` on) whose SlotStat says
+        `changed`: their values are lost (0.0 placeholders, see _lost)."""
+        lost = self._lost if self._lost is not None else set()
+        stats = self._stats
+        for i in range(0, len(pending) - (len(pending) & 1), 2):
+            s = stats[first + i] if first + i < len(stats) else None
+            if isinstance(s, SlotStat) and s.changed:
+                lost.add((first + i) // 2)
+                pending[i] = pending[i + 1] = 0.0
+        self._lost = lost
 
     @staticmethod
     def _slot_values(pending: List[Stat], first: int) -> List[Stat]:
@@ -425,6 +446,9 @@ class Record:
                 if it.__class__ is str:
                     mn, mx, dt = host[2 * k], host[2 * k + 1], dtypes[k]
                     k += 1
+                    if self._lost and k - 1 in self._lost:
+                        stats.append(TensorStat(it, None, None, dtype_name(dt), NOTE_CHANGED))
+                        continue
                     top = DTYPE_MAX.get(dt)
                     used = mx / top if top and mx == mx else None
                     if self.targets:

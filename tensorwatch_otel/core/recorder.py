@@ -92,14 +92,16 @@ class _FrameBatch(threading.local):
         self.on_device = []
 
     def measure(self, pending: List[Tuple[int, torch.Tensor, Union[bool, int], int, int]],
-                layout: Optional[CountLayout] = None) -> List[Any]:
+                layout: Optional[CountLayout], key: object) -> List[Any]:
         """(A device-path recorder's frame end.) The values of the tensors taken, two places per
         tensor in the order taken: a SlotStat (at both) for the device kernel's, floats for the
         CPU kernel's (each measured alone when that kernel is not loaded). With target_dtypes
-        (`layout`) only the device kernel takes tensors, and counts them too."""
+        (`layout`) only the device kernel takes tensors, and counts them too, at once; else
+        they wait for a launch with other frames' (DeviceFrame.defer; `key`: the module)."""
         on_device, self.on_device = self.on_device, []
         device = self.device
-        slots = device.launch(layout) if device is not None and True in on_device else []
+        slots = (device.launch(layout) if layout is not None else device.defer(key)) \
+            if device is not None and True in on_device else []
         floats = self.host.measure() if False in on_device else None
         taken = [t for _, t, twin, _, _ in pending if twin.__class__ is not int]
         values: List[Any] = []
@@ -236,7 +238,7 @@ class FrameRecorder:
         fb = self._fb
         fb.on = fb.device is not None or getattr(KERNEL.get(), "host_many", None) is not None
 
-    def _batch_end(self, rec: Record, d: FrameDraft) -> None:
+    def _batch_end(self, rec: Record, d: FrameDraft, info: ModuleInfo) -> None:
         """Measure the frame's gathered tensors (one kernel call) and put their values in the
         draft's places and the caches."""
         fb = self._fb
@@ -250,7 +252,7 @@ class FrameRecorder:
         plan = rec.plan
         counted = plan is not None  # target_dtypes: each SlotStat is the tensor's counts row too
         if fb.device is not None:  # the device kernel's SlotStats, and the CPU kernel's floats
-            values = fb.measure(pending, plan.device_layout() if plan is not None else None)
+            values = fb.measure(pending, plan.device_layout() if plan is not None else None, info)
         else:
             values = fb.host.measure()
         stats = d.stats
@@ -294,7 +296,7 @@ class FrameRecorder:
         self._batch_start()
         try:
             self._frame(rec, info, d, args, kwargs, output)
-            self._batch_end(rec, d)
+            self._batch_end(rec, d, info)
         except BaseException:
             self._abandon()
             raise
