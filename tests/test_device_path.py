@@ -356,6 +356,79 @@ def test_a_tensor_written_in_place_before_its_deferred_launch_is_said_and_never_
     assert named == [(2, "out", "input[0]"), (3, "out", "input[0]")]
 
 
+class _FreesAfterUse(nn.Module):
+    """Frees `lin`'s output storage in place after using it and keeps the tensor, as FSDP frees
+    an unsharded parameter's storage after its module's forward (`resize_(0)`: no version moves)
+    and keeps the parameter for the next forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = self.out(y * 1.0)
+        y.untyped_storage().resize_(0)
+        self.kept = y
+        return z
+
+
+def test_a_tensor_whose_storage_is_freed_after_its_module_returned_is_measured_at_once():
+    def run(forced):
+        torch.manual_seed(0)
+        model = _FreesAfterUse()
+        g = torch.Generator().manual_seed(4)
+        return _train_forward_n(model, [torch.randn(3, 8, generator=g) for _ in range(3)], forced)
+
+    default, forced = run(False), run(True)
+    assert _rows(forced) == _rows(default)
+    assert not any(t.note for f in forced for t in f.tensors)
+
+
+def _train_forward_n(model, xs, forced):
+    sink = Collect()
+    device_stats.force_on_cpu(forced)
+    try:
+        with watch(model, sinks=[sink], on_detect="report", trace_batches=range(len(xs))):
+            for x in xs:
+                model(x)
+    finally:
+        device_stats.force_on_cpu(False)
+    return [f for b in sink.batches for f in b.frames]
+
+
+@pytest.mark.slow
+def test_frames_inside_an_inductor_graph_are_measured_at_once(monkeypatch):
+    """The compiled ops run the hooks inside an inductor graph, whose buffers are reused by the
+    graph's later kernels without a version bump: a deferred measurement would read another
+    tensor's values there (the failure seen on an H200). Inside the ops frames launch at once:
+    compiled values equal eager's."""
+    from tensorwatch_otel.core import graph_stats
+
+    monkeypatch.setattr(graph_stats, "ON", False)  # the ops, as on CUDA today
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2, d=16, heads=2)
+    x = torch.randn(2, 8, 16)
+    eager, _ = _train_forward(model, x, False)
+    sink = Collect()
+    device_stats.force_on_cpu(True)
+    try:
+        with watch(model, sinks=[sink], on_detect="report", trace_batches=(0, 1, 2)):
+            compiled = torch.compile(model)
+            for _ in range(3):
+                compiled(x)
+    finally:
+        device_stats.force_on_cpu(False)
+        torch._dynamo.reset()
+    got = {(f.module, t.name): (t.abs_min, t.abs_max) for f in sink.batches[-1].frames for t in f.tensors}
+    want = {(f.module, t.name): (t.abs_min, t.abs_max) for f in eager for t in f.tensors}
+    assert set(got) == set(want)
+    for key, (mn, mx) in want.items():
+        assert math.isclose(got[key][1], mx, rel_tol=1e-3, abs_tol=1e-3 * mx), (key, got[key], (mn, mx))
+        assert math.isclose(got[key][0], mn, rel_tol=1e-3, abs_tol=1e-3 * mx), (key, got[key], (mn, mx))
+
+
 @pytest.mark.slow
 def test_a_compiled_model_on_the_device_path_records_the_eager_frames(monkeypatch):
     """watch() then torch.compile: the hooks' bodies run the recorder at run time (core/compiled.py),

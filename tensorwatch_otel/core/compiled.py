@@ -27,6 +27,7 @@ import torch
 
 from . import graph_stats
 from .copies import Hook, ModuleHook, Unwatched
+from .device_stats import immediate
 from .errors import AbortAfterBatch, NonFiniteDetected
 from .process import said_once
 
@@ -249,7 +250,8 @@ def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tens
                 stack.pop()
             w, post = s.watcher(), s.post()
             if w is not None and w._attached and post is not None:
-                post(s.module(), args, kwargs, output)
+                with immediate():  # (the graph's buffers are reused as it goes on: measured now)
+                    post(s.module(), args, kwargs, output)
     except (NonFiniteDetected, AbortAfterBatch):
         _unwind(OPEN.stack, 0)  # the enclosing calls end, as eager's always_call hooks end them
         raise  # by design: the detection (on_detect="raise") leaves the compiled call

@@ -206,6 +206,36 @@ def _decode(patterns: Sequence[int]) -> Tuple[float, ...]:
     return struct.unpack(f"<{len(bits)}f", struct.pack(f"<{len(bits)}i", *bits))
 
 
+def _released(t: torch.Tensor) -> bool:
+    """`t`'s storage no longer holds its elements: freed in place (FSDP frees an unsharded
+    parameter's storage after its module's forward with `resize_(0)`, moving no version)."""
+    try:
+        return t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()
+    except RuntimeError:
+        return True
+
+
+class _Immediate(threading.local):
+    """Depth of the calling thread's `immediate()` blocks."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+IMMEDIATE = _Immediate()
+
+
+@contextlib.contextmanager
+def immediate() -> Iterator[None]:
+    """Frames recorded inside are measured at once, never deferred (core/compiled.py's ops run
+    the hooks inside a compiled graph, whose buffers inductor reuses without a version bump)."""
+    IMMEDIATE.depth += 1
+    try:
+        yield
+    finally:
+        IMMEDIATE.depth -= 1
+
+
 class SlotBuffer:
     """One device's slots for a batch: preallocated, grown geometrically when a batch needs more,
     reset by one fill at each read. A slot is two int32 words; a tensor measured with a
@@ -288,10 +318,13 @@ class SlotBuffer:
 
     def defer(self, tensors: List[torch.Tensor], key: object) -> List[SlotStat]:
         """Slots for `tensors` (taken by DeviceFrame.add) of one forward frame of module `key`,
-        measured by a later table launch (see the class); their SlotStats in order."""
+        measured by a later table launch (see the class); their SlotStats in order. Measured at
+        once instead for a module learnt or being learnt, a `key` of None (tensors lent for the
+        call only), and inside a compiled graph's op (`immediate()`: inductor reuses its buffers
+        without moving a version)."""
         with self._lock:
             first, stats = self._take(len(tensors), None)
-            if self.learning or key in self.eager:  # measured now, in a launch of their own
+            if self.learning or key is None or key in self.eager or IMMEDIATE.depth:  # measured now, alone
                 if self.learning:
                     self._learn += [(weakref.ref(t), t._version, key) for t in tensors]
                 for i in range(0, len(tensors), MAX_TENSORS):
@@ -322,7 +355,7 @@ class SlotBuffer:
         entries = self._entries
         stats = self._waiting_stats
         for j, t in enumerate(waiting):
-            if t._version != self._versions[j]:  # written in place since its module returned
+            if t._version != self._versions[j] or _released(t):  # written since its module returned
                 stats[j].changed = True
                 self.changed_seen += 1
                 self.eager.add(self._keys[j])
@@ -362,7 +395,7 @@ class SlotBuffer:
         returned are measured at once from now on; the others' frames are deferred."""
         for ref, version, key in self._learn:
             t = ref()
-            if t is not None and t._version != version:
+            if t is not None and (t._version != version or _released(t)):
                 self.eager.add(key)
         self._learn = []
         self.learning = False

@@ -252,7 +252,9 @@ class FrameRecorder:
         plan = rec.plan
         counted = plan is not None  # target_dtypes: each SlotStat is the tensor's counts row too
         if fb.device is not None:  # the device kernel's SlotStats, and the CPU kernel's floats
-            values = fb.measure(pending, plan.device_layout() if plan is not None else None, info)
+            # (a lent parameter, accelerate's offload, lives for the call only: measured at once)
+            values = fb.measure(pending, plan.device_layout() if plan is not None else None,
+                                None if info.lent else info)
         else:
             values = fb.host.measure()
         stats = d.stats
