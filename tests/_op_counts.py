@@ -190,6 +190,16 @@ class OpCounts:
         monkeypatch.setattr(device_stats, "launch", counted(real_launch))
         monkeypatch.setattr(device_stats, "launch_scaled", counted(real_scaled))
         monkeypatch.setattr(device_stats, "launch_table", counted(device_stats.launch_table, table=True))
+        real_decode = device_stats.decode_words
+
+        def decode_words(words):  # the read's decoding on the host (CPU ops on a CUDA run): not a launch
+            was, counts.in_launch = counts.in_launch, True
+            try:
+                return real_decode(words)
+            finally:
+                counts.in_launch = was
+
+        monkeypatch.setattr(device_stats, "decode_words", decode_words)
         monkeypatch.setattr(device_stats.SlotBuffer, "read", read)
         return self
 

@@ -30,10 +30,9 @@ import contextlib
 import logging
 import math
 import os
-import struct
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -45,14 +44,19 @@ KERNEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 #: each count is a kernel variant compiled on first use
 MAX_TENSORS = 16
 #: deferred forward frames (SlotBuffer.defer): a table launch when this many tensors wait...
-FLUSH_TENSORS = 64
+FLUSH_TENSORS = 256
 #: ... or when they hold this many bytes (they stay alive until it)
 FLUSH_BYTES = 1 << 28
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the table kernel's dtype codes
+_SIZE_SHIFT = (2, 1, 1)  # log2 of the element size, by dtype code
+#: reads whose values slot codes can still look up (SlotBuffer.decoded): a cached weight's code is
+#: reused until the weights are measured again (at the latest every 32 batches)
+KEPT_READS = 64
 INITIAL_SLOTS = 1024
 _MASK = 0x7FFFFFFF  # the sign-cleared pattern's largest value; also the abs-min slot's complement base
 _INF_BITS = 0x7F800000
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PARAMETER = torch.nn.Parameter
 _STRIDED = torch.strided
 _CPU_KEY = -1  # a buffer's key: the CUDA device index, or this for the CPU
 
@@ -178,10 +182,11 @@ class SlotStat:
     `buffer.read()` after its launch. A record holds it at both of the tensor's places
     (Record.readback), and as the tensor's counts row with target_dtypes."""
 
-    __slots__ = ("buffer", "lo", "hi", "read", "width", "counts", "changed")
+    __slots__ = ("buffer", "index", "lo", "hi", "read", "width", "counts", "changed")
 
-    def __init__(self, buffer: "SlotBuffer", width: int = 0) -> None:
+    def __init__(self, buffer: "SlotBuffer", width: int = 0, index: int = 0) -> None:
         self.buffer = buffer
+        self.index = index  # its first slot in the buffer
         self.lo = self.hi = math.nan
         self.read = False  # lo and hi hold the values
         self.width = width
@@ -194,16 +199,6 @@ class SlotStat:
 @contextlib.contextmanager
 def _nothing() -> Iterator[None]:
     yield
-
-
-def _decode(patterns: Sequence[int]) -> Tuple[float, ...]:
-    """Float values of (abs-min complement, abs-max pattern) pairs: NaN in both when abs max is
-    NaN (the contract of stats.measure)."""
-    bits = list(patterns)
-    for j in range(0, len(bits), 2):
-        hi = bits[j + 1]
-        bits[j] = hi if hi > _INF_BITS else _MASK - bits[j]
-    return struct.unpack(f"<{len(bits)}f", struct.pack(f"<{len(bits)}i", *bits))
 
 
 def _released(t: torch.Tensor) -> bool:
@@ -234,6 +229,16 @@ def immediate() -> Iterator[None]:
         yield
     finally:
         IMMEDIATE.depth -= 1
+
+
+def decode_words(words: torch.Tensor) -> torch.Tensor:
+    """The float values of a 1-d int32 CPU tensor of (abs-min complement, abs-max pattern)
+    pairs, in torch ops: a float64 tensor of (abs min, abs max) pairs, NaN in both when the abs
+    max is NaN (the contract of stats.measure)."""
+    pairs = words.view(-1, 2)
+    hi = pairs[:, 1]
+    lo = torch.where(hi > _INF_BITS, hi, _MASK - pairs[:, 0])
+    return torch.stack([lo, hi], dim=1).view(torch.float32).to(torch.float64).view(-1)
 
 
 class SlotBuffer:
@@ -268,7 +273,7 @@ class SlotBuffer:
         # deferred frames (defer/flush): the waiting tensors, their SlotStats, versions and
         # modules (`key`), the table's entries (four ints a tensor) and their bytes
         self._waiting: List[torch.Tensor] = []
-        self._waiting_stats: List[SlotStat] = []
+        self._waiting_stats: List[Any] = []  # a SlotStat (defer), or a slot number (take_one)
         self._versions: List[int] = []
         self._keys: List[object] = []
         self._entries: List[int] = []
@@ -277,6 +282,7 @@ class SlotBuffer:
         # (a row is copied to the device when the stream gets to it: never written twice before
         # the read's wait), and one device table reused by every launch (stream order)
         self._table_host = torch.empty(0, dtype=torch.int64)
+        self._table_np: Any = self._table_host.numpy()  # its NumPy view (writes without a torch op)
         self._table_at = 0
         self._table_dev = torch.empty(0, dtype=torch.int64, device=device)
         self._old_tables: List[torch.Tensor] = []  # host tables outgrown this batch (rows in flight)
@@ -284,6 +290,12 @@ class SlotBuffer:
         self.learning = True  # the first batch: every frame at once, versions checked at the read
         self._learn: List[Tuple["weakref.ref[torch.Tensor]", int, object]] = []
         self.launches = 0  # table launches, for the tests' and benchmarks' counts
+        # slot codes (take_one): the read number, and per read kept the decoded values and the
+        # slots whose values were lost (decoded)
+        self.epoch = 0
+        self._decoded: Dict[int, Tuple[torch.Tensor, Set[int]]] = {}
+        self._lost: Set[int] = set()
+        self.several = torch.cuda.device_count() > 1 if self.cuda else False  # (a tensor's device is checked)
         self.changed_seen = 0  # SlotStats that said `changed`
 
     def _grow(self, need: int) -> None:
@@ -310,7 +322,7 @@ class SlotBuffer:
         if first + per * k > self.capacity:
             self._grow(first + per * k)
         self.used = first + per * k
-        stats = [SlotStat(self, width) for _ in range(k)]
+        stats = [SlotStat(self, width, first + per * j) for j in range(k)]
         self.issued += stats
         if width:
             self.counted = True
@@ -342,6 +354,60 @@ class SlotBuffer:
                 self._flush()
             return stats
 
+    def take_one(self, t: torch.Tensor, key: object) -> Optional[int]:
+        """`defer([t], key)` for a tensor the table kernel reads as it is (DeviceFrame.add's
+        test, on this buffer's device), when its frame may wait (not learnt, not learning, not
+        inside a compiled graph): its slot's code (see `code`) instead of a SlotStat; else None,
+        nothing taken (the caller measures the frame its general way). The recorder's
+        one-in-one-out device frame, in few lines."""
+        if t.__class__ not in _PLAIN or t.layout is not _STRIDED or self.learning or IMMEDIATE.depth \
+                or key in self.eager:
+            return None
+        code = _CODES.get(t.dtype)
+        if code is None or not t.is_contiguous():
+            return None
+        if self.cuda:
+            if not t.is_cuda or (self.several and t.get_device() != self.device.index):
+                return None
+        elif not t.is_cpu:
+            return None
+        n = t.numel()
+        if not n:
+            return None
+        lock = self._lock
+        lock.acquire()
+        try:
+            slot = self.used
+            if slot >= self.capacity:
+                self._grow(slot + 1)
+            self.used = slot + 1
+            self._entries += (t.data_ptr(), n, code, 2 * slot)
+            waiting = self._waiting
+            waiting.append(t)
+            self._waiting_stats.append(slot)
+            self._versions.append(t._version)
+            self._keys.append(key)
+            self._bytes += n << _SIZE_SHIFT[code]
+            if len(waiting) >= FLUSH_TENSORS or self._bytes >= FLUSH_BYTES:
+                self._flush()
+            return (self.epoch << 32) | slot
+        finally:
+            lock.release()
+
+    def waits(self) -> bool:
+        """Slots taken since the last read (it would copy something)."""
+        return self.used > 0
+
+    def decoded(self, epoch: int) -> Optional[Tuple[torch.Tensor, Set[int]]]:
+        """The values read at read number `epoch` (a float64 tensor: abs min, abs max of slot i at
+        2i, 2i + 1) and the slots whose values were lost (`changed`), for the slot codes
+        `take_one` gave then (code >> 32 is the read number, code & 0xFFFFFFFF the slot); the
+        buffer is read first when `epoch` is the current one. None when that read is too old to
+        be kept (KEPT_READS)."""
+        if epoch == self.epoch:
+            self.read()
+        return self._decoded.get(epoch)
+
     def flush(self) -> None:
         """Launch the waiting tensors' table (nothing when none waits)."""
         if self._waiting:
@@ -355,8 +421,13 @@ class SlotBuffer:
         entries = self._entries
         stats = self._waiting_stats
         for j, t in enumerate(waiting):
-            if t._version != self._versions[j] or _released(t):  # written since its module returned
-                stats[j].changed = True
+            # written since its module returned (FSDP frees parameters' storage: those are checked)
+            if t._version != self._versions[j] or (t.__class__ is _PARAMETER and _released(t)):
+                stat = stats[j]
+                if stat.__class__ is int:
+                    self._lost.add(stat)
+                else:
+                    stat.changed = True
                 self.changed_seen += 1
                 self.eager.add(self._keys[j])
         count = len(waiting)
@@ -379,12 +450,13 @@ class SlotBuffer:
                 self._old_tables.append(self._table_host)
             self._table_host = torch.empty(max(4 * m, 2 * self._table_host.numel(), 1024), dtype=torch.int64,
                                            pin_memory=self.cuda)
+            self._table_np = self._table_host.numpy()
             self._table_at = 0
         if self._table_dev.numel() < m:
             self._table_dev = torch.empty(max(m, 4 * FLUSH_TENSORS), dtype=torch.int64, device=self.device)
         at = self._table_at
         rows = self._table_host[at:at + m]
-        rows.copy_(torch.tensor(entries, dtype=torch.int64))
+        self._table_np[at:at + m] = entries  # (one C-level write of the Python ints into the pinned rows)
         self._table_at = at + m
         table = self._table_dev[:m]
         table.copy_(rows, non_blocking=self.cuda)
@@ -432,23 +504,32 @@ class SlotBuffer:
             self._old_tables = []
             if self.learning:
                 self._learned()
-            raw = host[:n].tolist()
             rest = host[n:].view(torch.float64).tolist() if m else []
+            # every pair decoded: slot codes look their values up by slot (a counts word of a
+            # counted slot decodes to a number nobody reads)
+            decoded = decode_words(host[:n])
+            epoch = self.epoch
+            self._decoded[epoch] = (decoded, self._lost)
+            self._decoded.pop(epoch - KEPT_READS, None)
+            self._lost = set()
+            self.epoch = epoch + 1
+            if issued:
+                values = decoded.tolist()
+                raw = host[:n].tolist() if counted else []
+        if not issued:
+            return rest
         if not counted:
-            values = _decode(raw)
-            for j, s in enumerate(issued):
-                s.lo = values[2 * j]
-                s.hi = values[2 * j + 1]
+            for s in issued:
+                i = 2 * s.index
+                s.lo = values[i]
+                s.hi = values[i + 1]
                 s.read = True
             return rest
-        at = 0
         for s in issued:  # slots of several widths: each decoded at its place
-            s.lo, s.hi = _decode(raw[at:at + 2])
+            at = 2 * s.index
+            s.lo, s.hi = values[at], values[at + 1]
             if s.width:
                 s.counts = tuple(c & 0xFFFFFFFF for c in raw[at + 2:at + 2 + s.width])  # (unsigned)
-                at += 2 + s.width + (s.width & 1)
-            else:
-                at += 2
             s.read = True
         return rest
 
@@ -460,6 +541,9 @@ class DeviceStats:
     def __init__(self) -> None:
         self.cpu = DEVICE_PATH.mode == "force" and triton_interpreting()
         self.buffers: Dict[int, Optional[SlotBuffer]] = {}
+        # the buffer, while there is exactly one (a model on one GPU): the one-in-one-out frames'
+        # (FrameRecorder._device_call); None before the first and once there are several
+        self.one: Optional[SlotBuffer] = None
         self.interpreted = triton_interpreting()
         self._lock = threading.Lock()
 
@@ -474,6 +558,8 @@ class DeviceStats:
                 ok = (key == _CPU_KEY) == self.interpreted and kernel(self.interpreted) is not None
                 dev = torch.device("cpu") if key == _CPU_KEY else torch.device("cuda", key)
                 self.buffers[key] = SlotBuffer(dev) if ok else None
+                made = [b for b in self.buffers.values() if b is not None]
+                self.one = made[0] if len(made) == 1 else None
             return self.buffers[key]
 
     def frame(self) -> "DeviceFrame":

@@ -32,6 +32,8 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
     "cpu_kernel.COMPILERS": "compiler processes still running, killed with their process groups at exit",
     "device_stats.DEVICE_PATH": "which devices take the fused device path (a test/benchmark switch) and the "
                                 "fused kernels, built once per process",
+    "device_stats.IMMEDIATE": "per thread, inside a compiled graph's ops: frames are measured at once, never "
+                              "deferred (inductor reuses the graph's buffers without a version bump)",
     "graph_stats.SITES": "in-graph statistics: the call sites compiled graphs were traced with (their "
                          "values are stored on them after each run) and the per-device sequence counters",
     "graph_stats.ROOT_TRACED": "the tracing contexts (weakly held) whose graph traced a model's own hooks: "

@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
 import torch
 
 from . import magnitude as _mag
-from .device_stats import SlotStat
+from .device_stats import SlotBuffer, SlotStat
 from .histogram_layout import ROW_DTYPE
 from .process import said_once
 from .events import NOTE_CHANGED, Frame, Magnitude, TensorStat
@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 SHARES_FAILED = "underflow/overflow shares failed"  # said_once's key: logged once per process
 
 # a statistic (FrameDraft.stats): a 0-d device tensor, a float on the host already (the CPU
-# kernel), or a device buffer's slot until the batch's read-back (core/device_stats.py)
-Stat = Union[torch.Tensor, float, SlotStat]
+# kernel), or a device buffer's slot until the batch's read-back (core/device_stats.py): a
+# SlotStat, or a slot code (an int, SlotBuffer.take_one) of the record's one code buffer
+Stat = Union[torch.Tensor, float, SlotStat, int]
 # a frame item (FrameDraft.items): a measured tensor's name, or (name, note) for a value without statistics
 Item = Union[str, Tuple[str, str]]
 # Record._rows: (host matrix, its row, dtype) of a measured tensor's histogram
@@ -104,7 +105,7 @@ class Record:
 
     __slots__ = ("batch_number", "_stats", "_dtypes", "_frames", "_host", "phase", "detected", "header",
                  "targets", "_mags", "_counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats",
-                 "_lost")
+                 "_lost", "_code_buf", "_n_others", "_others_read")
 
     def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
                  targets: Tuple[str, ...] = ()):
@@ -137,18 +138,37 @@ class Record:
         # in-place write, core/device_stats.py): their host values are 0.0 placeholders, never
         # shown, exported or checked
         self._lost: Optional[set[int]] = None
+        self._code_buf: Optional[SlotBuffer] = None  # the buffer its slot codes (ints) are of
+        # statistics that are not slot codes, added so far and read back so far (while every
+        # pending one is a code, readback takes them in a few tensor ops: _readback_codes)
+        self._n_others = 0
+        self._others_read = 0
 
     # ------------------------------------------------------------------ the layout
     def add_frame(self, info: ModuleInfo, draft: FrameDraft) -> None:
         """A frame: its module and what its draft holds (the draft's items list is kept)."""
         first = len(self._dtypes)
         self._stats += draft.stats
+        self._n_others += len(draft.stats)
         self._dtypes += draft.dtypes
         counts = draft.counts
         if counts:  # (target_dtypes)
             self._counts += counts
             self._mags += draft.mags
         self._frames.append((info, draft.items, first))
+
+    def add_lists(self, info: ModuleInfo, items: List[Item], stats: List[Stat], dtypes: List[torch.dtype],
+                  codes: Optional[SlotBuffer] = None, others: int = 0) -> None:
+        """A frame given as a draft's three lists (items kept; no counts rows: no target_dtypes);
+        `codes`: the buffer of the slot codes among `stats` (one buffer a record); `others`: how
+        many of `stats` are not codes."""
+        if codes is not None:
+            self._code_buf = codes
+        self._n_others += others
+        first = len(self._dtypes)
+        self._stats += stats
+        self._dtypes += dtypes
+        self._frames.append((info, items, first))
 
     @property
     def frame_count(self) -> int:
@@ -219,6 +239,11 @@ class Record:
             pending = pending + [extra]
         if not pending:
             return None
+        if self._code_buf is not None:
+            if self._n_others == self._others_read:  # every pending statistic is a slot code
+                return self._readback_codes(pending, have, extra)
+            self._others_read = self._n_others
+            pending = self._code_values(pending, have)
         # CPU statistics read by the compiled kernel are Python floats already (stats.measure_host)
         others: List[Stat] = [s for s in pending if s.__class__ is not float]
         if others and any(s.__class__ is SlotStat for s in others):
@@ -247,6 +272,81 @@ class Record:
             return values[-1]
         self._host += values
         return None
+
+    def _readback_codes(self, pending: List[Stat], first: int, extra: Optional[torch.Tensor]) -> Optional[float]:
+        """readback() when every pending statistic is a slot code (the device path's usual batch):
+        their values gathered in a few tensor ops, `extra` in the buffer's one copy."""
+        buf = self._code_buf
+        assert buf is not None
+        codes_list = pending[:-1] if extra is not None else pending
+        result: Optional[float] = None
+        if buf.waits():
+            rest = buf.read(extra.reshape(1).to(torch.float64) if extra is not None else None)
+            result = rest[0] if extra is not None else None
+        elif extra is not None:
+            result = float(extra)
+        if not codes_list:
+            return result
+        codes = torch.tensor(codes_list, dtype=torch.int64)
+        epochs = codes >> 32
+        slots = codes & 0xFFFFFFFF
+        places = 2 * slots + ((torch.arange(len(codes_list)) + first) & 1)
+        values = torch.zeros(len(codes_list), dtype=torch.float64)
+        lost_at: List[int] = []
+        for epoch in epochs.unique().tolist():
+            got = buf.decoded(epoch)
+            mask = epochs == epoch
+            if got is None:  # (too old a read: never expected)
+                lost_at += torch.nonzero(mask).view(-1).tolist()
+                continue
+            decoded, lost = got
+            values[mask] = decoded[places[mask]]
+            if lost:
+                gone = mask & torch.isin(slots, torch.tensor(sorted(lost), dtype=torch.int64))
+                values[gone] = 0.0
+                lost_at += torch.nonzero(gone).view(-1).tolist()
+        if lost_at:
+            lost_set = self._lost if self._lost is not None else set()
+            lost_set.update((first + i) // 2 for i in lost_at)
+            self._lost = lost_set
+        self._host += values.tolist()
+        return result
+
+    def _code_values(self, pending: List[Stat], first: int) -> List[Stat]:
+        """`pending` (statistics from place `first` on) with each slot code replaced by its value
+        (the abs min at a tensor's even place, the abs max at its odd one; a lost one, 0.0, its
+        tensor in _lost). Codes of the buffer's current read read it first (one copy), with the
+        0-d tensors among `pending` on its device (integer tensors, float64, odd ones) in it."""
+        buf = self._code_buf
+        assert buf is not None
+        out = list(pending)
+        current = buf.epoch
+        if any(s.__class__ is int and s >> 32 == current for s in out):
+            zero_d = [i for i, s in enumerate(out) if s.__class__ is torch.Tensor]
+            tensors = cast(List[torch.Tensor], [out[i] for i in zero_d])
+            if zero_d and all(t.device == buf.device for t in tensors):
+                for i, v in zip(zero_d, buf.read(torch.stack(tensors).reshape(-1).to(torch.float64))):
+                    out[i] = v
+            else:
+                buf.read()
+        reads: Dict[int, Optional[Tuple[List[float], set[int]]]] = {}
+        lost = self._lost if self._lost is not None else set()
+        for i, code in enumerate(out):
+            if not isinstance(code, int) or isinstance(code, bool):
+                continue
+            epoch, slot = code >> 32, code & 0xFFFFFFFF
+            if epoch not in reads:
+                d = buf.decoded(epoch)
+                reads[epoch] = None if d is None else (d[0].tolist(), d[1])
+            got = reads[epoch]
+            if got is None or slot in got[1]:  # too old a read (never expected), or written in place
+                out[i] = 0.0
+                lost.add((first + i) // 2)
+            else:
+                out[i] = got[0][2 * slot + ((first + i) & 1)]
+        if lost:
+            self._lost = lost
+        return out
 
     def _lose(self, pending: List[Stat], first: int) -> None:
         """The tensors among `pending` (statistics from place `first` on) whose SlotStat says

@@ -21,7 +21,7 @@ import torch
 
 from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
-from .record import FrameDraft, ModuleInfo, Record
+from .record import FrameDraft, Item, ModuleInfo, Record, Stat
 from .cpu_kernel import CODES, KERNEL
 from .device_stats import CountLayout, DeviceFrame, DeviceStats, SlotStat, wanted as device_path_wanted
 from .magnitude import HISTOGRAM_EVERY, measure_counts
@@ -41,7 +41,7 @@ _UNREAD: Tuple[float, float] = (math.nan, math.nan)  # placeholders, never read
 
 # a measurement: two 0-d device tensors, two floats on the host (the CPU kernel), or a device
 # buffer's slot at both places until the batch's read-back (core/device_stats.py)
-StatPair = Union[Tuple[torch.Tensor, torch.Tensor], Tuple[float, float], Tuple[SlotStat, SlotStat]]
+StatPair = Union[Tuple[torch.Tensor, torch.Tensor], Tuple[float, float], Tuple[SlotStat, SlotStat], Tuple[int, int]]
 
 
 def _tensor_attributes(v: object) -> Tuple[str, ...]:
@@ -141,8 +141,9 @@ class FrameRecorder:
     def __init__(self, model: torch.nn.Module) -> None:
         # the device path (core/device_stats.py), decided when the recorder is made
         self._device = DeviceStats() if device_path_wanted() else None
-        # param -> (version, data_ptr, dtype, (mn, mx)); cleared by invalidate_weights()
-        self.params_seen: Dict[torch.Tensor, Tuple[int, int, torch.dtype, StatPair]] = {}
+        # id(param) -> (param, version, data_ptr, dtype, (mn, mx)); cleared by invalidate_weights()
+        # (keyed by id: a tensor's own __hash__ is a Python call, and the entry holds the param)
+        self.params_seen: Dict[int, Tuple[torch.Tensor, int, int, torch.dtype, StatPair]] = {}
         # Replaced parameters (functional_call, re-created weights) would stay alive as keys:
         # past this size the cache is dropped at a batch end and simply refilled.
         self.params_cap = 2 * sum(1 for _ in model.parameters()) + 64
@@ -221,9 +222,9 @@ class FrameRecorder:
 
     def _measured(self, mn: Union[torch.Tensor, float, SlotStat]) -> Optional[torch.Tensor]:
         """The tensor whose measurement gave `mn`, when it is still alive."""
-        for p, seen in self.params_seen.items():
-            if seen[3][0] is mn:
-                return p
+        for seen in self.params_seen.values():
+            if seen[4][0] is mn:
+                return seen[0]
         for acts in (self.acts_seen, self.acts_last):
             for ref, _, r, _ in acts.values():
                 if r[0] is mn:
@@ -281,7 +282,7 @@ class FrameRecorder:
                 d.counts[pos // 2] = slot
                 self.mags_seen[id(slot)] = (slot, slot, None)
             if is_param:
-                params_seen[t] = (version, ptr, t.dtype, r)
+                params_seen[id(t)] = (t, version, ptr, t.dtype, r)
             else:
                 try:
                     acts_seen[id(t)] = (weakref.ref(t), version, r, t.dtype)
@@ -292,7 +293,9 @@ class FrameRecorder:
               output: object) -> None:
         """The full view: parameters, every positional and keyword input, any output value."""
         if output.__class__ is _TENSOR and len(args) == 1 and not kwargs and not rec.targets \
-                and args[0].__class__ is _TENSOR and self._one_in_one_out(rec, info, args[0], output):
+                and args[0].__class__ is _TENSOR and (self._device_call(rec, info, args[0], output)
+                                                      if self._device is not None else
+                                                      self._one_in_one_out(rec, info, args[0], output)):
             return
         d = FrameDraft()
         self._batch_start()
@@ -355,6 +358,67 @@ class FrameRecorder:
         items.append(_INPUT0)
         items.append("output")
         rec.add_frame(info, d)
+        return True
+
+    def _device_call(self, rec: Record, info: ModuleInfo, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """`_one_in_one_out` on the device path: a module call of one tensor in and one out whose
+        tensors all take one device buffer's deferred table (SlotBuffer.take_one: a slot code
+        each), taken in a few lines with the caches and record of `_frame`. False for any other
+        frame, and for one whose tensors must be measured at once (a module learnt or being
+        learnt, inside a compiled graph): `_frame` takes it (the tensors taken here by then are
+        in the caches)."""
+        device = self._device
+        if device is None or y is x or info.lent:
+            return False
+        buf = device.one
+        if buf is None:
+            return False
+        take = buf.take_one
+        params_seen, acts_seen = self.params_seen, self.acts_seen
+        items: List[Item] = []
+        stats: List[Stat] = []
+        dtypes: List[torch.dtype] = []
+        others = 0  # cached statistics that are not slot codes (taken by `_frame` earlier)
+        for name, p in info.params.items():
+            if p is None:
+                continue
+            seen = params_seen.get(id(p))
+            version = p._version
+            if seen is not None and seen[1] == version and seen[2] == p.data_ptr() and seen[3] is p.dtype:
+                r = seen[4]
+                if r[0].__class__ is not int:
+                    others += 2
+                dt = seen[3]
+            else:
+                code = take(p, info)
+                if code is None:
+                    return False
+                r = (code, code)
+                dt = p.dtype
+                params_seen[id(p)] = (p, version, p.data_ptr(), dt, r)
+            stats += r
+            dtypes.append(dt)
+            items.append(name)
+        for t, name in ((x, _INPUT0), (y, "output")):
+            seen_t = acts_seen.get(id(t))
+            if seen_t is not None and seen_t[0]() is t and seen_t[1] == t._version:
+                r = seen_t[2]
+                if r[0].__class__ is not int:
+                    others += 2
+                dtypes.append(seen_t[3])
+            else:
+                if t.is_inference():
+                    return False
+                code = take(t, info)
+                if code is None:
+                    return False
+                r = (code, code)
+                dt = t.dtype
+                acts_seen[id(t)] = (weakref.ref(t), t._version, r, dt)
+                dtypes.append(dt)
+            stats += r
+            items.append(name)
+        rec.add_lists(info, items, stats, dtypes, buf, others)
         return True
 
     def _abandon(self) -> None:
@@ -448,12 +512,12 @@ class FrameRecorder:
             return
         if rec.targets:
             return self._param_magnitude(rec, p, name, d)
-        seen = self.params_seen.get(p)
+        seen = self.params_seen.get(id(p))
         version = p._version
         ptr = p.data_ptr() if p.__class__ in _PLAIN else id(p)
-        if seen is not None and seen[0] == version and seen[1] == ptr and seen[2] is p.dtype:
-            d.stats += seen[3]
-            d.dtypes.append(seen[2])
+        if seen is not None and seen[0] is p and seen[1] == version and seen[2] == ptr and seen[3] is p.dtype:
+            d.stats += seen[4]
+            d.dtypes.append(seen[3])
             d.items.append(name)
             return
         fb = self._fb
@@ -465,7 +529,7 @@ class FrameRecorder:
             return
         r = self._uncached(rec, p, name, d)
         if r is not None:
-            self.params_seen[p] = (version, ptr, p.dtype, r)
+            self.params_seen[id(p)] = (p, version, ptr, p.dtype, r)
 
     def _uncached(self, rec: Record, p: torch.Tensor, name: str, d: FrameDraft) -> Optional[StatPair]:
         """A weight measured as it is into the record; its pair (None: a note) for a cache."""
@@ -593,17 +657,17 @@ class FrameRecorder:
         return True
 
     def _param_magnitude(self, rec: Record, p: torch.Tensor, name: str, d: FrameDraft) -> None:
-        seen = self.params_seen.get(p)
+        seen = self.params_seen.get(id(p))
         version = p._version
         ptr = p.data_ptr() if p.__class__ in _PLAIN else id(p)
-        if seen is not None and seen[0] == version and seen[1] == ptr and seen[2] is p.dtype \
-                and self._reuse(rec, seen[3], seen[2], name, d):
+        if seen is not None and seen[0] is p and seen[1] == version and seen[2] == ptr and seen[3] is p.dtype \
+                and self._reuse(rec, seen[4], seen[3], name, d):
             return
         if self._counted_on_device(rec, p, True, version, ptr, name, d):
             return
         pair = self._measure(rec, p, name, d)
         if pair is not None:
-            self.params_seen[p] = (version, ptr, p.dtype, pair)
+            self.params_seen[id(p)] = (p, version, ptr, p.dtype, pair)
 
     def _tensor_magnitude(self, rec: Record, t: torch.Tensor, name: str, d: FrameDraft) -> None:
         key = id(t)
