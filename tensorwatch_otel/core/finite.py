@@ -1,5 +1,6 @@
 """Whether a set of tensors holds inf/nan, in one host read: the gradients an optimizer step
-will consume (core/steps.py), the output of an unsampled batch's outermost call (core/batch_lifecycle.py).
+will consume (core/steps.py), the output of an unsampled batch's outermost call (core/batch_lifecycle.py),
+looked into as far as a frame looks (core/recorder.py's bounds).
 
 Dense CPU float tensors go to the statistics kernel in one call (their values are on the host at
 once: no read of their own); tensors on a device in `fused` get one inf-norm launch per device;
@@ -8,20 +9,23 @@ anything else is measured alone. One stack and one read then answer for all of t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import naming
+from .recorder import MAX_DEPTH, MAX_ITEMS
 from .stats import HostBatch, measure
 
 _INF = float("inf")
 # dtypes one float32 inf-norm takes without narrowing (float64 would not fit: measured alone)
 _FUSED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
-MAX_TENSORS = 64  # output tensors looked at: a bounded walk, as the recorder's
-MAX_DEPTH = 4
+# graph_tensors' walk (core/poison.py): the tensors it looks at in all, and how deep
+_GRAPH_TENSORS = 64
+_GRAPH_DEPTH = 4
 
 
 def _fusable(t: torch.Tensor, fused: Tuple[str, ...]) -> bool:
@@ -90,48 +94,52 @@ def output_tensors(output: Any) -> List[torch.Tensor]:
     """The floating tensors an unsampled batch's output check reads: the loss alone when the
     output carries one (a `loss` key or attribute, as transformers' ModelOutput has: computed
     from every logit the training uses, so a bad logit it leaves out can only show in the
-    gradients, which the step guard reads), else every floating tensor of the output (tensors,
-    lists, tuples, mappings, dataclass fields and tensor attributes; a bounded walk)."""
+    gradients, which the step guard reads), else every floating tensor of the output that a
+    frame of it would measure (tensors, lists, tuples, mappings, dataclass fields and tensor
+    attributes: MAX_ITEMS values of each container, MAX_DEPTH levels down, no cap on the whole)."""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None) \
         if output.__class__ is not torch.Tensor else None
     if isinstance(loss, torch.Tensor) and (loss.is_floating_point() or loss.is_complex()):
         return [loss.detach()]
     found: List[torch.Tensor] = []
-    _walk(output, found, 0)
+    _walk(output, found, 0, MAX_ITEMS, MAX_DEPTH, None)
     return [t.detach() for t in found]
 
 
 def graph_tensors(output: Any) -> List[torch.Tensor]:
     """The floating tensors of an output that a backward can pass through (they require grad),
-    as they are (not detached); the same bounded walk."""
+    as they are (not detached); a shorter walk (64 tensors in all, 4 levels down)."""
     found: List[torch.Tensor] = []
-    _walk(output, found, 0)
+    _walk(output, found, 0, _GRAPH_TENSORS, _GRAPH_DEPTH, _GRAPH_TENSORS)
     return [t for t in found if t.requires_grad]
 
 
-def _walk(v: Any, found: List[torch.Tensor], depth: int) -> None:
-    if len(found) >= MAX_TENSORS:
+def _walk(v: Any, found: List[torch.Tensor], depth: int, items: int, max_depth: int, total: Optional[int]) -> None:
+    """The floating tensors of `v` into `found`: `items` values of each container, containers
+    `max_depth` levels down not looked into (a tensor there is taken), `total` tensors at most."""
+    if total is not None and len(found) >= total:
         return
     if isinstance(v, torch.Tensor):
         if v.is_floating_point() or v.is_complex():
             found.append(v)
         return
-    if depth >= MAX_DEPTH or v is None or isinstance(v, (str, bytes, int, float, bool)):
+    if depth >= max_depth or v is None or isinstance(v, (str, bytes, int, float, bool)):
         return
     if isinstance(v, (list, tuple)):
-        for x in v[:MAX_TENSORS]:
-            _walk(x, found, depth + 1)
+        for x in v[:items]:
+            _walk(x, found, depth + 1, items, max_depth, total)
     elif isinstance(v, Mapping):
-        for x in list(v.values())[:MAX_TENSORS]:
-            _walk(x, found, depth + 1)
+        for x in itertools.islice(v.values(), items):
+            _walk(x, found, depth + 1, items, max_depth, total)
     else:
         fields = naming.dataclass_fields(v)
         if fields:
-            for f in fields[:MAX_TENSORS]:
-                _walk(getattr(v, f, None), found, depth + 1)
+            for f in fields[:items]:
+                _walk(getattr(v, f, None), found, depth + 1, items, max_depth, total)
             return
         attrs = getattr(v, "__dict__", None)
         if isinstance(attrs, dict) and not isinstance(v, (torch.nn.Module, type)):
-            for k, x in list(attrs.items())[:MAX_TENSORS]:
-                if isinstance(x, torch.Tensor) and isinstance(k, str) and k[:1] != "_":
-                    _walk(x, found, depth + 1)
+            tensors = [x for k, x in attrs.items()
+                       if isinstance(x, torch.Tensor) and isinstance(k, str) and k[:1] != "_"]
+            for x in tensors[:items]:
+                _walk(x, found, depth + 1, items, max_depth, total)

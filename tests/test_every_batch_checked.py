@@ -1,0 +1,131 @@
+"""Every batch checked, really: a batch `every_n_batches` (or `max_overhead`) leaves unrecorded
+is still checked as its outermost call returns, whatever its output looks like (the output
+check reads what a frame reads: 256 values per container, 6 levels deep), under torch.func
+transforms too, and the inf/nan is named where a run watching every batch names it, with
+`max_overhead` alone as with `every_n_batches`. Each test runs the same loop watched with
+every_n_batches=1 (every batch recorded) and with sampling, and compares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from _collect import Collect
+from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
+
+BAD = 13  # an unsampled batch at every_n_batches=10
+INF = float("inf")
+
+
+def _place(ev):
+    return (ev.module, ev.tensor, ev.phase, ev.batch_number, ev.kind)
+
+
+# -- outputs wider and deeper than the old walk (64 tensors, 4 levels) ---------------------------------
+
+class Heads(nn.Module):
+    """A trunk and 80 heads (multi-task): the output is a list of 80 tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.heads = nn.ModuleList(nn.Linear(16, 2) for _ in range(80))
+
+    def forward(self, x):
+        z = torch.relu(self.trunk(x))
+        return [h(z) for h in self.heads]
+
+
+class Detector(nn.Module):
+    """Per image a dict of boxes, scores and labels, as torchvision's detectors return: 40 images
+    are 80 floating tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Linear(8, 16)
+        self.box = nn.Linear(16, 4)
+        self.score = nn.Linear(16, 1)
+
+    def forward(self, images):
+        out = []
+        for feats in torch.relu(self.backbone(images)).unbind(0):
+            out.append({"boxes": self.box(feats).view(1, 4), "scores": self.score(feats).sigmoid(),
+                        "labels": torch.zeros(1, dtype=torch.long)})
+        return out
+
+
+class Pyramid(nn.Module):
+    """Feature maps nested five levels deep ({"fpn": [[[{"p5": t}]]]}): a frame records p5."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.p5 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return {"fpn": [[[{"p5": self.p5(h)}]]], "h": h.sum()}
+
+
+def _inject(name, model, x):
+    if name == "heads":  # an inf in head 70 of 80
+        with torch.no_grad():
+            model.heads[70].weight[0, 0] = INF
+    elif name == "images":  # image 35 of 40
+        x = x.clone()
+        x[35, 0] = INF
+    else:  # a weight whose output is found only five levels down
+        with torch.no_grad():
+            model.p5.weight[0, 0] = INF
+    return x
+
+
+WIDE = {"heads": (Heads, 4, ("heads.70", "weight")), "images": (Detector, 40, ("backbone", "input[0]")),
+        "nested": (Pyramid, 4, ("p5", "weight"))}
+
+
+def _infer(name, **options):
+    """Inference (no gradients: no step guard), `BAD + 2` batches; the detection or None."""
+    cls, rows, _ = WIDE[name]
+    torch.manual_seed(0)
+    model = cls().eval()
+    g = torch.Generator().manual_seed(1)
+    sink = Collect()
+    with watch(model, sinks=[sink], **options):
+        try:
+            for i in range(BAD + 2):
+                x = torch.randn(rows, 8, generator=g)
+                if i == BAD:
+                    x = _inject(name, model, x)
+                with torch.no_grad():
+                    model(x)
+        except NonFiniteDetected as exc:
+            return exc.event, sink
+    return None, sink
+
+
+@pytest.mark.parametrize("name", list(WIDE))
+def test_an_inf_anywhere_a_frame_looks_is_found_in_an_unsampled_batch(name):
+    full, _ = _infer(name, every_n_batches=1)
+    sampled, sink = _infer(name, every_n_batches=10)
+    assert full is not None and (full.module, full.tensor, full.batch_number) == (*WIDE[name][2], BAD)
+    assert sampled is not None, "the unsampled batch's output was not checked where the inf is"
+    assert _place(sampled) == _place(full)
+    assert sink.of(NonFiniteEvent) == [sampled]
+
+
+def test_the_output_check_reads_what_a_frame_reads():
+    """The output check's walk has the recorder's bounds: 256 values per container, 6 levels."""
+    from tensorwatch_otel.core import finite, recorder
+
+    assert (finite.MAX_ITEMS, finite.MAX_DEPTH) == (recorder.MAX_ITEMS, recorder.MAX_DEPTH)
+    t = torch.ones(1)
+    wide = [t] * 300
+    assert len(finite.output_tensors(wide)) == 256
+    assert len(finite.output_tensors([{"a": t, "b": t}] * 200)) == 400  # no cap over the whole output
+    deep = t
+    for _ in range(6):
+        deep = [deep]
+    assert len(finite.output_tensors(deep)) == 1  # a tensor 6 levels down is read, as a frame reads it
+    assert finite.output_tensors([deep]) == []  # a container at level 6 is not looked into
