@@ -404,19 +404,25 @@ class BatchLifecycle:
                      output: Any, take: "_Take") -> None:
         """An unsampled batch's outermost call returned: its output (the loss alone when it
         carries one) checked for inf/nan in one read. A bad one is a detection, localized by a
-        replay of the batch when it can be (core/detection.py), else named at this call's frame."""
-        if not self._live() or self._detect.replaying or _transforms():
+        replay of the batch when it can be (core/detection.py), else named at this call's frame.
+        Inside torch.func transforms, read through the tensors they wrap (core/transforms.py)."""
+        if not self._live() or self._detect.replaying:
             return
         grad = _grad_enabled()
         try:
             _set_grad(False)
             try:
                 tensors = output_tensors(output)
-                if not tensors or all_finite(tensors, FUSED_DEVICES):
+                wrapped = _transforms()
+                if not tensors or (transforms.all_finite_plain if wrapped else all_finite)(tensors, FUSED_DEVICES):
                     return
                 assert st.rec is not None  # (the caller checked)
                 rec = Record(st.rec.batch_number, targets=self._config.target_dtypes)
-                take(rec, info, args, kwargs, output)  # the call's frame, for an event the replay cannot give
+                # the call's frame, for an event the replay cannot give
+                if wrapped:
+                    self.take_unwrapped(rec, info, args, kwargs, output)
+                else:
+                    take(rec, info, args, kwargs, output)
                 rec.readback()
             finally:
                 _set_grad(grad)

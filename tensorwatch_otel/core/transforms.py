@@ -6,7 +6,8 @@ tensors) that hold no storage of their own: reading one for the batch's read-bac
 the CPU kernel would read a null address. Their frames are taken by an `UnwrappedRecorder`: each
 tensor is measured through the plain tensor it wraps (under vmap: every sample's values at
 once, as in a batched call), with the transforms set aside so that the statistics are plain
-tensors too; said once per watcher at INFO. While jit.trace traces, the hooks do nothing: any op
+tensors too; said once per watcher at INFO. An unsampled batch's output is checked through the
+plain tensors it wraps in the same way. While jit.trace traces, the hooks do nothing: any op
 they ran would be traced into the graph.
 """
 
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
 from .events import NOTE_NO_DATA
+from .finite import all_finite
 from .record import FrameDraft, ModuleInfo, Record
 from .recorder import FrameRecorder
 from .stats import measure_host
@@ -55,6 +57,13 @@ def plain(t: torch.Tensor) -> torch.Tensor:
             _sync(t)
         t = _functorch.get_unwrapped(t)
     return t
+
+
+def all_finite_plain(tensors: Sequence[torch.Tensor], fused: Tuple[str, ...]) -> bool:
+    """finite.all_finite of tensors made inside transforms (an unsampled batch's output): read
+    through the plain tensors they wrap, the transforms set aside (one read, as outside them)."""
+    with set_aside():
+        return all_finite([plain(t) for t in tensors], fused)
 
 
 @contextlib.contextmanager
