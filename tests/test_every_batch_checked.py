@@ -16,6 +16,7 @@ from torch.func import functional_call, grad, jvp, vmap
 from _collect import Collect
 from _models import TwoLinear
 from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
+from test_budget import slow_frames  # noqa: F401 (a fixture)
 
 BAD = 13  # an unsampled batch at every_n_batches=10
 INF = float("inf")
@@ -202,3 +203,75 @@ def test_unsampled_batches_under_vmap_are_localized_by_the_replay(kind):
     full, _ = _func_loop(kind, every_n_batches=1)
     sampled, _ = _func_loop(kind, every_n_batches=10)
     assert _place(sampled) == _place(full)
+
+
+# -- max_overhead alone --------------------------------------------------------------------------------
+
+def _budget_loop(options, inject, warm=40):
+    """TwoLinear trained `warm` batches with a 40 ms step (a measured batch made dear by
+    slow_frames: max_overhead measures one in several), then, right after a measured batch,
+    `inject(model, opt, x)` runs the batch with the inf. (The detection, the watcher's interval,
+    the batches measured, the model.)"""
+    from test_budget import _to_just_after_a_measured_batch, _train
+
+    torch.manual_seed(0)
+    model = TwoLinear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = Collect()
+    with watch(model, sinks=[sink], **options) as w:
+        _train(w, model, opt, warm)
+        if options.get("max_overhead"):
+            _to_just_after_a_measured_batch(w, model, opt, sink)
+        bad = w.batch_number
+        try:
+            inject(model, opt, torch.randn(4, 8))
+        except NonFiniteDetected as exc:
+            assert exc.event.batch_number == bad
+            return exc.event, w.measure_every_n_batches, [s.batch_number for s in sink.batches], model
+    raise AssertionError("no detection")
+
+
+def _inf_weight_inference(model, opt, x):
+    with torch.no_grad():
+        model.b.weight[0, 0] = INF
+        model(x)
+
+
+def _inf_gradient_step(model, opt, x):
+    opt.zero_grad()
+    loss = model(x).sum()
+    loss.backward()
+    model.a.weight.grad[0, 0] = INF  # born in a gradient
+    opt.step()
+
+
+@pytest.mark.xfail(strict=True, reason="core/detection.py holds the inputs for `every_n_batches > 1` only; its "
+                   "capture line should test `config.sampling` (which counts max_overhead): then this passes")
+@pytest.mark.usefixtures("slow_frames")
+def test_max_overhead_alone_holds_the_inputs_and_names_the_weight():
+    """max_overhead without every_n_batches: an inf in a weight in an unmeasured batch is named
+    at that weight, as every_n_batches names it (the inputs are held for the replay), not at
+    the root's output."""
+    full = _budget_loop({"every_n_batches": 1}, _inf_weight_inference, warm=2)[0]
+    sampled, n, measured, _ = _budget_loop({"max_overhead": 0.05}, _inf_weight_inference)
+    assert n >= 3 and sampled.batch_number not in measured  # an unmeasured batch
+    assert (full.module, full.tensor, full.kind) == ("b", "weight", "inf")
+    assert (sampled.module, sampled.tensor, sampled.kind, sampled.phase) == ("b", "weight", "inf", "forward")
+
+
+@pytest.mark.usefixtures("slow_frames")
+def test_max_overhead_with_gradients_guards_every_step():
+    """gradients=True records the gradients of measured batches only; with max_overhead the step
+    guard reads the others', as with every_n_batches: the step raises before it changes anything."""
+    fixed = _budget_loop({"every_n_batches": 10, "gradients": True}, _inf_gradient_step, warm=2)[0]
+    before = []
+
+    def step(model, opt, x):
+        before.extend(p.detach().clone() for p in model.parameters())
+        _inf_gradient_step(model, opt, x)
+
+    sampled, n, measured, model = _budget_loop({"max_overhead": 0.05, "gradients": True}, step)
+    assert n >= 3 and sampled.batch_number not in measured
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step did not run
+    assert (fixed.module, fixed.tensor, fixed.phase) == ("a", "weight.grad", "backward")
+    assert (sampled.module, sampled.tensor, sampled.kind, sampled.phase) == ("a", "weight.grad", "inf", "backward")

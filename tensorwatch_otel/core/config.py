@@ -115,6 +115,13 @@ class WatchConfig:
     #: the watcher's share of the step time to stay within (0 < x < 1); None: every_n_batches alone
     max_overhead: Optional[float] = None
 
+    @property
+    def sampling(self) -> bool:
+        """Some batches may go unrecorded (every_n_batches > 1, or max_overhead choosing an
+        interval): their outputs and optimizer steps are checked all the same, and their inputs
+        held for the replay that names a detection's place (core/detection.py)."""
+        return self.every_n_batches > 1 or self.max_overhead is not None
+
     @classmethod
     def build(cls, *, max_frames: Optional[int] = None, trace_batches: Union[int, Iterable[int], None] = None,
               abort_after_batch: Optional[int] = None, every_n_batches: Optional[int] = None,

@@ -140,9 +140,9 @@ class Watcher:
         hooks.place()
         cfg = self.config
         # gradients=True localizes bad gradients in the backward of a recorded batch: the step guard
-        # adds the batches every_n_batches does not record, and on_detect="skip", whose verdict is
+        # adds the batches every_n_batches or max_overhead do not record, and on_detect="skip", whose verdict is
         # on the gradients the step consumes (DDP's all-reduced ones, a GradScaler's unscaled ones)
-        guard = cfg.guard_steps and (not cfg.gradients or cfg.on_detect == "skip" or cfg.every_n_batches > 1)
+        guard = cfg.guard_steps and (not cfg.gradients or cfg.on_detect == "skip" or cfg.sampling)
         self._steps.use(StepGuard(hooks.index, self._recorder.device_stats) if guard else None,
                         OptimizerStateReader(hooks.index) if cfg.optimizer_state else None)
         self._attached = True
