@@ -295,3 +295,61 @@ def test_without_a_budget_nothing_is_timed_and_every_n_batches_is_exported():
     assert [s.batch_number for s in sink.batches] == [0, 3, 6]
     assert all((s.every_n_batches, s.overhead) == (3, None) for s in sink.batches)
     assert not sink.of(SamplingRateEvent)
+
+
+@pytest.fixture
+def slow_steps(monkeypatch):
+    """The watcher's work at every optimizer step (the step guard's) takes 5 ms more: more than a
+    5% budget of a 40 ms step allows even in an unmeasured batch, so the interval goes to its
+    limit at the first measured batch after unmeasured ones."""
+    from tensorwatch_otel.core.step_monitor import StepMonitor
+
+    before = StepMonitor.before_step
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.005)
+        return before(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepMonitor, "before_step", slow)
+
+
+def test_the_exported_rate_is_the_watchers_as_soon_as_it_changes(slow_frames, slow_steps):
+    """The interval went from about 10 to 1000 at the end of a measured batch: the Prometheus and
+    OpenTelemetry gauges say 1000 at once, as Watcher.measure_every_n_batches and the
+    SamplingRateEvent do, not the interval of the last measured batch for the next 1000 batches."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from prometheus_client import CollectorRegistry
+
+    from tensorwatch_otel.sinks import OtelTelemetry, PrometheusMetrics
+
+    torch.manual_seed(0)
+    model = TwoLinear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prom = PrometheusMetrics(port=0, registry=CollectorRegistry(), linger_s=0)
+    reader = InMemoryMetricReader()
+    otel = OtelTelemetry(TracerProvider(), MeterProvider(metric_readers=[reader]))
+    seen = Collect()
+    try:
+        with watch(model, sinks=[prom, otel, seen], max_overhead=0.05) as w:
+            for _ in range(60):
+                _train(w, model, opt, 1)
+                if w.measure_every_n_batches == MAX_INTERVAL:
+                    break
+            assert w.measure_every_n_batches == MAX_INTERVAL, w.measure_every_n_batches
+            _train(w, model, opt, 2)  # two unmeasured batches after the change
+            measured = [s.every_n_batches for s in seen.batches if s.phase == "forward"]
+            assert measured[-1] < MAX_INTERVAL  # the last measured batch carried the interval before
+            with urllib.request.urlopen(prom.url, timeout=5) as resp:
+                parsed = parse_prom(resp.read().decode("utf-8"))
+            data = reader.get_metrics_data()
+        rates = seen.of(SamplingRateEvent)
+        assert rates[-1].every_n_batches == MAX_INTERVAL
+        assert sample(parsed, "tensorwatch_measure_every_n_batches", rank="0") == MAX_INTERVAL
+        points = {m.name: [p.value for p in m.data.data_points]
+                  for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+        assert points["tensorwatch.measure_every_n_batches"] == [MAX_INTERVAL]
+    finally:
+        prom.close()
+        otel.close()

@@ -104,17 +104,26 @@ class StepTally:
 
 
 class SamplingTally:
-    """The sampling interval and the watcher's measured share of the step (max_overhead), as of
-    the latest batch that carried them; both metric sinks export these two gauges."""
+    """The sampling interval and the watcher's measured share of the step (max_overhead); both
+    metric sinks export these two gauges. The interval is the newest one told, by batch number:
+    a measured batch's BatchStats, or a SamplingRateEvent (the budget changes the interval when a
+    measured batch ends, so up to `every_n_batches` batches before the next measured one would
+    carry it); the share is the latest measured batch's."""
 
-    __slots__ = ("every_n_batches", "overhead")
+    __slots__ = ("every_n_batches", "overhead", "_as_of")
 
     def __init__(self) -> None:
         self.every_n_batches: Optional[int] = None
         self.overhead: Optional[float] = None
+        self._as_of = -1  # the batch the interval was told for
 
     def on_batch(self, stats) -> None:
-        if stats.every_n_batches is not None:
-            self.every_n_batches = stats.every_n_batches
+        if stats.every_n_batches is not None and stats.batch_number >= self._as_of:
+            self.every_n_batches, self._as_of = stats.every_n_batches, stats.batch_number
         if stats.overhead is not None:
             self.overhead = stats.overhead
+
+    def on_rate(self, event) -> None:
+        """A SamplingRateEvent: the interval from its batch on."""
+        if event.batch_number >= self._as_of:
+            self.every_n_batches, self._as_of = event.every_n_batches, event.batch_number

@@ -20,8 +20,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from ..core.events import (BatchStats, Event, NonFiniteEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
-                           SkipStreakEvent, StoppedByRankEvent, set_trace_id_source)
+from ..core.events import (BatchStats, Event, NonFiniteEvent, SamplingRateEvent, SkippedNonFiniteStepEvent,
+                           SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent, set_trace_id_source)
 from ..core.rank import current_rank
 from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__
@@ -276,6 +276,10 @@ class OtelTelemetry(Sink):
         self._steps.on_skip(event, False)
         self._count_skips(event.rank)
         return None  # one per skip: the counter says it; a streak gets a span
+
+    def _count_sampling_rate(self, event: SamplingRateEvent, ctx: Any) -> Any:
+        self._sampling.on_rate(event)  # the gauge follows the watcher now, not at its next measured batch
+        return None  # no span: the gauge says it
 
     def _count_skipped_steps_streak(self, event: SkipStreakEvent, ctx: Any) -> Any:
         self._steps.on_skip(event, True)

@@ -23,8 +23,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
 from ..core import env as _env
-from ..core.events import (BatchStats, NonFiniteEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
-                           SkipStreakEvent, StoppedByRankEvent, label_for_module)
+from ..core.events import (BatchStats, NonFiniteEvent, SamplingRateEvent, SkippedNonFiniteStepEvent,
+                           SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent, label_for_module)
 from ..core.rank import current_rank
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
 from ._base import SamplingTally, Sink, StepTally, utf8_text
@@ -272,6 +272,10 @@ class PrometheusMetrics(Sink):
             self._steps.on_skip(event, True)
             self._unscraped_detection = True  # may precede the exception that ends the run: linger for it
         self._note_sigterm()
+
+    def handle_sampling_rate(self, event: SamplingRateEvent) -> None:
+        with self._lock:
+            self._sampling.on_rate(event)  # the gauge follows the watcher now, not at its next measured batch
 
     def handle_nonfinite_detected(self, event: NonFiniteEvent) -> None:
         with self._lock:
