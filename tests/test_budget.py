@@ -120,6 +120,18 @@ def test_bounded_and_said_when_even_unmeasured_batches_exceed_the_budget(caplog)
     assert len(said) == 1, said
 
 
+def test_the_warning_names_the_headroom_that_made_it_act(caplog):
+    """Unmeasured batches at 1.9% of the step, within max_overhead=0.02 but over the 1.82% left
+    once 10% of it is kept as headroom: the interval goes to its limit and the warning says
+    which figure 1.9% exceeds, not 'more than max_overhead=0.02'."""
+    caplog.set_level(logging.WARNING, logger="tensorwatch_otel")
+    p, clock = policy(0.02, limit=50)
+    drive(p, clock, 300, base=1.0, measured_cost=0.2, unmeasured_cost=0.019)
+    assert p.every_n_batches == 50
+    (said,) = [r.getMessage() for r in caplog.records if "max_overhead" in r.getMessage()]
+    assert "1.90% of the step" in said and "1.82%" in said and "headroom" in said, said
+
+
 def test_every_n_batches_is_the_floor():
     p, clock = policy(0.02, floor=5)
     measured = drive(p, clock, 100, base=1.0, measured_cost=0.001)  # far within the budget

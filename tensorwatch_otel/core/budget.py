@@ -158,15 +158,19 @@ class OverheadBudget:
                              _share(target, measured, unmeasured, step))
 
     def _need(self, measured: float, unmeasured: float, step: float, budget: float) -> int:
-        """The smallest interval within `budget`, between floor and limit."""
+        """The smallest interval within `budget` (max_overhead, or less its headroom), between
+        floor and limit."""
         room = budget * step - unmeasured  # what measuring may add per batch
         if room <= 0:
             if not self._warned:
                 self._warned = True
+                m = self.max_overhead
+                # (the interval chosen with headroom can find no room where max_overhead itself has some)
+                within = f"max_overhead={m:g}" if budget >= m else \
+                    f"max_overhead={m:g} less its headroom ({m:g} / {_HEADROOM:g} = {100 * budget:.2f}%)"
                 log.warning("tensorwatch_otel: the watcher's work in an unmeasured batch (the step guard, the "
-                            "batch's bookkeeping) alone takes %.1f%% of the step, more than max_overhead=%g; "
-                            "measuring one batch in %d",
-                            100 * unmeasured / step, self.max_overhead, self._limit)
+                            "batch's bookkeeping) alone takes %.2f%% of the step, more than %s; "
+                            "measuring one batch in %d", 100 * unmeasured / step, within, self._limit)
             return self._limit
         extra = measured - unmeasured
         n = math.ceil(extra / room) if extra > 0 else 1
