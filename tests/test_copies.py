@@ -125,21 +125,56 @@ def test_averaged_model_of_a_model_watched_with_a_capture_dir(tmp_path):
     assert remaining_hooks(model) == {}
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save", "weights_only"])
+def test_a_copy_or_a_save_of_a_watched_model_scripts(how):
+    """An EMA's deep copy, or a model saved whole while watched, is a plain model before any
+    call: torch.jit.script compiles it (it compiles every forward hook a module holds, and
+    found the copied ones: 'Unwatched' object has no attribute '__name__')."""
+    from tensorwatch_otel.core.copies import Unwatched
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(5, 8)
+    w = watch(model, sinks=[Collect()], gradients=True, every_n_batches=2)
+    _train(model, 2, x)
+    if how == "deepcopy":
+        copied = copy.deepcopy(model)
+    elif how == "weights_only":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        with torch.serialization.safe_globals([Net, nn.Linear, Unwatched]):
+            copied = torch.load(buf, weights_only=True)
+    else:
+        copied = _round_trip(model, how)
+    assert _hooks(copied) == 0  # nothing of the watcher's, before any call
+    scripted = torch.jit.script(copied)
+    with torch.no_grad():
+        assert torch.equal(scripted(x), model(x))
+    assert w.batch_number == 3  # the original's call only
+    assert _hooks(model) > 0  # still watched
+    w.detach()
+    assert remaining_hooks(model) == {}
+
+
 def test_detach_takes_the_hooks_off_copies_never_called():
     torch.manual_seed(0)
     model, x = Net(), torch.randn(5, 8)
     w = watch(model, sinks=[Collect()], gradients=True)
     model(x)
     copies = [copy.deepcopy(model), copy.deepcopy(nn.Sequential(model))[0]]
-    assert all(_hooks(c) > 0 for c in copies)  # not called yet: what torch copied is still there
+    assert [_hooks(c) for c in copies] == [0, 0]  # taken off as each copy was complete
+    memo = {}
+    kept = copy.deepcopy(model, memo)  # a memo the caller keeps: what torch copied stays until...
+    assert _hooks(kept) > 0
     before = w.batch_number
-    twice = copy.deepcopy(copies[0])  # a copy of a copy, and a pickle of one, work too
-    pickled = pickle.loads(pickle.dumps(copies[1]))
-    w.detach()
+    twice = copy.deepcopy(kept)  # a copy of a copy, and a pickle of one, work too
+    pickled = pickle.loads(pickle.dumps(kept))
+    w.detach()  # ...detach(), or the copy's first call
     assert remaining_hooks(model) == {}
-    assert [remaining_hooks(c) for c in copies] == [{}, {}]
+    assert [remaining_hooks(c) for c in copies + [kept]] == [{}, {}, {}]
     twice(x), pickled(x)
     assert (_hooks(twice), _hooks(pickled)) == (0, 0) and w.batch_number == before
+    del memo
 
 
 def test_a_copy_can_be_watched_on_its_own():
