@@ -623,3 +623,74 @@ def test_pipeline_that_fails_half_way_is_taken_down_and_logged(clean_env, caplog
     [line] = [r.getMessage() for r in caplog.records if r.name.startswith("tensorwatch_otel")]
     assert "setting up OTLP export failed (ValueError" in line and "off for this run" in line
     assert not {t.name for t in threading.enumerate()} - threads_before
+
+
+class _Heads(torch.nn.Module):
+    """A block whose output is a dict of 16 tensors under long names: each frame of it is about
+    6 KB of report text."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return {f"{'per_head_projection_' * 16}{i}": h * (i + 1) for i in range(16)}
+
+
+class _Tower(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Heads() for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(sum(block(x).values()) / 16)
+        return x
+
+
+def test_a_detection_whose_ring_exceeds_the_collectors_limit_still_reaches_it(clean_env, tmp_path, caplog):
+    """A ring of 2000 frames: about 7 MiB of report, more than a collector's default 4 MiB gRPC
+    message. The span arrives with the report bounded (the frames nearest the detection kept, how
+    many earlier ones were cut said in the report and in an attribute); the JSON lines event log
+    holds every frame; nothing is logged about a slow collector."""
+    from tensorwatch_otel import NonFiniteDetected, watch
+    from tensorwatch_otel.report.text import render_detection
+    from tensorwatch_otel.sinks import JsonlLog
+    from tensorwatch_otel.sinks.otel import OtelTelemetry
+
+    path = tmp_path / "events.jsonl"
+    with OtlpReceiver() as r:  # gRPC with its default 4 MiB limit on a message
+        clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", r.grpc_endpoint)
+        clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        clean_env.setenv("OTEL_METRICS_EXPORTER", "none")
+        tp, mp = configure_from_env(0)
+        sink = OtelTelemetry(tp, mp, shutdown_on_close=True)
+        torch.manual_seed(0)
+        model = _Tower(100)  # 201 frames a batch (block, its Linear; the root)
+        x = torch.randn(2, 4)
+        caplog.set_level(logging.WARNING)
+        with torch.no_grad(), watch(model, sinks=[sink, JsonlLog(str(path))], max_frames=2000):
+            for _ in range(10):
+                model(x)
+            model.blocks[60].proj.weight[0, 0] = float("inf")
+            with pytest.raises(NonFiniteDetected) as info:
+                model(x)
+            [span] = r.wait_for(_detection_spans, timeout=10)
+        event = info.value.event
+        assert len(event.frames) == 2000
+        assert len(render_detection(event).encode()) > 4 << 20  # the whole report would not fit
+        a = span["attributes"]
+        report = a["tensorwatch.report"]
+        assert len(report.encode()) <= 1 << 20
+        cut = a["tensorwatch.report.frames_omitted"]
+        assert 0 < cut < 2000
+        assert f"{cut} earlier frames left out" in report
+        assert report.rstrip().endswith(render_detection(event).rstrip()[-2000:])  # ends at the detection
+        assert (a["tensorwatch.module.path"], a["tensorwatch.tensor"]) == ("blocks.60.proj", "weight")
+        assert span["events"][-1]["attributes"]["tensorwatch.module.path"] == "blocks.60.proj"
+        [logged] = [json.loads(line) for line in path.read_text().splitlines()
+                    if json.loads(line)["event"] == "nonfinite_detected"]
+        assert len(logged["frames"]) == 2000  # the whole ring
+        assert not [rec for rec in caplog.records if "slow or unreachable" in rec.getMessage()
+                    or "RESOURCE_EXHAUSTED" in rec.getMessage()]

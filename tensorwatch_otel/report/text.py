@@ -6,7 +6,7 @@ the `report` command.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 from ..core.events import (BatchTraceEvent, Frame, NonFiniteEvent, SkippedNonFiniteStepEvent, StoppedByRankEvent,
                            TensorStat)
@@ -65,12 +65,44 @@ def overflow_lines(frame: Frame) -> List[str]:
 
 def render_detection(event: NonFiniteEvent) -> str:
     """The detection report exactly as the peer prints it (each print() ends with a newline)."""
+    return _detection_text(event, "\n".join(frame_text(f) for f in event.frames), len(event.frames), 0)
+
+
+def render_detection_within(event: NonFiniteEvent, max_bytes: int) -> Tuple[str, int]:
+    """The detection report in at most `max_bytes` (UTF-8): the frames nearest the detection
+    that fit, and a line saying how many earlier ones were left out. (The text, the frames left
+    out.) Where even the detection's own frame does not fit, its last `max_bytes`."""
+    frames = event.frames
+    used = _size(_detection_text(event, "", len(frames), len(frames)))  # the lines around the frames
+    kept: List[str] = []
+    for f in reversed(frames):
+        text = frame_text(f)
+        used += _size(text) + 1
+        if used > max_bytes and kept:
+            break
+        kept.append(text)
+    kept.reverse()
+    left_out = len(frames) - len(kept)
+    report = _detection_text(event, "\n".join(kept), len(kept), left_out)
+    if _size(report) > max_bytes:
+        report = report.encode("utf-8", "replace")[-max_bytes:].decode("utf-8", "ignore")
+    return report, left_out
+
+
+def _size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+
+
+def _detection_text(event: NonFiniteEvent, frames_text: str, shown: int, left_out: int) -> str:
     parts = overflow_lines(event.frames[-1]) if event.frames else []
+    parts.append(f"\nDetected inf/nan during batch_number={event.batch_number}")
+    if left_out:
+        parts.append(f"({left_out} earlier frames left out here to bound this report's size; the JSON lines "
+                     "event log holds every frame)")
     parts += [
-        f"\nDetected inf/nan during batch_number={event.batch_number}",
-        f"Last {len(event.frames)} {getattr(event, 'phase', 'forward') or 'forward'} frames:",
+        f"Last {shown} {getattr(event, 'phase', 'forward') or 'forward'} frames:",
         HEADER,
-        "\n".join(frame_text(f) for f in event.frames),
+        frames_text,
         "\n\n",
     ]
     return "".join(p + "\n" for p in parts)

@@ -1,11 +1,11 @@
-"""The spans OtelTelemetry makes from events: detection, traced batches (split at the SDK's
-event limit), overflow checks, aborts, skipped-step streaks and the steps on_detect="skip"
-skipped. Runs on the sink's thread."""
+"""The spans OtelTelemetry makes from events: detection (bounded in size, so it fits a
+collector's message), traced batches (split at the SDK's event limit), overflow checks, aborts,
+skipped-step streaks and the steps on_detect="skip" skipped. Runs on the sink's thread."""
 
 from __future__ import annotations
 
 import secrets
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
@@ -20,6 +20,11 @@ DETECTION_SPAN = SPANS["nonfinite_detected"][0]
 _BATCH, _RANK, _FIRST_RANK, _KIND, _PHASE = _a("batch_number"), _a("rank"), _a("first_rank"), _a("kind"), _a("phase")
 _STREAK = _a("skip_streak")
 _SDK_DEFAULT_EVENT_LIMIT = 128
+#: A detection span's `tensorwatch.report` and its frame events each stay within this many bytes,
+#: so the span fits a collector's message (gRPC's default limit is 4 MiB) whatever the ring holds;
+#: the frames nearest the detection are kept, the JSON lines event log holds them all.
+REPORT_MAX_BYTES = 1 << 20
+FRAME_EVENTS_MAX_BYTES = 1 << 20
 
 
 def _event_limit(provider: Any) -> int:
@@ -31,6 +36,28 @@ def _event_limit(provider: Any) -> int:
     if n is None:
         return 1 << 30
     return max(1, int(n))
+
+
+def _attribute_length_limit(provider: Any) -> Optional[int]:
+    """The SDK provider's attribute value length limit (OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT), or
+    None: the SDK would cut a longer report at its end, where the detection is."""
+    limits = getattr(provider, "_span_limits", None)
+    n = getattr(limits, "max_attribute_length", None)
+    return None if n is None else max(1, int(n))
+
+
+def _encoded_size(attrs: Dict[str, Any]) -> int:
+    """About what `attrs` take in an OTLP message (a KeyValue each; arrays of AnyValues)."""
+    n = 0
+    for k, v in attrs.items():
+        n += len(k) + 8
+        if isinstance(v, str):
+            n += len(v) + 4
+        elif isinstance(v, (list, tuple)):
+            n += sum(len(x) + 4 if isinstance(x, str) else 11 for x in v)
+        else:
+            n += 11
+    return n
 
 
 def _precision_attributes(tensors) -> Dict[str, Any]:
@@ -95,12 +122,13 @@ def _detection_context(trace_id: str, ctx):
     return trace.set_span_in_context(NonRecordingSpan(parent), ctx)
 
 
-def _render_detection(event: NonFiniteEvent) -> str:
+def _render_detection(event: NonFiniteEvent, max_bytes: int) -> Tuple[str, int]:
+    """The report, within `max_bytes`, and the frames left out of it."""
     try:
-        from ..report.text import render_detection
+        from ..report.text import render_detection_within
     except ImportError:  # pragma: no cover - the report module ships with the package
-        return f"Detected inf/nan during batch_number={event.batch_number}"
-    return render_detection(event)
+        return f"Detected inf/nan during batch_number={event.batch_number}", 0
+    return render_detection_within(event, max_bytes)
 
 
 class SpanBuilder:
@@ -156,9 +184,30 @@ class SpanBuilder:
                                    _PHASE: event.phase, _STREAK: event.streak})
 
     def _add_frames(self, span, frames: Sequence[Frame], t0: int, first_index: int) -> None:
+        self._add_events(span, [frame_attributes(fr, first_index + i) for i, fr in enumerate(frames)], t0)
+
+    @staticmethod
+    def _add_events(span, events: Sequence[Dict[str, Any]], t0: int) -> None:
         # 1 ns apart: backends that sort span events by time keep the ring buffer's order.
-        for i, fr in enumerate(frames):
-            span.add_event(FRAME_EVENT, frame_attributes(fr, first_index + i), timestamp=t0 + i)
+        for i, attrs in enumerate(events):
+            span.add_event(FRAME_EVENT, attrs, timestamp=t0 + i)
+
+    @staticmethod
+    def _last_frames(frames: Sequence[Frame], limit: int) -> List[Dict[str, Any]]:
+        """The frame events of the last of `frames` that fit the event limit and
+        FRAME_EVENTS_MAX_BYTES (the detection's own always), in order."""
+        out: List[Dict[str, Any]] = []
+        used = 0
+        for i in range(len(frames) - 1, -1, -1):
+            if len(out) >= limit:
+                break
+            attrs = frame_attributes(frames[i], i)
+            used += _encoded_size(attrs)
+            if used > FRAME_EVENTS_MAX_BYTES and out:
+                break
+            out.append(attrs)
+        out.reverse()
+        return out
 
     def _span_nonfinite_detected(self, event: NonFiniteEvent, ctx) -> None:
         links = None
@@ -167,18 +216,23 @@ class SpanBuilder:
             if caller.is_valid:
                 links = [Link(caller, {_a("link"): "training step"})]
         t0 = int(event.time * 1e9)
-        limit = _event_limit(self._provider or trace.get_tracer_provider())
+        provider = self._provider or trace.get_tracer_provider()
         frames = event.frames
-        omitted = max(0, len(frames) - limit)
+        events = self._last_frames(frames, _event_limit(provider))
+        omitted = len(frames) - len(events)
+        length = _attribute_length_limit(provider)  # (characters: at most 4 bytes each)
+        report, cut = _render_detection(event, REPORT_MAX_BYTES if length is None else min(REPORT_MAX_BYTES, length))
         attrs: Dict[str, Any] = {
             **place_attributes(event.place),
             _BATCH: event.batch_number,
             _RANK: event.rank,
             _FIRST_RANK: event.rank if event.first_rank is None else event.first_rank,
             _KIND: event.kind,
-            _a("report"): _render_detection(event),
+            _a("report"): report,
             _PHASE: event.phase,
         }
+        if cut:  # the frames nearest the detection are kept; the JSON lines log has them all
+            attrs[_a("report_frames_omitted")] = cut
         if event.capture:
             attrs[_a("capture")] = event.capture
         if event.reproduced is not None:
@@ -186,11 +240,11 @@ class SpanBuilder:
             attrs[_a("host")] = event.host or ""
         if event.verdict is not None:
             attrs[_a("verdict")] = event.verdict
-        if omitted:  # the most recent frames matter most; the report attribute has them all
+        if omitted:  # the most recent frames matter most; the report attribute has more
             attrs[_a("frames_omitted")] = omitted
         span = self._tracer.start_span(DETECTION_SPAN, context=ctx, start_time=t0,
                                        attributes=attrs, links=links)
-        self._add_frames(span, frames[omitted:], t0, omitted)
+        self._add_events(span, events, t0)
         where = label_for_module(event.module)
         span.set_status(Status(StatusCode.ERROR, f"{event.kind} in {where} ({event.module_class}) "
                                                  f"{event.tensor} during batch {event.batch_number}"))

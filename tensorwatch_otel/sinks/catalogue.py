@@ -166,14 +166,16 @@ FRAME_EVENT = "tensorwatch.frame"
 SPAN_ATTRIBUTES: Dict[str, Tuple[str, str]] = {
     "batch_number": ("tensorwatch.batch_number", "the batch (int)"),
     "kind": ("tensorwatch.nonfinite.kind", "`inf`, `nan` or `inf,nan`"),
-    "report": ("tensorwatch.report", "the full text report"),
+    "report": ("tensorwatch.report", "the text report (at most 1 MiB: the frames nearest the detection)"),
+    "report_frames_omitted": ("tensorwatch.report.frames_omitted", "frames left out of the start of "
+                              "`tensorwatch.report` to bound its size (the JSON lines event log holds every frame)"),
     "phase": ("tensorwatch.phase", "`forward`, `backward` or `optimizer`"),
     "capture": ("tensorwatch.capture", "the capture file (`capture_dir`)"),
     "reproduced": ("tensorwatch.reproduced", "`rerun_on_detect`: whether a replay found the same inf/nan"),
     "host": ("host.name", "`rerun_on_detect`: the host that ran the batch"),
     "verdict": ("tensorwatch.verdict", "`rerun_on_detect` on a compiled model: `model`, `compiler`, `transient`"),
-    "frames_omitted": ("tensorwatch.frames.omitted", "frames past the SDK's event limit left out (the report has "
-                       "them all)"),
+    "frames_omitted": ("tensorwatch.frames.omitted", "frames left out of the span events: past the SDK's event "
+                       "limit, or past 1 MiB of them (the report has more, the JSON lines event log all)"),
     "link": ("tensorwatch.link", "on the link to the training step's span: `training step`"),
     "ctx": ("tensorwatch.ctx", "`detect_overflow`'s ctx string"),
     "stopped_at_batch": ("tensorwatch.stopped_at_batch", "this rank's batch when it stopped"),
