@@ -4,13 +4,16 @@ chosen batch. Each rank writes what happened into OUT (tests/_observed.py).
 
 usage: _dist_train.py OUT --mode ddp|fsdp2|eval --bad RANK[,RANK] --at BATCH [--batches N]
        [--linger S] [--inject input|shard|grad|gradshard] [--accum K] [--straggle RANK:BATCH:SECONDS]
-       [--on-detect raise|report|skip] [--compile-step] [--reference]
+       [--on-detect raise|report|skip] [--compile-step] [--reference] [--shard layers|root]
 
 --inject gradshard: after the backward, that rank's own shard of layers.0's weight gradient is
 made inf (FSDP2: the other ranks' shards stay finite).
 
 --accum K: gradient accumulation, DDP `no_sync()` for K-1 micro-batches, then a micro-batch
 that all-reduces and the optimizer step. --straggle: that rank sleeps before that batch's forward.
+
+--shard root (fsdp2): fully_shard on the model alone, so its Linears are inside a sharded
+module without being sharded themselves (the default, layers, shards each Linear too).
 
 --compile-step: the optimizer step is compiled as PyTorch's recipe has it (a function calling
 `opt.step()` under torch.compile). --reference: the run that never saw the bad batch: nothing
@@ -63,6 +66,8 @@ def main() -> int:
     ap.add_argument("--on-detect", default="raise", choices=("raise", "report", "skip"))
     ap.add_argument("--trace", type=int, action="append", default=[], help="batches to trace")
     ap.add_argument("--watch-first", action="store_true", help="watch() before fully_shard()")
+    ap.add_argument("--shard", default="layers", choices=("layers", "root"),
+                    help="fsdp2: fully_shard each layer and the model, or the model alone (its Linears not)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (DDP no_sync)")
     ap.add_argument("--straggle", default="", help="RANK:BATCH:SECONDS: that rank sleeps before that batch")
     ap.add_argument("--compile-step", action="store_true", help="torch.compile the optimizer step")
@@ -80,8 +85,9 @@ def main() -> int:
     if args.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in net.layers:
-            fully_shard(layer)
+        if args.shard == "layers":
+            for layer in net.layers:
+                fully_shard(layer)
         fully_shard(net)
         model = net
     elif args.mode == "ddp":

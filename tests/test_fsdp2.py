@@ -69,6 +69,31 @@ def test_fsdp2_inf_in_one_ranks_shard_is_that_ranks_weight(tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp2_linears_inside_a_sharded_module_are_measured_whole_on_every_rank(tmp_path):
+    """fully_shard on the model alone: its Linears run while it is unsharded, so every rank
+    measures their full, all-gathered weights (the same on each rank), and an inf in rank 1's
+    shard is named `weight` by both ranks, rank 0's shard being finite (docs/telemetry.md)."""
+    proc, results, _ = launch(tmp_path, 2, "--mode", "fsdp2", "--shard", "root", "--batches", "3", "--trace", "1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    local = {r: res["local_abs_max"]["1"] for r, res in results.items()}
+    assert any(local[0][n] != local[1][n] for n in local[0])  # the shards differ...
+    for r in results:
+        frames = _trace_frames(tmp_path, r, 1)
+        for name in local[r]:
+            path, tensor = name.rsplit(".", 1)
+            whole = max(local[q][name] for q in results)
+            assert _stat(frames[path], tensor).abs_max == pytest.approx(whole, rel=1e-6)  # ...the figures do not
+    at = 2
+    (tmp_path / "inf").mkdir()
+    proc, results, _ = launch(tmp_path / "inf", 2, "--mode", "fsdp2", "--shard", "root", "--inject", "shard",
+                              "--bad", "1", "--at", str(at))
+    for res in results.values():
+        assert (res["event"], res["module"], res["tensor"], res["kind"], res["batch_number"]) == \
+            ("nonfinite_detected", "layers.0", "weight", "inf", at)
+    assert results[0]["first_rank"] == results[1]["first_rank"] in (0, 1)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("watch_first", [False, True], ids=["watch-after-fully_shard", "watch-before"])
 def test_fsdp2_inf_gradient_is_named_by_the_step_guard_whenever_watch_ran(tmp_path, watch_first):
     # watch() before fully_shard: the DTensor parameters fully_shard made are found again, so the
