@@ -22,9 +22,10 @@ from tensorwatch_otel.sinks.otel import OtelTelemetry
 
 
 class Otel:
-    def __init__(self, max_events=None):
+    def __init__(self, max_events=None, max_attribute_length=None):
         self.spans = InMemorySpanExporter()
-        limits = SpanLimits(max_events=max_events) if max_events else None
+        limits = SpanLimits(max_events=max_events, max_attribute_length=max_attribute_length) \
+            if max_events or max_attribute_length else None
         self.tp = TracerProvider(resource=Resource.create({"service.name": "t"}), span_limits=limits,
                                  shutdown_on_exit=False)
         self.tp.add_span_processor(SimpleSpanProcessor(self.spans))
@@ -144,6 +145,28 @@ def test_detection_over_event_limit_keeps_latest_frames():
         assert [e.attributes["tensorwatch.module.path"] for e in span.events] == ["layers.2", "layers.3", "layers.4"]
         assert span.attributes["tensorwatch.frames.omitted"] == 2
         assert "layers.0 Linear" in span.attributes["tensorwatch.report"]
+    finally:
+        o.close()
+
+
+def test_a_report_over_the_attribute_length_limit_keeps_its_end():
+    """OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT: the SDK would cut the report at its end, where the
+    detection is; the sink bounds it first, keeping the frames nearest the detection."""
+    from tensorwatch_otel.report.text import render_detection
+
+    o = Otel(max_attribute_length=600)
+    try:
+        sink = o.sink()
+        event = detection(linear_frames(12, bad_at=11))
+        assert len(render_detection(event)) > 600
+        sink.on_event(event)
+        sink.flush(5)
+        [span] = o.finished()
+        report = span.attributes["tensorwatch.report"]
+        assert len(report) <= 600 and "layers.11 Linear" in report and "layers.0 Linear" not in report
+        cut = span.attributes["tensorwatch.report.frames_omitted"]
+        assert 0 < cut < 12 and f"{cut} earlier frames left out" in report
+        assert report.endswith(render_detection(event)[-100:])
     finally:
         o.close()
 

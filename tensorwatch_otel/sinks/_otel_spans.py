@@ -220,7 +220,7 @@ class SpanBuilder:
         frames = event.frames
         events = self._last_frames(frames, _event_limit(provider))
         omitted = len(frames) - len(events)
-        length = _attribute_length_limit(provider)  # (characters: at most 4 bytes each)
+        length = _attribute_length_limit(provider)  # (characters: a report within N bytes has at most N)
         report, cut = _render_detection(event, REPORT_MAX_BYTES if length is None else min(REPORT_MAX_BYTES, length))
         attrs: Dict[str, Any] = {
             **place_attributes(event.place),
