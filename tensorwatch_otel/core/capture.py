@@ -3,7 +3,8 @@ batch are held by reference (tensors are not copied: their containers are, and e
 version) with the RNG states at its start; only on a detection are they moved to the CPU and
 written, a bounded number of files per process. The same held inputs feed `rerun_on_detect`'s
 replay and the replay that localizes a detection in an unsampled batch (`every_n_batches`), as
-copies, and only when the forward did not change them in place."""
+copies, and only when the forward did not change them in place. They are let go at the next
+batch, at a detection that raises, and at detach."""
 
 from __future__ import annotations
 
@@ -173,6 +174,13 @@ class BatchCapture:
             self._args, self._kwargs, self._versions = args, kwargs, None
             log.debug("tensorwatch_otel: inputs held as they are (%s: %s)", type(exc).__name__, exc)
         self._rng = _rng_states()
+
+    def release(self) -> None:
+        """Let the held inputs go (a detection that raises, detach): nothing of the batch stays
+        alive through the watcher."""
+        self._args = self._kwargs = self._rng = None
+        self._versions = []
+        self._batch = -1
 
     def held(self, batch_number: int) -> Tuple[Any, Any, Optional[Dict[str, Any]]]:
         """(args, kwargs, rng states) held for `batch_number`, or (None, None, None)."""

@@ -139,6 +139,7 @@ class DetectionPipeline:
         if raising:
             self._fanout.flush(cfg.flush_timeout_s)
             self._forget_batch()  # a caught exception leaves a clean state
+            self.release_inputs()
             exc = NonFiniteDetected(self._behaviour.detection_message(event) + (force or ""), event)
             if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
                 raise exc
@@ -154,7 +155,14 @@ class DetectionPipeline:
             self._fanout.on_event(event)
         self._fanout.flush(self._config.flush_timeout_s)
         self._forget_batch()
+        self.release_inputs()
         raise NonFiniteDetected(self._behaviour.detection_message(event) + note, event)
+
+    def release_inputs(self) -> None:
+        """Let the held inputs go (a detection that raises, detach): a batch on the device is not
+        kept alive by a watcher that is still referenced (a notebook's)."""
+        if self.capture is not None:
+            self.capture.release()
 
     def abort(self, batch: int) -> None:
         """`abort_after_batch` reached: the event, flushed, then AbortAfterBatch."""
@@ -162,6 +170,7 @@ class DetectionPipeline:
         assert cfg.abort_after_batch is not None
         self._fanout.on_event(AbortAfterBatchEvent(batch, current_rank(), time.time()))
         self._fanout.flush(cfg.flush_timeout_s)
+        self.release_inputs()
         raise AbortAfterBatch(self._behaviour.abort_message(batch + 1, cfg.abort_after_batch))
 
     def durable(self, event: Any) -> None:

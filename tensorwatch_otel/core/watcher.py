@@ -158,6 +158,7 @@ class Watcher:
         self._hooks.remove()
         ACTIVE.discard(self)
         self._steps.at_detach()
+        self._detect.release_inputs()  # the last batch's inputs (held for a replay) are not kept alive
         self._fanout.flush(self.config.flush_timeout_s)
         for s in self._owned:
             try:
