@@ -12,7 +12,7 @@ import logging
 import os
 import pickle
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -160,6 +160,7 @@ class BatchCapture:
         self._batch = -1
         self._said = False
         self._said_skipped = False
+        self._said_once: Set[str] = set()
         self.replays_skipped = 0
 
     def hold(self, batch_number: int, args: Any, kwargs: Any) -> None:
@@ -201,6 +202,14 @@ class BatchCapture:
         _unchanged(tuple(self._args or ()), versions, "args", problems)
         _unchanged(dict(self._kwargs or {}), versions, "kwargs", problems)
         return problems
+
+    def first_time(self, what: str) -> bool:
+        """True the first time this holder (one per watcher) is asked about `what`: a replay's
+        note is said once at WARNING, later at debug level."""
+        if what in self._said_once:
+            return False
+        self._said_once.add(what)
+        return True
 
     def replay_skipped(self) -> int:
         """Count a replay skipped for `changed()` inputs; the count so far."""

@@ -8,7 +8,9 @@ two reproduces it: "model", "compiler" or "transient" (see rerun_verdict).
 
 The same replay localizes a detection made in a batch `every_n_batches` did not record (by the
 check of its output, or by the step guard): `localize` runs the batch once with every module
-checked and returns the event a recorded batch would have given (see core/detection.py)."""
+checked and returns the event a recorded batch would have given (see core/detection.py).
+
+A replay gives back what it changed in the model (core/replay_state.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from .capture import BatchCapture
 from .events import NonFiniteEvent
 from .fleet import sharded
 from .ports import Sink
+from .replay_state import ReplayState
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, m
                 make_watcher: MakeWatcher) -> Optional[bool]:
     """True when the replay finds inf/nan at `module` and `tensor`, False when it finds
     none, None when the batch could not be replayed. `make_watcher(model, sink)` builds a silent
-    module-checking watcher. Buffers (BatchNorm statistics) and RNG states are restored after.
+    module-checking watcher. What the replay changes is given back after (core/replay_state.py).
 
     The replay runs on copies of the held inputs, so the caller's tensors, lists and dicts are
     left as the forward left them. A batch whose inputs the forward changed in place (the
@@ -116,7 +119,8 @@ def localize(watched: torch.nn.Module, held: BatchCapture, batch_number: int,
     born). None when the replay finds none (the inf/nan was born outside the model's modules'
     forward: in a loss computed outside, in the backward, or in another call of the batch) or the
     batch cannot be replayed (no root call, inputs changed in place, objects a replay cannot give
-    back, a failed replay: said once). Buffers and RNG states are restored after."""
+    back, a failed replay: said once). What the replay changes is given back after
+    (core/replay_state.py)."""
     if held.held(batch_number)[2] is None:
         _say_skipped(held, batch_number, ["the inputs, not held (the batch did not call the root)"])
         return None
@@ -181,13 +185,18 @@ def _replayable(held: BatchCapture, batch_number: int) -> bool:
 def _replay(model: torch.nn.Module, held: BatchCapture, batch_number: int, run: Callable[[Args, Kwargs], Any],
             make_watcher: Optional[MakeWatcher], grad: bool) -> Optional[Tuple[Optional[NonFiniteEvent], bool]]:
     """Runs `run(args, kwargs)` once on copies of the held inputs from the batch's start RNG
-    state, `model`'s buffers and the RNG states restored after: (the first inf/nan a probe
-    watcher on `model` found, whether the outputs hold inf/nan), or None when it failed."""
+    state; what it changes in `model` (core/replay_state.py) and the RNG states are given back
+    after: (the first inf/nan a probe watcher on `model` found, whether the outputs hold
+    inf/nan), or None when it failed, or when the model holds what could not be given back
+    (said once: not replayed)."""
     _, _, rng = held.held(batch_number)
     assert rng is not None
+    state = ReplayState(model)
+    if state.problems:
+        _say_skipped(held, batch_number, [f"the model's {p}" for p in state.problems])
+        return None
     saved_rng = torch.get_rng_state()
     saved_cuda = torch.cuda.get_rng_state_all() if "cuda" in rng else None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     probe = None
     try:
         torch.set_rng_state(rng["cpu"])
@@ -208,12 +217,14 @@ def _replay(model: torch.nn.Module, held: BatchCapture, batch_number: int, run: 
     finally:
         if probe is not None:
             probe.detach()
-        with torch.no_grad():
-            for b, v in buffers:
-                b.copy_(v)
+        left = state.restore()
         torch.set_rng_state(saved_rng)
         if saved_cuda is not None:
             torch.cuda.set_rng_state_all(saved_cuda)
+        if left:
+            log.log(logging.ERROR if held.first_time("left") else logging.DEBUG,
+                    "tensorwatch_otel: the replay of batch %d (rerun_on_detect, or localizing a detection in an "
+                    "unsampled batch) changed what it cannot give back: %s", batch_number, ", ".join(left[:8]))
 
 
 def _holds_nonfinite(out: Any, depth: int = 0) -> bool:
