@@ -279,6 +279,9 @@ FIELDS: Dict[str, str] = {
     "reproduced": "`rerun_on_detect`: whether a replay found the same inf/nan",
     "host": "`rerun_on_detect`: the host that ran the batch",
     "verdict": "`rerun_on_detect` on a compiled model: `model`, `compiler` or `transient`",
+    "uncertain": "why `module`/`tensor` (or `reproduced`/`verdict`) may not say where the inf/nan was born: "
+                 "a replay could not run the batch as it ran (`not replayed: ...`, or random numbers it cannot "
+                 "draw as the batch did); absent when they do",
     "stopped_at_batch": "this rank's batch when it stopped",
     "streak": "skipped steps in a row, this one included",
     "scale": "the GradScaler's scale after the skip, when known",

@@ -54,6 +54,7 @@ SCHEMA = {
         "reproduced": {"type": "boolean"},  # detections with rerun_on_detect
         "host": {"type": "string"},
         "verdict": {"enum": ["model", "compiler", "transient"]},  # rerun_on_detect on a compiled model
+        "uncertain": {"type": "string"},  # detections whose replay could not run the batch as it ran
         "streak": {"type": "integer"},  # skipped optimizer steps
         "scale": NUM,
         "every_n_batches": {"type": "integer", "minimum": 1},  # sampling_rate (max_overhead)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import random
 import weakref
 
 import pytest
@@ -142,6 +143,80 @@ def test_the_backward_after_a_replay_runs_as_unwatched(replay):
             assert [(e.batch_number, e.module) for e in sink.of(NonFiniteEvent)] == [(BAD, "")]
         results.append(model)
     _same_state(*results)
+
+
+class Noisy(nn.Module):
+    """Noise from a generator the module holds and from Python's `random`: state the batch's
+    start does not hold, so a replay cannot draw the batch's numbers; it must give them back."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+        self.gen = torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        z = self.a(x) * (1 + 0.01 * random.random())
+        z = z + 0.01 * torch.randn(z.shape, generator=self.gen)
+        return self.b(torch.exp(z))
+
+
+def test_a_replay_gives_back_the_generators_it_drew_from_and_says_it_could_not_replay_them():
+    runs = []
+    for every in (None, 10):
+        torch.manual_seed(0)
+        random.seed(5)
+        model = Noisy()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sink = Collect()
+        w = watch(model, sinks=[sink], on_detect="report", every_n_batches=every) if every else None
+        g = torch.Generator().manual_seed(1)
+        for i in range(BATCHES):
+            loss = model(torch.randn(4, 8, generator=g) * (300 if i == BAD else 1)).square().mean()
+            if torch.isfinite(loss):
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+        if w is not None:
+            w.detach()
+        runs.append((model, random.random(), sink))
+    (ref, ref_next, _), (model, after, sink) = runs
+    _same_state(model, ref)
+    assert torch.equal(model.gen.get_state(), ref.gen.get_state()) and after == ref_next
+    (ev,) = sink.of(NonFiniteEvent)
+    # named where the check saw it, and said why not where it was born
+    assert (ev.batch_number, ev.module, ev.tensor) == (BAD, "", "output")
+    assert ev.uncertain == "the replay drew random numbers the batch did not draw (from the generator gen, " \
+                           "Python's random)"
+
+
+def test_uncertain_reaches_json_lines_the_span_and_the_exception(tmp_path):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tensorwatch_otel.report.codec import read_events
+    from tensorwatch_otel.sinks import JsonlLog, OtelTelemetry
+
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    path = tmp_path / "events.jsonl"
+    torch.manual_seed(0)
+    model = Noisy()
+    with watch(model, sinks=[JsonlLog(str(path)), OtelTelemetry(tracer_provider=tp)], every_n_batches=10) as w:
+        model(torch.randn(4, 8))
+        with pytest.raises(NonFiniteDetected) as ei:
+            model(torch.randn(4, 8) * 300)  # batch 1, unsampled
+        assert w.batch_number == 2
+    why = "the replay drew random numbers the batch did not draw (from the generator gen, Python's random)"
+    assert ei.value.event.uncertain == why
+    assert str(ei.value).endswith(f"(seen there; where it was born is uncertain: {why})")
+    (back,) = [e for e in read_events(str(path)) if isinstance(e, NonFiniteEvent)]
+    assert (back.batch_number, back.module, back.tensor, back.uncertain) == (1, "", "output", why)
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "tensorwatch.nonfinite_detected"]
+    assert span.attributes["tensorwatch.uncertain"] == why
+    tp.shutdown()
 
 
 class ClipsItself(nn.Module):

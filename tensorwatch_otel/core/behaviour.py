@@ -30,7 +30,8 @@ class Behaviour:
     def detection_message(self, event: NonFiniteEvent) -> str:
         where = event.module or "(root)"
         return (f"tensorwatch_otel: {event.kind} in {where} ({event.module_class}) {event.tensor} during "
-                f"batch_number={event.batch_number}; the report above shows the frames that led to it")
+                f"batch_number={event.batch_number}; the report above shows the frames that led to it"
+                + (f" (seen there; where it was born is uncertain: {event.uncertain})" if event.uncertain else ""))
 
     def abort_message(self, batches_done: int, abort_after_batch: int) -> str:
         return (f"tensorwatch_otel: aborting after {batches_done} batches due to "

@@ -3,8 +3,8 @@ batch are held by reference (tensors are not copied: their containers are, and e
 version) with the RNG states at its start; only on a detection are they moved to the CPU and
 written, a bounded number of files per process. The same held inputs feed `rerun_on_detect`'s
 replay and the replay that localizes a detection in an unsampled batch (`every_n_batches`), as
-copies, and only when the forward did not change them in place. They are let go at the next
-batch, at a detection that raises, and at detach."""
+copies, and only when the forward did not change them in place, with the autocast state the
+call ran under. They are let go at the next batch, at a detection that raises, and at detach."""
 
 from __future__ import annotations
 
@@ -21,6 +21,22 @@ log = logging.getLogger(__name__)
 MAX_CAPTURES = 8  # files written per process; a run that detects more keeps the first ones
 MAX_BYTES = 2 << 30  # a batch larger than this is not written (said once)
 FORMAT = "tensorwatch_otel.capture/1"
+
+
+# Autocast is per device type; these are torch's (a replay re-enters the held state of each)
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")
+#: the autocast state a root call ran under: ((device type, dtype) for each one enabled, cache
+#: flag); ((), True) when autocast was off
+AutocastState = Tuple[Tuple[Tuple[str, torch.dtype], ...], bool]
+_AUTOCAST_OFF: AutocastState = ((), True)
+
+
+def autocast_state() -> AutocastState:
+    """The calling thread's autocast state (one call when autocast is off)."""
+    if not torch._C._is_any_autocast_enabled():
+        return _AUTOCAST_OFF
+    return (tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d)),
+            torch.is_autocast_cache_enabled())
 
 
 def _rng_states() -> Dict[str, Any]:
@@ -157,6 +173,7 @@ class BatchCapture:
         self._kwargs: Any = None
         self._versions: Optional[List[int]] = []
         self._rng: Optional[Dict[str, Any]] = None
+        self._autocast = _AUTOCAST_OFF
         self._batch = -1
         self._said = False
         self._said_skipped = False
@@ -164,8 +181,8 @@ class BatchCapture:
         self.replays_skipped = 0
 
     def hold(self, batch_number: int, args: Any, kwargs: Any) -> None:
-        """The inputs of a root call of batch `batch_number` (its last one), by reference, and
-        the RNG states at its start."""
+        """The inputs of a root call of batch `batch_number` (its last one), by reference, the
+        RNG states at its start and the autocast state it runs under."""
         self._batch = batch_number
         versions: List[int] = []
         try:
@@ -175,12 +192,14 @@ class BatchCapture:
             self._args, self._kwargs, self._versions = args, kwargs, None
             log.debug("tensorwatch_otel: inputs held as they are (%s: %s)", type(exc).__name__, exc)
         self._rng = _rng_states()
+        self._autocast = autocast_state()
 
     def release(self) -> None:
         """Let the held inputs go (a detection that raises, detach): nothing of the batch stays
         alive through the watcher."""
         self._args = self._kwargs = self._rng = None
         self._versions = []
+        self._autocast = _AUTOCAST_OFF
         self._batch = -1
 
     def held(self, batch_number: int) -> Tuple[Any, Any, Optional[Dict[str, Any]]]:
@@ -202,6 +221,10 @@ class BatchCapture:
         _unchanged(tuple(self._args or ()), versions, "args", problems)
         _unchanged(dict(self._kwargs or {}), versions, "kwargs", problems)
         return problems
+
+    def autocast(self, batch_number: int) -> AutocastState:
+        """The autocast state the held root call of `batch_number` ran under."""
+        return self._autocast if self._batch == batch_number else _AUTOCAST_OFF
 
     def first_time(self, what: str) -> bool:
         """True the first time this holder (one per watcher) is asked about `what`: a replay's

@@ -32,7 +32,7 @@ from .fleet import FleetStop
 from .ports import Sink, SinkFanout
 from .rank import current_rank
 from .record import History, Record
-from .rerun import host, localize, replay_would_block, rerun_verdict
+from .rerun import Localized, host, localize, replay_would_block, rerun
 
 log = logging.getLogger(__name__)
 
@@ -85,31 +85,35 @@ class DetectionPipeline:
         point and may raise here. `force`: raised whatever on_detect says (on_detect="skip" that
         can skip no more), the message ending with this note."""
         rec.detected = True
-        event = self._localized(rec.batch_number)
-        if event is None:
+        event, uncertain = self._localized(rec.batch_number)
+        if event is None:  # (a recorded batch, or the replay could not name a place in the forward)
             frames = self._ring(rec, fi)
             last = frames[-1]
             first = last.first_nonfinite()
             event = NonFiniteEvent(
                 batch_number=rec.batch_number, rank=current_rank(), module=last.module,
                 module_class=last.module_class, tensor=first.name if first else "",
-                kind=self._kind_of(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase)
+                kind=self._kind_of(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase,
+                uncertain=uncertain)
         self._publish(event, replicated, force)
 
     def localized(self, rec: Record) -> Optional[NonFiniteEvent]:
         """on_detect="skip": the step guard found bad gradients of `rec`'s batch; when that batch
         was not recorded and its replay finds the inf/nan in the forward, that forward detection
         is recorded (as a recorded batch's would be) and returned; else None."""
-        event = self._localized(rec.batch_number)
+        event = self._localized(rec.batch_number).event
         if event is not None:
             rec.detected = True
             self._publish(event, False, None)
         return event
 
-    def _localized(self, batch: int) -> Optional[NonFiniteEvent]:
-        """The forward's first inf/nan in a replay of unsampled batch `batch`, or None."""
-        if self._sampled(batch) or self.capture is None or self.replaying or replay_would_block(self._model):
-            return None
+    def _localized(self, batch: int) -> Localized:
+        """The forward's first inf/nan in a replay of unsampled batch `batch`, or why the event
+        may not name where it was born (core/rerun.py)."""
+        if self._sampled(batch) or self.capture is None or self.replaying:
+            return Localized(None)
+        if replay_would_block(self._model):
+            return Localized(None, "not replayed: the model is sharded over several ranks")
         self.replaying = True
         try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
             return localize(self._model, self.capture, batch, self._make_probe)
@@ -120,17 +124,18 @@ class DetectionPipeline:
         """The rest of a detection: capture file, re-run, first rank, sinks, and the raise."""
         cfg = self._config
         capture = self.capture.write(event.batch_number) if self.capture is not None and cfg.capture_dir else None
-        reproduced = verdict = None
+        reproduced = verdict = uncertain = None
         if cfg.rerun_on_detect and event.phase == "forward" and self.capture is not None \
                 and not replay_would_block(self._model):
             self.replaying = True
             try:  # the user's model, not its DDP wrapper (whose forward broadcasts buffers)
-                reproduced, verdict = rerun_verdict(self._model, self.capture, event.batch_number,
-                                                    event.module, event.tensor, self._make_probe)
+                reproduced, verdict, uncertain = rerun(self._model, self.capture, event.batch_number,
+                                                       event.module, event.tensor, self._make_probe)
             finally:
                 self.replaying = False
         event = dataclasses.replace(event, capture=capture, reproduced=reproduced,
-                                    host=host() if reproduced is not None else None, verdict=verdict)
+                                    host=host() if reproduced is not None else None, verdict=verdict,
+                                    uncertain=event.uncertain or uncertain)
         raising = cfg.on_detect == "raise" or force is not None
         if self._fleet.active():
             event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first

@@ -190,6 +190,11 @@ class NonFiniteEvent(Placed):
     #: W3C trace id (32 hex digits) every sink shares: the detection span's trace, the metric
     #: exemplar, the JSON lines field. Made here when not given; "" when unknown (old logs).
     trace_id: Optional[str] = None
+    #: why the place may not be where the inf/nan was born, or `reproduced`/`verdict` may not say
+    #: who is to blame: a replay could not run the batch as it ran (a batch every_n_batches did
+    #: not record, "not replayed: ..."; random numbers the replay cannot draw as the batch did: a
+    #: compiled model's dropout); None when they do
+    uncertain: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.first_rank is None:

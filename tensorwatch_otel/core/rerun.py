@@ -4,28 +4,32 @@ weights from its batch-start RNG state, every module checked as it returns. The 
 in the same place is a numeric problem (fix the model, the data, the scale); none is a
 transient fault: suspect the device (the event names the rank and host). On a compiled model
 the batch is replayed eagerly and then compiled, and the event's `verdict` says which of the
-two reproduces it: "model", "compiler" or "transient" (see rerun_verdict).
+two reproduces it: "model", "compiler" or "transient" (see rerun).
 
 The same replay localizes a detection made in a batch `every_n_batches` did not record (by the
 check of its output, or by the step guard): `localize` runs the batch once with every module
 checked and returns the event a recorded batch would have given (see core/detection.py).
 
-A replay gives back what it changed in the model (core/replay_state.py)."""
+A replay runs under the autocast state the batch's call ran under, from its start RNG states,
+and gives back what it changed (core/replay_state.py). One that cannot run the batch as it ran
+(random numbers it cannot draw as the batch drew them: a compiled model's dropout, a generator
+a module holds) does not name a place or a verdict: the event says why (`uncertain`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import socket
 import sys
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import naming
-from .capture import BatchCapture
+from .capture import AutocastState, BatchCapture, autocast_state
 from .events import NonFiniteEvent
 from .fleet import sharded
 from .ports import Sink
@@ -57,6 +61,42 @@ class FirstNonFinite(Sink):
             self.event = event
 
 
+class Rerun(NamedTuple):
+    """What `rerun_on_detect`'s replays say: `reproduced` and `verdict` as the event has them,
+    and `uncertain`: why they are not known (the replays drew random numbers the batch did not
+    draw), else None."""
+
+    reproduced: Optional[bool]
+    verdict: Optional[str]
+    uncertain: Optional[str] = None
+
+
+class Localized(NamedTuple):
+    """What the replay of an unsampled batch says: the forward's first inf/nan as a recorded
+    batch gives it (None when the replay found none or could not say), and `uncertain`: why the
+    batch was not replayed as it ran, else None (then a None event means the inf/nan was born
+    outside the model's forward)."""
+
+    event: Optional[NonFiniteEvent]
+    uncertain: Optional[str] = None
+
+
+class _Replayed(NamedTuple):
+    event: Optional[NonFiniteEvent]  # the first inf/nan the probe watcher found
+    bad: bool  # the outputs hold inf/nan
+    drew_torch: bool  # the replay drew from torch's global generators (from the batch's start states)
+    drew_other: List[str]  # ...and from these, whose states at the batch's start are not held
+
+
+#: Localized/Rerun.uncertain: a compiled model's random numbers (inductor's own) are not an eager replay's
+COMPILED_RANDOM = ("the eager replay cannot draw the random numbers the compiled model drew (dropout under "
+                   "torch.compile)")
+
+
+def _not_batch_random(drew: List[str]) -> str:
+    return "the replay drew random numbers the batch did not draw (from " + ", ".join(drew) + ")"
+
+
 def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, module: str, tensor: str,
                 make_watcher: MakeWatcher) -> Optional[bool]:
     """True when the replay finds inf/nan at `module` and `tensor`, False when it finds
@@ -68,31 +108,50 @@ def rerun_batch(model: torch.nn.Module, held: BatchCapture, batch_number: int, m
     replay would not see the batch as it was), or that holds other objects (a transformers
     cache: the replay would change it and could not give it back) is not replayed: None, with
     one log line naming those inputs."""
+    return _rerun_eager(model, held, batch_number, module, tensor, make_watcher).reproduced
+
+
+def _rerun_eager(model: torch.nn.Module, held: BatchCapture, batch_number: int, module: str, tensor: str,
+                 make_watcher: MakeWatcher) -> Rerun:
     if not _replayable(held, batch_number):
-        return None
+        return Rerun(None, None)
     found = _replay(model, held, batch_number, lambda a, k: model(*a, **k), make_watcher, grad=False)
-    if found is None:
-        return None
-    event, _ = found
-    return event is not None and (event.module, event.tensor) == (module, tensor)
+    if isinstance(found, str):
+        return Rerun(None, None)
+    same = found.event is not None and (found.event.module, found.event.tensor) == (module, tensor)
+    if not same and found.drew_other:  # other random numbers: not finding it says nothing
+        return Rerun(None, None, _not_batch_random(found.drew_other))
+    return Rerun(same, None)
 
 
 def rerun_verdict(watched: torch.nn.Module, held: BatchCapture, batch_number: int, module: str, tensor: str,
                   make_watcher: MakeWatcher) -> Tuple[Optional[bool], Optional[str]]:
-    """(reproduced, verdict) for a detection in the model given to watch() (`watched`: the
-    user's model or its wrappers). For an eager model the verdict is None and `reproduced` is
+    """(reproduced, verdict): `rerun(...)` without its note."""
+    found = rerun(watched, held, batch_number, module, tensor, make_watcher)
+    return found.reproduced, found.verdict
+
+
+def rerun(watched: torch.nn.Module, held: BatchCapture, batch_number: int, module: str, tensor: str,
+          make_watcher: MakeWatcher) -> Rerun:
+    """(reproduced, verdict, uncertain) for a detection in the model given to watch() (`watched`:
+    the user's model or its wrappers). For an eager model the verdict is None and `reproduced` is
     rerun_batch's. For a compiled one (`watch(torch.compile(m))`, `m.compile()`, a compiled
     submodule, or `torch.compile(m)` called after `watch(m)`) the batch is replayed eagerly
     first (every `torch.compile` ignored, every module checked): inf/nan anywhere is "model".
     Else it is replayed through the compiled callable the user runs (same grad mode, outputs
     checked): inf/nan there is "compiler", none is "transient". `reproduced` is True for
-    "model" and "compiler", False for "transient"; (None, None) when a replay failed."""
+    "model" and "compiler", False for "transient"; (None, None) when a replay failed.
+
+    An eager replay that draws random numbers (dropout) cannot draw the compiled model's (the
+    compiler generates its own): then the compiled replay, which draws the batch's, decides
+    alone: none there is "transient"; inf/nan there is reproduced, with no verdict (the eager
+    model might overflow too with the compiled run's numbers) and `uncertain` saying why."""
     model = naming.unwrap_root(watched)
     compiled = compiled_callable(watched)
     if compiled is None:
-        return rerun_batch(model, held, batch_number, module, tensor, make_watcher), None
+        return _rerun_eager(model, held, batch_number, module, tensor, make_watcher)
     if not _replayable(held, batch_number):
-        return None, None
+        return Rerun(None, None)
     grad = torch.is_grad_enabled()  # the detecting forward's mode: the compiled graph depends on it
 
     def eager(args: Args, kwargs: Kwargs) -> Any:
@@ -100,32 +159,43 @@ def rerun_verdict(watched: torch.nn.Module, held: BatchCapture, batch_number: in
             return model(*args, **kwargs)
 
     found = _replay(model, held, batch_number, eager, make_watcher, grad=False)
-    if found is None:
-        return None, None
-    if found[0] is not None or found[1]:
-        return True, VERDICT_MODEL
-    found = _replay(model, held, batch_number, lambda a, k: compiled(*a, **k), None, grad=grad)
-    if found is None:
-        return None, None
-    return (True, VERDICT_COMPILER) if found[1] else (False, VERDICT_TRANSIENT)
+    if isinstance(found, str):
+        return Rerun(None, None)
+    eager_random = found.drew_torch or bool(found.drew_other)
+    if not eager_random and (found.event is not None or found.bad):
+        return Rerun(True, VERDICT_MODEL)
+    again = _replay(model, held, batch_number, lambda a, k: compiled(*a, **k), None, grad=grad)
+    if isinstance(again, str):
+        return Rerun(None, None)
+    if again.drew_other:
+        why = _not_batch_random(again.drew_other)
+        return Rerun(True, None, why) if again.bad else Rerun(None, None, why)
+    if not again.bad:
+        return Rerun(False, VERDICT_TRANSIENT)
+    if eager_random:
+        return Rerun(True, None, COMPILED_RANDOM if found.drew_torch else _not_batch_random(found.drew_other))
+    return Rerun(True, VERDICT_COMPILER)
 
 
 def localize(watched: torch.nn.Module, held: BatchCapture, batch_number: int,
-             make_watcher: MakeWatcher) -> Optional[NonFiniteEvent]:
+             make_watcher: MakeWatcher) -> Localized:
     """The first inf/nan a replay of batch `batch_number` finds in the forward, every module
     checked (eagerly, on a compiled model), as the event a recorded batch gives: numbered as
     that batch, with its frames. The replay is of the batch's root call held last (a `batch()`
     block that calls the root twice: the second; what it finds is where that call's inf/nan was
-    born). None when the replay finds none (the inf/nan was born outside the model's modules'
-    forward: in a loss computed outside, in the backward, or in another call of the batch) or the
+    born), under the autocast state that call ran under. No event when the replay finds none (the
+    inf/nan was born outside the model's modules' forward: in a loss computed outside, in the
+    backward, or in another call of the batch). No event and `uncertain` saying why when the
     batch cannot be replayed (no root call, inputs changed in place, objects a replay cannot give
-    back, a failed replay: said once). What the replay changes is given back after
-    (core/replay_state.py)."""
+    back, a failed replay: said once) or the replay could not run it as it ran (random numbers:
+    a compiled model's, or those of a generator whose state at the batch's start is not held).
+    What the replay changes is given back after (core/replay_state.py)."""
     if held.held(batch_number)[2] is None:
-        _say_skipped(held, batch_number, ["the inputs, not held (the batch did not call the root)"])
-        return None
-    if not _replayable(held, batch_number):
-        return None
+        return Localized(None, _say_skipped(held, batch_number,
+                                            ["the inputs, not held (the batch did not call the root)"]))
+    why = _not_replayable(held, batch_number)
+    if why is not None:
+        return Localized(None, why)
     model = naming.unwrap_root(watched)
 
     def eager(args: Args, kwargs: Kwargs) -> Any:
@@ -135,11 +205,17 @@ def localize(watched: torch.nn.Module, held: BatchCapture, batch_number: int,
             return model(*args, **kwargs)
 
     found = _replay(model, held, batch_number, eager, make_watcher, grad=False)
-    if found is None or found[0] is None:
-        return None
-    event = found[0]
+    if isinstance(found, str):
+        return Localized(None, found)
+    if found.drew_other:
+        return Localized(None, _say_uncertain(held, batch_number, _not_batch_random(found.drew_other)))
+    if found.drew_torch and compiled_callable(watched) is not None:
+        return Localized(None, _say_uncertain(held, batch_number, COMPILED_RANDOM))
+    event = found.event
+    if event is None:
+        return Localized(None)
     frames = tuple(dataclasses.replace(f, batch_number=batch_number) for f in event.frames)
-    return dataclasses.replace(event, batch_number=batch_number, frames=frames)
+    return Localized(dataclasses.replace(event, batch_number=batch_number, frames=frames))
 
 
 def compiled_callable(watched: torch.nn.Module) -> Optional[Callable[..., Any]]:
@@ -172,29 +248,46 @@ def compiled_callable(watched: torch.nn.Module) -> Optional[Callable[..., Any]]:
 
 
 def _replayable(held: BatchCapture, batch_number: int) -> bool:
+    return _not_replayable(held, batch_number) is None
+
+
+def _not_replayable(held: BatchCapture, batch_number: int) -> Optional[str]:
+    """Why the held batch cannot be replayed (said once), or None."""
     _, _, rng = held.held(batch_number)
     if rng is None:
-        return False
+        return "not replayed: its inputs are not held"
     problems = held.changed(batch_number)
     if problems:
-        _say_skipped(held, batch_number, problems)
-        return False
-    return True
+        return _say_skipped(held, batch_number, problems)
+    return None
+
+
+@contextlib.contextmanager
+def _autocast(state: AutocastState) -> Iterator[None]:
+    """The autocast state `state` (capture.autocast_state()) for every device type it or the
+    caller's has enabled: the replay computes in the dtypes the batch computed in, wherever it
+    runs (at optimizer.step(), outside the user's autocast region, or inside another one)."""
+    held, cache = state
+    dtypes = dict(held)
+    now = autocast_state()[0]
+    with contextlib.ExitStack() as stack:
+        for device in dict.fromkeys([d for d, _ in held] + [d for d, _ in now]):
+            dtype = dtypes.get(device)
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=dtype is not None, cache_enabled=cache))
+        yield
 
 
 def _replay(model: torch.nn.Module, held: BatchCapture, batch_number: int, run: Callable[[Args, Kwargs], Any],
-            make_watcher: Optional[MakeWatcher], grad: bool) -> Optional[Tuple[Optional[NonFiniteEvent], bool]]:
+            make_watcher: Optional[MakeWatcher], grad: bool) -> "_Replayed | str":
     """Runs `run(args, kwargs)` once on copies of the held inputs from the batch's start RNG
-    state; what it changes in `model` (core/replay_state.py) and the RNG states are given back
-    after: (the first inf/nan a probe watcher on `model` found, whether the outputs hold
-    inf/nan), or None when it failed, or when the model holds what could not be given back
-    (said once: not replayed)."""
+    state, under the autocast state the batch's call ran under; what it changes in `model`
+    (core/replay_state.py) and the RNG states are given back after. Else why not: it failed
+    (said), or the model holds what could not be given back (said once: not replayed)."""
     _, _, rng = held.held(batch_number)
     assert rng is not None
     state = ReplayState(model)
     if state.problems:
-        _say_skipped(held, batch_number, [f"the model's {p}" for p in state.problems])
-        return None
+        return _say_skipped(held, batch_number, [f"the model's {p}" for p in state.problems])
     saved_rng = torch.get_rng_state()
     saved_cuda = torch.cuda.get_rng_state_all() if "cuda" in rng else None
     probe = None
@@ -206,14 +299,16 @@ def _replay(model: torch.nn.Module, held: BatchCapture, batch_number: int, run: 
         sink = FirstNonFinite()
         if make_watcher is not None:
             probe = make_watcher(model, sink)
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), _autocast(held.autocast(batch_number)):
             out = run(args, kwargs)
             bad = _holds_nonfinite(out)
-        return sink.event, bad
+        drew_torch = not torch.equal(torch.get_rng_state(), rng["cpu"]) or (
+            "cuda" in rng and any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), rng["cuda"])))
+        return _Replayed(sink.event, bad, drew_torch, state.drew())
     except Exception as exc:  # the replay must never hide the detection itself
         log.warning("tensorwatch_otel: could not re-run batch %d: %s: %s", batch_number,
                     type(exc).__name__, exc)
-        return None
+        return f"the replay failed ({type(exc).__name__})"
     finally:
         if probe is not None:
             probe.detach()
@@ -246,13 +341,23 @@ def _holds_nonfinite(out: Any, depth: int = 0) -> bool:
     return False
 
 
-def _say_skipped(held: BatchCapture, batch_number: int, problems: List[str]) -> None:
-    """One warning per watcher (its capture holder); later skips at debug level."""
+def _say_skipped(held: BatchCapture, batch_number: int, problems: List[str]) -> str:
+    """One warning per watcher (its capture holder); later skips at debug level. Returns the
+    note an event carries (`uncertain`)."""
     level = logging.WARNING if held.replay_skipped() == 1 else logging.DEBUG
+    what = ", ".join(problems[:8]) + (f" and {len(problems) - 8} more" if len(problems) > 8 else "")
     log.log(level, "tensorwatch_otel: batch %d not replayed (rerun_on_detect, or localizing a detection in an "
             "unsampled batch): a replay would not see these inputs as the batch did, or could not give them "
-            "back as it found them: %s", batch_number,
-            ", ".join(problems[:8]) + (f" and {len(problems) - 8} more" if len(problems) > 8 else ""))
+            "back as it found them: %s", batch_number, what)
+    return "not replayed: " + what
+
+
+def _say_uncertain(held: BatchCapture, batch_number: int, why: str) -> str:
+    """A replay that could not run the batch as it ran: said once per watcher at WARNING."""
+    log.log(logging.WARNING if held.first_time(why) else logging.DEBUG,
+            "tensorwatch_otel: the detection in batch %d is named where it was seen, not where it was born: %s",
+            batch_number, why)
+    return why
 
 
 def replay_would_block(model: torch.nn.Module) -> bool:

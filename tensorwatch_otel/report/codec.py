@@ -80,6 +80,8 @@ def to_dict(event: Event) -> Dict[str, Any]:
             d.update(reproduced=event.reproduced, host=event.host)
         if event.verdict is not None:
             d["verdict"] = event.verdict
+        if event.uncertain is not None:
+            d["uncertain"] = event.uncertain
     elif isinstance(event, StoppedByRankEvent):
         d.update(first_rank=event.first_rank, stopped_at_batch=event.stopped_at_batch)
     elif isinstance(event, SkippedStepEvent):
@@ -200,7 +202,7 @@ def from_dict(d: Dict[str, Any]) -> Event:
                               trace_id=_str(d, "trace_id"),  # "": none in the log
                               phase=_str(d, "phase", "forward"), capture=_str(d, "capture") or None,
                               reproduced=_opt_bool(d.get("reproduced")), host=_str(d, "host") or None,
-                              verdict=_str(d, "verdict") or None)
+                              verdict=_str(d, "verdict") or None, uncertain=_str(d, "uncertain") or None)
     if kind == "stopped_by_rank":
         try:
             first = int(d["first_rank"])

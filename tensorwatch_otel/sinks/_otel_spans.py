@@ -240,6 +240,8 @@ class SpanBuilder:
             attrs[_a("host")] = event.host or ""
         if event.verdict is not None:
             attrs[_a("verdict")] = event.verdict
+        if event.uncertain is not None:
+            attrs[_a("uncertain")] = event.uncertain
         if omitted:  # the most recent frames matter most; the report attribute has more
             attrs[_a("frames_omitted")] = omitted
         span = self._tracer.start_span(DETECTION_SPAN, context=ctx, start_time=t0,

@@ -174,6 +174,8 @@ SPAN_ATTRIBUTES: Dict[str, Tuple[str, str]] = {
     "reproduced": ("tensorwatch.reproduced", "`rerun_on_detect`: whether a replay found the same inf/nan"),
     "host": ("host.name", "`rerun_on_detect`: the host that ran the batch"),
     "verdict": ("tensorwatch.verdict", "`rerun_on_detect` on a compiled model: `model`, `compiler`, `transient`"),
+    "uncertain": ("tensorwatch.uncertain", "why the place (or `reproduced`/`verdict`) may not say where the inf/nan "
+                  "was born: a replay could not run the batch as it ran"),
     "frames_omitted": ("tensorwatch.frames.omitted", "frames left out of the span events: past the SDK's event "
                        "limit, or past 1 MiB of them (the report has more, the JSON lines event log all)"),
     "link": ("tensorwatch.link", "on the link to the training step's span: `training step`"),
