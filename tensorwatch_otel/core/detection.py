@@ -62,7 +62,7 @@ class DetectionPipeline:
         # the batch's inputs, held by reference until the next batch (capture_dir / rerun_on_detect /
         # the replay of an unsampled batch)
         self.capture = BatchCapture(config.capture_dir or "", current_rank()) \
-            if config.capture_dir or config.rerun_on_detect or config.every_n_batches > 1 else None
+            if config.capture_dir or config.rerun_on_detect or config.sampling else None
         self.replaying = False  # a captured batch is being replayed: the hooks stay out of it
         self.detections = 0
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 
 import torch
 
-from . import naming
+from . import naming, transforms
 from .capture import AutocastState, BatchCapture, autocast_state
 from .events import NonFiniteEvent
 from .fleet import sharded
@@ -326,9 +326,12 @@ def _holds_nonfinite(out: Any, depth: int = 0) -> bool:
     """Whether a floating tensor in `out` (tensors, lists, tuples, mappings, dataclass-like
     results' tensor attributes) holds inf/nan. Runs once per replay, not on the hot path."""
     if isinstance(out, torch.Tensor):
-        if out.is_floating_point() or out.is_complex():
-            return bool(not torch.isfinite(out.detach()).all())
-        return False
+        if not (out.is_floating_point() or out.is_complex()):
+            return False
+        if transforms.active():  # a replay inside torch.func (vmap): read what the wrapper holds
+            with transforms.set_aside():
+                return bool(not torch.isfinite(transforms.plain(out).detach()).all())
+        return bool(not torch.isfinite(out.detach()).all())
     if depth >= 16:
         return False
     if isinstance(out, (list, tuple)):
