@@ -346,11 +346,11 @@ def test_the_traced_hooks_add_no_guard_on_the_watchers_objects_or_parameter_keys
     assert "._parameters))" not in guards  # (a guard on a parameter dict's keys: list(dict.keys(m._parameters)))
 
 
-def test_the_default_is_cpu_graphs_and_a_bad_value_is_an_error_naming_the_variable(monkeypatch):
+def test_the_default_is_every_device_and_a_bad_value_is_an_error_naming_the_variable(monkeypatch):
     from tensorwatch_otel.core import env
     from tensorwatch_otel.core.env import ConfigError
 
-    assert env.graph_stats_mode({}) == "cpu"
+    assert env.graph_stats_mode({}) == "1"  # every device
     assert [env.graph_stats_mode({"TENSORWATCH_GRAPH_STATS": v}) for v in ("1", "on", "0", "off", "CPU")] == \
         ["1", "1", "0", "0", "cpu"]
     monkeypatch.setattr(graph_stats, "EVERY_DEVICE", False)

@@ -70,6 +70,43 @@ _Handle = Any  # a RemovableHandle or a compiled.SlotHandle: has .remove()
 _ParamHook = Tuple["weakref.ref[torch.Tensor]", ModuleInfo, RemovableHandle]
 
 
+#: the id of the watcher's hooks in a module's hook dicts (RemovableHandle's own ids count up from
+#: 0): one id for every module, so that modules sharing their code share a compiled graph (dynamo
+#: guards on `hook_id in module._forward_hooks_always_called` and the like); the next one down
+#: where a module holds a hook of another watcher at it already
+_HOOK_ID = -(1 << 40)
+
+
+def _hook_id(*dicts: Dict[int, Any]) -> int:
+    i = _HOOK_ID
+    while any(i in d for d in dicts):
+        i -= 1
+    return i
+
+
+def _with_id(hook_id: int, register: Callable[[], RemovableHandle]) -> RemovableHandle:
+    """`register()` (a module's register_forward_*_hook) with its handle numbered `hook_id`:
+    torch numbers handles from RemovableHandle.next_id, set for this one call."""
+    saved = RemovableHandle.next_id
+    RemovableHandle.next_id = hook_id
+    try:
+        return register()
+    finally:
+        RemovableHandle.next_id = saved
+
+
+def _register_pre(module: torch.nn.Module, hook: Any) -> RemovableHandle:
+    """`module.register_forward_pre_hook(hook)`, under the watcher's hook id."""
+    return _with_id(_hook_id(module._forward_pre_hooks), lambda: module.register_forward_pre_hook(hook))
+
+
+def _register_post(module: torch.nn.Module, hook: Any) -> RemovableHandle:
+    """`module.register_forward_hook(hook, with_kwargs=True, always_call=True)`, under the
+    watcher's hook id."""
+    return _with_id(_hook_id(module._forward_hooks),
+                    lambda: module.register_forward_hook(hook, with_kwargs=True, always_call=True))
+
+
 class HookSet:
     """The watcher's hooks on one model, and what they are placed from.
 
@@ -276,8 +313,11 @@ class HookSet:
         slot = compiled.new_slot(self._slot_owner, module, self._pre_hook)
         hook = self._make_hook(info, slot).place(module, copies)
         compiled.set_post(slot, hook)
-        pre = module.register_forward_pre_hook(compiled.PreHook(slot, self._pre_hook, is_root).place(module, copies))
-        post = module.register_forward_hook(hook, with_kwargs=True, always_call=True)
+        pre_hook = compiled.PreHook(slot, self._pre_hook, is_root, getattr(hook, "row_id", None)).place(module, copies)
+        if hasattr(hook, "pair"):
+            hook.pair(pre_hook)  # (batch_lifecycle.ForwardHook: its row id moves with its module)
+        pre = _register_pre(module, pre_hook)
+        post = _register_post(module, hook)
         h.handles += [pre, post, compiled.SlotHandle(slot)]
         if not is_root:
             h.places = [(module._forward_pre_hooks, pre.id), (module._forward_hooks, post.id)]

@@ -30,20 +30,20 @@ import functools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from . import graph_stats, transforms
 from .behaviour import Behaviour
-from .compiled import (_live as _live_slots, _parsed as _parsed_spec, compiling_here, run_eagerly_when_called_eagerly,
-                       traced_here, traced_post)
+from .compiled import compiling_here, run_eagerly_when_called_eagerly, traced_here, traced_post, traced_row, writes_rows
 from .copies import ModuleHook
 from .errors import AbortAfterBatch, NonFiniteDetected
-from .events import NOTE_EMPTY, NOTE_NO_DATA, BatchStats, BatchTraceEvent
+from .events import BatchStats, BatchTraceEvent
 from .finite import all_finite, output_tensors
+from .graph_frames import GraphFrames
 from .rank import current_rank
-from .record import FrameDraft, History, Item, ModuleInfo, Record
+from .record import History, ModuleInfo, Record
 from .steps import FUSED_DEVICES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -138,27 +138,6 @@ class _PerThread(threading.local):
         self.st = ThreadBatch(max_frames)
 
 
-def _frame_plan(site: "graph_stats.Site", info: ModuleInfo
-                ) -> Tuple[Optional[ModuleInfo], List[Item], List[torch.dtype]]:
-    """A site's frame, made once: its module's info (None: not recorded), its items (a name per
-    measured value, (name, note) for the others) and the measured values' dtypes."""
-    if not info.recorded:
-        return None, [], []
-    items: List[Item] = []
-    dtypes: List[torch.dtype] = []
-    for name, kind, dt in site.layout(info.kw_names, _parsed_spec):
-        if kind == "m":
-            items.append(name)
-            dtypes.append(getattr(torch, dt))
-        elif kind == "e":
-            items.append((name, NOTE_EMPTY))
-        elif kind == "x":
-            items.append((name, NOTE_NO_DATA))
-        else:
-            items.append((name, kind))
-    return info, items, dtypes
-
-
 class BatchLifecycle:
     """Every thread's batch of one watcher: numbers them (one counter for every thread), runs the
     hooks' per-call work through the phases, and ends each batch (read-back, sinks, check).
@@ -193,11 +172,12 @@ class BatchLifecycle:
         self._batches = 0  # batches begun, by every thread: the next batch's number
         self._thread = 0  # the thread that began the last batch (a second one turns quiet batches off)
         self._said_root_alone = False  # (see _say_if_root_alone)
-        self._sites: List[graph_stats.Site] = []  # this watcher's in-graph sites (_own_sites)
-        self._sites_seen = 0  # the sites looked at so far
-        self._threads = False  # a second thread has called the model (its sites would be shared)
-        self._said_shared = False  # (said so: _own_sites)
-        self._plans: Dict[int, Tuple[Optional[ModuleInfo], List[Item], List[torch.dtype]]] = {}  # by id(site)
+        self._graph = GraphFrames(model)  # its submodules' rows of in-graph statistics (core/graph_frames.py)
+        self._threads = False  # a second thread has called the model (its rows would be shared)
+        self._said_shared = False  # (said so: _say_shared)
+        # in-graph rows for its submodules' hooks: not with what a row cannot give (counts, gradients,
+        # a check per module)
+        self._rows = graph_stats.ON and not config.target_dtypes and not config.gradients and config.check == "batch"
         self._unwrapped: Optional[transforms.UnwrappedRecorder] = None  # made at the first call inside torch.func
 
     # ---------------------------------------------------------------- what the watcher reads
@@ -252,15 +232,19 @@ class BatchLifecycle:
     # ---------------------------------------------------------------- hooks
     def make_hook(self, info: ModuleInfo, slot: int = 0) -> "ForwardHook":
         """A module's forward hook. `slot`: its op slot (core/compiled.py), called in its place
-        while dynamo traces."""
+        while dynamo traces; a submodule's hook also gets a row id (core/graph_frames.py), by
+        which it writes its rows inside compiled graphs instead."""
         recorder = self._recorder
         # the default behaviour records with the recorder's own frame(): one call less per frame
         take: _Take = recorder.frame if type(self._behaviour).record is Behaviour.record \
             else functools.partial(self._behaviour.record, recorder)
         sampling = self._sampling
-        return ForwardHook(self, info, slot, take, self._tls, self._detect, self._backward,
+        hook = ForwardHook(self, info, slot, take, self._tls, self._detect, self._backward,
                            check_module=self._config.check == "module", grad_acts=self._config.gradients,
                            budget=sampling if sampling.timed else None)
+        if self._rows and not info.is_root and not info.lent:
+            hook.rehome(self._graph.row_id(info, hook))
+        return hook
 
     def pre_hook(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...]) -> None:
         """Every watched module's forward pre-hook (registered through compiled.pre_hook, which
@@ -313,14 +297,14 @@ class BatchLifecycle:
                     if self._thread:
                         quiet.turn_off("a second thread calls the model")
                         self._threads = True
-                        if graph_stats.ON:
-                            self._own_sites()  # (with sites of its own: said once)
+                        self._say_shared()
                     self._thread = thread
             rec = Record(b, targets=self._config.target_dtypes)
             if self._live() and self._sampling.watches(b):
                 st.open(rec, Phase.RECORDING)
-                if graph_stats.ON and graph_stats.has_sites():
-                    graph_stats.begin_batch(self._own_sites())  # those that run from now on are this batch's
+                if self._graph.active:
+                    self._graph.begin()  # the rows written from now on are this batch's
+                    self._say_shared()
                 if quiet.off:
                     quiet.put_back()  # a recorded batch: every hook on
             else:  # an unsampled batch: the modules it calls run without hooks where they can
@@ -337,45 +321,28 @@ class BatchLifecycle:
                 # tensors by reference; inputs are held only with a capture (capture_hook)
                 capture.hold(st.rec.batch_number, args, kwargs)
 
-    def _own_sites(self) -> List["graph_stats.Site"]:
-        """This watcher's in-graph sites (core/graph_stats.py), each looked at once: those whose
-        forward hook is one of its own, with their frame plans. Another watcher's batch never
-        reads or clears them. A watcher with sites whose model a second thread calls says once
-        that they are shared."""
-        seen = self._sites_seen
-        count = graph_stats.site_count()
-        if count != seen:
-            for site in graph_stats.sites_from(seen):
-                for s in _live_slots(site.slot):
-                    hook = s.post()
-                    if isinstance(hook, ForwardHook) and hook.lifecycle is self:
-                        self._sites.append(site)
-                        self._plans[id(site)] = _frame_plan(site, hook.info)
-                        break
-            self._sites_seen = count
-        if self._threads and self._sites and not self._said_shared:
+    def _say_shared(self) -> None:
+        """A watcher whose compiled graphs write rows, its model called by a second thread: said
+        once, at WARNING, that the rows are the process's (threads running its graphs at the same
+        time can read each other's)."""
+        if self._threads and self._graph.active and not self._said_shared:
             self._said_shared = True
             log.warning("tensorwatch_otel: a second thread calls a model whose compiled graphs measure "
                         "inside the graph: those values are kept per process, not per thread, so "
                         "threads running its graphs at the same time can read each other's; set "
                         "TENSORWATCH_GRAPH_STATS=0 before importing tensorwatch_otel to measure with "
                         "the ops, per thread; said once")
-        return self._sites
+
+    @property
+    def graph_active(self) -> bool:
+        """Some submodule hook of this watcher writes rows inside compiled graphs."""
+        return self._graph.active
 
     def graph_frames(self, rec: Record) -> None:
-        """The frames of this watcher's in-graph sites that ran in the batch (core/graph_stats.py),
-        in the order they ran, read with one copy per device: added before the model's own
-        frame, where eager watching has its submodules' frames."""
-        plans = self._plans
-        for site, vals in graph_stats.ran(self._own_sites()):
-            info, items, dtypes = plans[id(site)]
-            if info is None:
-                continue
-            d = FrameDraft()
-            d.items = list(items)
-            d.stats += vals  # (two per measured value, in the order of `items`)
-            d.dtypes = list(dtypes)
-            rec.add_frame(info, d)
+        """The frames of this watcher's in-graph rows written in the batch since the last read
+        (core/graph_frames.py), in the order they ran, read with one copy per device: added
+        before the model's own frame, where eager watching has its submodules' frames."""
+        self._graph.frames(rec)
 
     def take_unwrapped(self, rec: Record, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                        output: Any) -> None:
@@ -553,7 +520,7 @@ class ForwardHook(ModuleHook):
     Copied with its module, it is a no-op (core/copies.py)."""
 
     __slots__ = ("_life", "_info", "_slot", "_take", "_tls", "_detect", "_backward", "_check_module",
-                 "_grad_acts", "_budget")
+                 "_grad_acts", "_budget", "_row_id", "_params", "_pre")
 
     def __init__(self, life: BatchLifecycle, info: ModuleInfo, slot: int, take: _Take, tls: _PerThread,
                  detect: DetectionPipeline, backward: BackwardRecorder, *, check_module: bool, grad_acts: bool,
@@ -569,10 +536,29 @@ class ForwardHook(ModuleHook):
         self._check_module = check_module
         self._grad_acts = grad_acts
         self._budget = budget  # times a measured frame
+        # in-graph statistics (core/graph_stats.py): its row id (None: the ops), its module's
+        # parameter names (comma-separated: equal for modules sharing their code), its pre-hook
+        self._row_id: Optional[torch.Tensor] = None
+        self._params = ",".join(k for k, p in info.params.items() if p is not None)
+        self._pre: Any = None
 
     @property
     def lifecycle(self) -> BatchLifecycle:
         return self._life
+
+    @property
+    def row_id(self) -> Optional[torch.Tensor]:
+        return self._row_id
+
+    def pair(self, pre: Any) -> None:
+        """Its module's pre-hook (core/compiled.py's PreHook), told of each new row id."""
+        self._pre = pre
+
+    def rehome(self, row_id: Optional[torch.Tensor]) -> None:
+        """Its new row id (core/graph_frames.py), its pre-hook's too."""
+        self._row_id = row_id
+        if self._pre is not None:
+            self._pre.rehome(row_id)
 
     @property
     def info(self) -> ModuleInfo:
@@ -580,9 +566,12 @@ class ForwardHook(ModuleHook):
 
     def __call__(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  output: Any) -> None:
-        if _compiling() and traced_here():  # traced into a graph: an op runs this hook at run time
-            if self._slot:
-                traced_post(self._slot, args, kwargs, output, module)
+        if _compiling() and traced_here():  # traced into a graph: its ops write a row, or an op runs it
+            row_id = self._row_id
+            if module is not None and row_id is not None and writes_rows(row_id, args):
+                traced_row(module, row_id, self._params, args, kwargs, output)
+            elif self._slot:
+                traced_post(self._slot, args, kwargs, output)
             return
         if self._detect.replaying:
             return
@@ -595,7 +584,8 @@ class ForwardHook(ModuleHook):
         info = self._info
         outside_backward = _graph_task() == -1  # inside: checkpoint recomputation, not a batch
         try:
-            if graph_stats.ON and st.recording and outside_backward and st.rec is not None and graph_stats.pending():
+            if graph_stats.ON and st.recording and outside_backward and st.rec is not None and graph_stats.pending() \
+                    and self._life.graph_active:
                 # the frames measured inside graphs that ran before this call returned (for the
                 # model's own call: its submodules'; else a call run eagerly between graphs)
                 self._life.graph_frames(st.rec)

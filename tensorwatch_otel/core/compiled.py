@@ -285,44 +285,45 @@ _LIB = _define_ops()
 
 # ------------------------------------------------------------------------------ traced side
 @graph_stats.constant_result
-def _sites_here(slot: int, post: bool, device_type: str) -> bool:
-    """At trace time: the submodule hooks of op slot `slot` become a site of core/graph_stats.py
-    (not ops) in this graph: the model's own hooks are not traced here, the call's device is one
-    measured inside graphs (`device_type`: its first input's; "" for none, then its module's),
-    and its watcher wants nothing a site cannot give (target_dtypes counts, gradients=True,
-    check="module"). Asked by the pre-hook and the forward hook alike; the forward hook's yes
-    (`post`) moves `ran`: graphs hold this watcher's hooks, so unsampled batches keep them on."""
-    if graph_stats.root_traced_here():
-        return False
-    live = SLOTS.live(slot)
-    if not device_type:
-        m = live[0].module() if live else None
-        t = next(itertools.chain(m.parameters(), m.buffers()), None) if m is not None else None
-        device_type = t.device.type if t is not None else ""
-    if not graph_stats.device_allowed(device_type):
-        return False
-    for s in live:
-        w = s.watcher()
-        cfg = getattr(w, "config", None)
-        if cfg is None or cfg.target_dtypes or cfg.gradients or cfg.check != "batch":
-            return False
-    if post:
-        ran.calls += 1
+def _graph_holds_hooks() -> bool:
+    """At trace time: a graph traced a watcher's submodule hooks as rows (core/graph_stats.py);
+    `ran` moves, so unsampled batches keep the hooks on."""
+    ran.calls += 1
     return True
 
 
-@graph_stats.constant_result
-def _site_params(slot: int, device_type: str) -> Optional[Tuple[str, ...]]:
-    """At trace time, for the forward hook of op slot `slot`: None where the call keeps its op
-    (the model's own call, parameters lent per call, or `_sites_here` says no), else the names
-    of the module's parameters its site measures. A constant of the graph: read through the
-    hook, its ModuleInfo and the parameter dict, these would each be guarded on every call."""
-    live = SLOTS.live(slot)
-    hook = live[0].post() if live else None
-    info = getattr(hook, "info", None)  # (batch_lifecycle.ForwardHook's ModuleInfo)
-    if info is None or info.is_root or info.lent or not _sites_here(slot, True, device_type):
-        return None
-    return tuple(k for k, p in info.params.items() if p is not None)
+def writes_rows(row_id: Optional[torch.Tensor], args: Tuple[Any, ...]) -> bool:
+    """At trace time, asked alike by a submodule's pre-hook and forward hook: the call writes a
+    row of in-graph statistics (core/graph_stats.py) instead of calling the ops: in-graph
+    statistics are on, the hook has a row id (see ForwardHook), the model's own hooks are not
+    traced here, graphs on its device measure inside, and the call's first tensor input, if
+    any, is on that device. Read from the row id's device and the call's values only: modules
+    sharing their code decide alike (no constant of a module's own, which dynamo would guard)."""
+    if not graph_stats.ON or row_id is None or not graph_stats.rows_here(row_id.device.type):
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return bool(a.device == row_id.device)
+    return True
+
+
+def traced_row(module: torch.nn.Module, row_id: torch.Tensor, params: str, args: Tuple[Any, ...],
+               kwargs: Dict[str, Any], output: object) -> None:
+    """Called by a submodule's forward hook while dynamo traces, where `writes_rows`: the aten
+    ops that write the call's row (graph_stats.traced_site). `params`: the module's parameter
+    names, comma-separated (a string: equal for modules sharing their code)."""
+    if _exporting():
+        return
+    tensors: List[torch.Tensor] = []
+    spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
+    names = tuple(params.split(",")) if params else ()
+    # each parameter read by name from the module (as its forward reads it): no guard on the
+    # dict's keys
+    held = module._parameters
+    found = [(k, held[k]) for k in names]
+    graph_stats.traced_site(row_id, spec, tuple(k for k, p in found if p is not None),
+                            [p for _, p in found if p is not None], tensors)
+    _graph_holds_hooks()
 
 
 def _device_type(args: Tuple[Any, ...]) -> str:
@@ -432,21 +433,27 @@ class PreHook(ModuleHook):
     exception left open inside the last compiled call. Copied with its module, it is a no-op
     (core/copies.py)."""
 
-    __slots__ = ("_slot", "_eager", "_is_root")
+    __slots__ = ("_slot", "_eager", "_is_root", "_row_id")
 
-    def __init__(self, slot: int, eager: _PreHook, is_root: bool = False) -> None:
+    def __init__(self, slot: int, eager: _PreHook, is_root: bool = False,
+                 row_id: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self._slot = slot
         self._eager = eager
         self._is_root = is_root
+        self._row_id = row_id  # its forward hook's (batch_lifecycle.ForwardHook)
+
+    def rehome(self, row_id: Optional[torch.Tensor]) -> None:
+        """The row id its forward hook now has (its module moved to another device)."""
+        self._row_id = row_id
 
     def __call__(self, module: torch.nn.Module, args: Tuple[Any, ...]) -> object:
         if _compiling() and traced_here():
             if self._is_root:
                 if graph_stats.ON:
                     graph_stats.mark_root_traced()
-            elif graph_stats.ON and _sites_here(self._slot, False, _device_type(args)):
-                return None  # its forward hook's site measures the call (core/graph_stats.py)
+            elif writes_rows(self._row_id, args):
+                return None  # its forward hook writes the call's row (core/graph_stats.py)
             traced_pre(self._slot)
             return None
         if self._is_root and OPEN.stack:
@@ -459,24 +466,13 @@ for _hook in (PreHook, Hook, Unwatched):  # (batch_lifecycle.ForwardHook is mark
     run_eagerly_when_called_eagerly(_hook.__call__.__code__)
 
 
-def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object,
-                module: Optional[torch.nn.Module] = None) -> None:
+def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object) -> None:
     """Called by a hook while dynamo traces: the op call that runs it at run time, with the
-    module's tensors and the structure around them (a constant of the graph); for a submodule
-    (`module`) with in-graph statistics on, the site's aten ops instead."""
+    module's tensors and the structure around them (a constant of the graph)."""
     if _exporting():
         return
     tensors: List[torch.Tensor] = []
     spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
-    if graph_stats.ON and module is not None:
-        names = _site_params(slot, _device_type(args))
-        if names is not None:
-            # each parameter read by name from the module (as its forward reads it): no guard
-            # on the dict's keys
-            held = module._parameters
-            params = [p for p in (held[k] for k in names) if p is not None]  # (all of them: `names`)
-            graph_stats.traced_site(slot, spec, names, params, tensors)
-            return
     torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)
 
 

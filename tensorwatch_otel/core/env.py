@@ -196,12 +196,12 @@ def parse_batches(name: str, raw: str) -> Tuple[int, ...]:
 
 
 CPU_KERNELS = ("native", "torch")
-GRAPH_STATS_MODES = ("cpu", "1", "0")
+GRAPH_STATS_MODES = ("1", "cpu", "0")
 
 
 def graph_stats_mode(environ: Mapping[str, str]) -> str:
-    """``cpu`` (default), ``1`` (every device) or ``0`` (off), from TENSORWATCH_GRAPH_STATS
-    (true/false words too)."""
+    """``1`` (every device, the default), ``cpu`` (graphs on the CPU only) or ``0`` (off), from
+    TENSORWATCH_GRAPH_STATS (true/false words too)."""
     raw = text(environ, ENV_GRAPH_STATS)
     if raw is None:
         return GRAPH_STATS_MODES[0]

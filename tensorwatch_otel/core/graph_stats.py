@@ -1,34 +1,36 @@
-"""Statistics inside the compiled graph: on by default for graphs on the CPU
-(TENSORWATCH_GRAPH_STATS: ``cpu``, ``1`` for every device, ``0`` off).
+"""Statistics inside the compiled graph: on by default for graphs on every device
+(TENSORWATCH_GRAPH_STATS: ``1``, ``cpu`` for graphs on the CPU only, ``0`` off).
 
-With it, a watched submodule's forward hook traced by dynamo adds no op with a Python body:
-it adds plain aten ops that take each of the call's tensors' abs min and abs max (its
-parameters, inputs and output, as float64: exact for every float and integer dtype up to 2**53)
-and a sequence number from a one-element device counter the call bumps, stacked into one small
-tensor that the graph returns and dynamo stores on the call's *site* (`site.value = ...`, done
-after the graph by the code dynamo generates around it). A site is one traced call: its
-module's op slot and the structure of its values, fixed when the graph is traced (`_new_site`,
-run by dynamo at trace time only); sites are found by number in a dict that only grows, and
-dynamo guards on each site object alone, so a new graph adds no recompile to the others.
-Inductor fuses the reductions into the kernels around them; nothing runs in Python per module
-call but that store.
+With it, a watched submodule's forward hook traced by dynamo adds no op with a Python body: it
+adds plain aten ops that take each of the call's tensors' abs min and abs max (its parameters,
+inputs and output, as float64: exact for every float and integer dtype up to 2**53) and write
+them, as one row, into its device's *table*: a ring of rows in a buffer at a fixed address
+(torch._dynamo.mark_static_address), with a counter on the device giving each row its place. A
+row holds the batch stamp (a device scalar the host sets when a recorded batch begins), the
+module's row id (a tensor the module's hook holds: data, not a constant, so modules sharing
+their code share one graph) and the call's layout number, then the statistics. A layout (a
+`Site`) is one traced call's structure: its parameter names, the structure of its inputs and
+output (core/compiled.py's spec), each value's kind and dtype, fixed when the graph is traced
+(`_new_site`, run by dynamo at trace time only). Nothing runs in Python per module call; the
+rows are written in the graph, so CUDA graphs (mode="reduce-overhead") capture them, and
+nothing is stored on a Python object (activation checkpointing's operator takes no side effect).
 
-At run time the sites' values are cleared when a recorded batch begins, and read when the
-model's own call returns: the sites holding a value ran in this batch, and become its frames in
-the order of their sequence numbers (graph breaks and recompiles keep it), named as eager
-watching names them; their values reach the host in one copy per device.
+When a recorded batch begins its stamp is set on every table; when the model's own call
+returns (or an eager frame follows a graph: `pending()`), the rows written since the watcher's
+last read are read in one copy per device: those of this batch's stamp and of the watcher's
+modules become its frames, in the order they ran, named as eager watching names them.
 
 Only where the model's own hooks run eagerly around the graph (under `torch.compile(model)`,
 `watch(torch.compile(m))` and `model.compile()` alike, on the torch versions tested): their pre-
-and post-hooks begin and end the batch. A graph that traced them (`mark_root_traced`), and a
-watcher with `target_dtypes`, `gradients=True` or `check="module"`, keep the ops of
-core/compiled.py."""
+and post-hooks begin and end the batch. A graph that traced them (`mark_root_traced`), a call
+on another device than its module's row id, and a watcher with `target_dtypes`,
+`gradients=True` or `check="module"` keep the ops of core/compiled.py."""
 
 import os
 import threading
 import types
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Container, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,7 +70,7 @@ _MEASURED, _EMPTY = "m", "e"
 
 
 def mode() -> str:
-    """TENSORWATCH_GRAPH_STATS (core/env.py): ``cpu`` (default), ``1`` or ``0``. A bad value reads
+    """TENSORWATCH_GRAPH_STATS (core/env.py): ``1`` (default), ``cpu`` or ``0``. A bad value reads
     as the default here; `watch()` raises on it, naming the variable (core/config.py)."""
     try:
         return graph_stats_mode(os.environ)
@@ -80,8 +82,7 @@ _MODE = mode()
 #: On or off for the process (from the environment at import; tests set it). Dynamo guards on it:
 #: a graph traced with one setting is traced again under the other.
 ON = _MODE != "0"
-#: Graphs on every device (``1``), not only on the CPU (the default: in-graph statistics have not
-#: yet been verified on a GPU, where CUDA graphs reuse the memory of a graph's outputs).
+#: Graphs on every device (``1``, the default), not only on the CPU (``cpu``).
 EVERY_DEVICE = _MODE == "1"
 
 
@@ -91,23 +92,24 @@ def device_allowed(device_type: str) -> bool:
 
 
 class Site:
-    """One traced call: its module's op slot, the structure of its inputs and output (core/
-    compiled.py's spec), its parameter names, per value its kind and dtype name; `value`, set
-    after each run of its graph: two float64 values per measured value, then the sequence
-    number (None: not run since the recorded batch began)."""
+    """One traced call's layout: the structure of its inputs and output (core/compiled.py's
+    spec), its parameter names, per value its kind and dtype name; `number`, its layout number,
+    written into each of its rows."""
 
-    __slots__ = ("device", "slot", "spec", "params", "kinds", "dtypes", "value", "rows")
+    __slots__ = ("number", "spec", "params", "kinds", "dtypes", "rows")
 
-    def __init__(self, device: torch.device, slot: int, spec: str, params: Tuple[str, ...], kinds: str,
-                 dtypes: Tuple[str, ...]) -> None:
-        self.device = device
-        self.slot = slot
+    def __init__(self, number: int, spec: str, params: Tuple[str, ...], kinds: str, dtypes: Tuple[str, ...]) -> None:
+        self.number = number
         self.spec = spec
         self.params = params
         self.kinds = kinds
         self.dtypes = dtypes
-        self.value: Optional[torch.Tensor] = None
         self.rows: Optional[List[Tuple[str, str, str]]] = None  # layout(), made once
+
+    @property
+    def measured(self) -> int:
+        """Values measured (two statistics each in its rows)."""
+        return self.kinds.count(_MEASURED)
 
     def layout(self, kw_names: Dict[str, str], parse: Callable[[str], Tuple[Any, ...]]
                ) -> List[Tuple[str, str, str]]:
@@ -119,49 +121,122 @@ class Site:
         return rows
 
 
+#: values one row holds; a call measuring more keeps the rest as not measured ("x")
+ROW_VALUES = 32
+_HEAD = 3  # a row: stamp, row id, layout number, then two statistics per measured value
+ROW = _HEAD + 2 * ROW_VALUES
+#: rows of a device's table at first (a ring: rows past it overwrite the oldest); grown when a
+#: read finds more written since the last one than half of it
+INITIAL_ROWS = 1024
+
+
+class Table:
+    """One device's ring of rows (see the module docstring): `rows`, `counter` (rows written so
+    far, int64) and `stamp` (the batch stamp the rows take), all at fixed addresses."""
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.rows = torch.zeros(capacity, ROW, dtype=torch.float64, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.stamp = torch.zeros((), dtype=torch.float64, device=device)
+        for t in (self.rows, self.counter, self.stamp):
+            try:  # a fixed address: CUDA graphs (mode="reduce-overhead") write it in place
+                torch._dynamo.mark_static_address(t, guard=False)
+            except Exception:  # (an older torch: CUDA graphs then skip these graphs)
+                pass
+
+    def written(self) -> Tuple[int, torch.Tensor]:
+        """(rows written so far, the rows on the host): one copy from a GPU."""
+        if self.device.type == "cpu":
+            return int(self.counter[0]), self.rows
+        flat = torch.cat([self.counter.to(torch.float64), self.rows.view(-1)]).to("cpu")
+        return int(flat[0]), flat[1:].view(self.capacity, ROW)
+
+
 class _Sites:
-    """The process's sites by number, and one sequence counter per device. Graphs reach a site
-    and a counter as attributes of `holders` (a module object: dynamo reads a module's attribute
-    afresh and guards on it alone; a dict grown while a graph is traced would be read as it was
-    when the trace first looked at it)."""
+    """The process's layouts by number, its tables (one per device) and its row ids. Graphs
+    reach a device's table as attributes of `holders` (a module object: dynamo reads a module's
+    attribute afresh and guards on it alone); a grown table is a new object there (the graphs
+    that wrote the old one are traced again)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_number: Dict[int, Site] = {}
-        self.counters: Dict[torch.device, torch.Tensor] = {}
+        self.tables: Dict[torch.device, Table] = {}
         self.holders = types.ModuleType("tensorwatch_otel_graph_sites")
-        self.dirty = False  # a site holds a value not read yet (set by the graphs' own code)
+        self.dirty = False  # rows written since the last read (set by the graphs' own code)
+        self.row_ids = 0  # row ids given so far (1, 2, ...: 0 is an unwritten row's)
+        self.stamps = 0  # batch stamps given so far
 
-    def add(self, site: Site) -> int:
+    def add(self, dev_type: str, dev_index: int, spec: str, params: Tuple[str, ...], kinds: str,
+            dtypes: Tuple[str, ...]) -> int:
         with self.lock:
-            if site.device not in self.counters:
-                counter = torch.zeros(1, dtype=torch.float64, device=site.device)
-                try:  # a fixed address: CUDA graphs (mode="reduce-overhead") may write it in place
-                    torch._dynamo.mark_static_address(counter)
-                except Exception:  # (an older torch: CUDA graphs then skip these graphs)
-                    pass
-                self.counters[site.device] = counter
-                setattr(self.holders, counter_name(site.device), counter)
-            number = len(self.by_number)
-            self.by_number[number] = site
-            setattr(self.holders, f"site_{number}", site)
+            device = torch.device(dev_type, dev_index) if dev_index >= 0 else torch.device(dev_type)
+            if device not in self.tables:
+                table = Table(device, INITIAL_ROWS)
+                table.stamp.fill_(float(self.stamps))  # (the batch under way began before its table)
+                self._put_table(table)
+            number = len(self.by_number) + 1
+            self.by_number[number] = Site(number, spec, params, kinds, dtypes)
             return number
 
+    def _put_table(self, table: Table) -> None:
+        self.tables[table.device] = table
+        setattr(self.holders, table_name(table.device), table)
 
-def counter_name(device: torch.device) -> str:
-    return f"counter_{device.type}_{-1 if device.index is None else device.index}"
+    def grow(self, device: torch.device, need: int) -> None:
+        """A table of at least `need` rows for `device` (a new one: graphs trace again)."""
+        with self.lock:
+            old = self.tables.get(device)
+            if old is not None and old.capacity < need:
+                table = Table(device, max(need, 2 * old.capacity))
+                table.stamp.copy_(old.stamp)
+                self._put_table(table)
+
+    def new_row_id(self) -> int:
+        with self.lock:
+            self.row_ids += 1
+            return self.row_ids
+
+    def new_stamp(self) -> float:
+        with self.lock:
+            self.stamps += 1
+            return float(self.stamps)
+
+
+def table_name(device: torch.device) -> str:
+    return f"table_{device.type}_{-1 if device.index is None else device.index}"
 
 
 SITES = _Sites()
 
 
 @constant_result
-def _new_site(dev_type: str, dev_index: int, slot: int, spec: str, params: Tuple[str, ...], kinds: str,
+def _new_site(dev_type: str, dev_index: int, spec: str, params: Tuple[str, ...], kinds: str,
               dtypes: Tuple[str, ...]) -> int:
     """At trace time only (dynamo runs it once and keeps its result as a constant): the new
-    site's number."""
-    device = torch.device(dev_type, dev_index) if dev_index >= 0 else torch.device(dev_type)
-    return SITES.add(Site(device, slot, spec, params, kinds, dtypes))
+    layout's number (its device's table is made with the first)."""
+    return SITES.add(dev_type, dev_index, spec, params, kinds, dtypes)
+
+
+@constant_result
+def _side_effects_allowed() -> bool:
+    """At trace time: the graph may set a Python attribute after it runs (not inside a higher-
+    order operator's body, activation checkpointing's among them, which refuses side effects)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx: Any = InstructionTranslator.current_tx()
+        return tx is None or tx.output.current_tracer.parent is None
+    except Exception:  # an internal that moved: no side effect (the rows are read at the batch's end)
+        return False
+
+
+def new_row_id(device: torch.device) -> torch.Tensor:
+    """A module hook's row id: a 0-d float64 tensor on its module's device (its rows are
+    written there)."""
+    return torch.full((), float(SITES.new_row_id()), dtype=torch.float64, device=device)
 
 
 def _tracing_context() -> Any:
@@ -214,30 +289,36 @@ def _kind(t: torch.Tensor) -> str:
     return _MEASURED
 
 
-def traced_site(slot: int, spec: str, names: Tuple[str, ...], params: Sequence[torch.Tensor],
-                tensors: Sequence[torch.Tensor]) -> None:
-    """While dynamo traces a submodule's forward hook (its pre-hook added nothing): the site's
-    aten ops, for its parameters (`params`, named `names`) and the call's tensors. Values on a
-    second device, or of a kind the graph does not measure, are kept as not measured ("x").
+@constant_result
+def rows_here(device_type: str) -> bool:
+    """At trace time: a submodule whose row id is on `device_type` writes rows in this graph
+    (the model's own hooks are not traced here, and graphs on that device measure inside)."""
+    return not root_traced_here() and device_allowed(device_type)
 
-    One stacked output per site: a graph output per statistic costs more (measured on CPU: an
-    allocation each, and the compiled wrapper's Python per output)."""
+
+def traced_site(row_id: torch.Tensor, spec: str, names: Tuple[str, ...], params: Sequence[torch.Tensor],
+                tensors: Sequence[torch.Tensor]) -> None:
+    """While dynamo traces a submodule's forward hook (its pre-hook added nothing): the aten ops
+    that write the call's row into the table of `row_id`'s device: for its parameters
+    (`params`, named `names`) and the call's tensors. Values on another device, of a kind the
+    graph does not measure, or past ROW_VALUES are kept as not measured ("x")."""
     values: List[torch.Tensor] = list(params)
     values.extend(tensors)
-    device = values[0].device if values else torch.device("cpu")
+    device = row_id.device
     kinds = ""
     dtypes: Tuple[str, ...] = ()
     measured: List[torch.Tensor] = []
     for t in values:
         k = _kind(t) if t.device == device else "x"
+        if k == _MEASURED and len(measured) >= ROW_VALUES:
+            k = "x"
         kinds = kinds + k
         dtypes = dtypes + (_DTYPE_NAMES.get(t.dtype, "other"),)
         if k == _MEASURED:
             measured.append(t)
-    number = _new_site(device.type, -1 if device.index is None else device.index, slot, spec, names, kinds, dtypes)
-    holders = SITES.holders
-    counter = getattr(holders, counter_name(device))
-    stats: List[torch.Tensor] = []
+    number = _new_site(device.type, -1 if device.index is None else device.index, spec, names, kinds, dtypes)
+    table = getattr(SITES.holders, table_name(device))
+    row: List[torch.Tensor] = [table.stamp, row_id, torch.full((), float(number), dtype=torch.float64, device=device)]
     for t in measured:
         d = t.detach()
         if d.dim() < 4:
@@ -252,65 +333,78 @@ def traced_site(slot: int, spec: str, names: Tuple[str, ...], params: Sequence[t
         elif d.dtype in INTEGERS and d.dtype is not torch.uint8:
             d = d.to(torch.int64)
         a = d.abs()
-        stats.append(a.amin().to(torch.float64))
-        stats.append(a.amax().to(torch.float64))
-    counter.add_(1)
-    stats.append(counter[0])
-    getattr(holders, "site_" + str(number)).value = torch.stack(stats)
-    SITES.dirty = True
+        row.append(a.amin().to(torch.float64))
+        row.append(a.amax().to(torch.float64))
+    width = len(row)
+    place = (table.counter % table.capacity) * ROW + torch.arange(width, device=device)
+    table.rows.view(-1).index_put_((place,), torch.stack(row))
+    table.counter.add_(1)
+    if _side_effects_allowed():
+        SITES.dirty = True
 
 
-def begin_batch(sites: Iterable[Site]) -> None:
-    """A recorded batch begins: none of `sites` (a watcher's) has run in it yet."""
-    for site in sites:
-        site.value = None
-    SITES.dirty = any(s.value is not None for s in SITES.by_number.values())
+def begin_batch() -> float:
+    """A recorded batch begins: a new stamp on every table (the rows written from now on are its
+    own); the stamp."""
+    stamp = SITES.new_stamp()
+    for table in list(SITES.tables.values()):
+        table.stamp.fill_(stamp)
+    return stamp
 
 
 def pending() -> bool:
-    """Some site ran since its values were last taken (`ran()`, `begin_batch()`)."""
+    """Some graph wrote rows since the last read (`ran()`)."""
     return SITES.dirty
 
 
-def has_sites() -> bool:
-    return bool(SITES.by_number)
+def has_tables() -> bool:
+    return bool(SITES.tables)
 
 
-def site_count() -> int:
-    return len(SITES.by_number)
+def site(number: int) -> Site:
+    return SITES.by_number[number]
 
 
-def sites_from(number: int) -> List[Site]:
-    """The sites numbered `number` and above (those traced since a caller looked last)."""
-    by_number = SITES.by_number
-    return [by_number[n] for n in range(number, len(by_number))]
+Row = Tuple[int, Site, List[float]]  # (row id, its layout, its statistics)
 
 
-def ran(sites: Iterable[Site]) -> List[Tuple[Site, List[float]]]:
-    """Of `sites` (a watcher's), those that ran since `begin_batch()` or the
-    last call, with their values (one copy per device), in the order they ran; their values are
-    taken (a frame recorded eagerly between two graphs reads the first graph's sites before it,
-    so the frames keep the order they ran). Other sites keep theirs."""
-    done = [s for s in sites if s.value is not None]
-    if not done:
-        return []
-    by_device: Dict[torch.device, List[Site]] = {}  # (each holds a value: `done`)
-    for s in done:
-        by_device.setdefault(s.device, []).append(s)
-    out: List[Tuple[float, Site, List[float]]] = []
-    for group in by_device.values():
-        values = [s.value for s in group if s.value is not None]
-        flat = torch.cat(values).tolist() if len(values) > 1 else values[0].tolist()  # one copy
-        at = 0
-        for s, v in zip(group, values):
-            n = v.numel()
-            out.append((flat[at + n - 1], s, flat[at:at + n - 1]))
-            at += n
-    for s in done:
-        s.value = None
-    SITES.dirty = any(s.value is not None for s in SITES.by_number.values())
-    out.sort(key=lambda r: r[0])
-    return [(s, v) for _, s, v in out]
+def ran(cursor: Dict[torch.device, Tuple[Table, int]], stamp: float, row_ids: Container[int]
+        ) -> Tuple[List[Row], int]:
+    """The rows written since `cursor` (per device: the table and its counter at the caller's
+    last read, moved on here) of `row_ids` (a watcher's) in its batch begun at `stamp` (rows
+    stamped with it or a later stamp), in the order they ran (one copy per device); and how many
+    rows were overwritten before they were read (0: none). A table more than half filled
+    between two reads is grown (a new one: its graphs trace again)."""
+    out: List[Tuple[int, Row]] = []
+    lost = 0
+    for device, table in list(SITES.tables.items()):
+        count, rows = table.written()
+        seen = cursor.get(device)
+        cursor[device] = (table, count)
+        if seen is None or seen[0] is not table:  # a first read of this table: the whole ring
+            last = max(0, count - table.capacity)
+        else:
+            last = seen[1]
+            if count - last > table.capacity // 2:
+                SITES.grow(device, 4 * (count - last))
+        if count <= last:
+            continue
+        first = max(last, count - table.capacity)
+        lost += first - last
+        places = [r % table.capacity for r in range(first, count)]
+        for order, row in enumerate(rows[places].tolist()):
+            # (a batch of another watcher, begun inside this one's, stamped the rows after it
+            # with its own, later stamp; rows of an earlier batch bear an earlier one)
+            if row[0] < stamp or int(row[1]) not in row_ids:
+                continue
+            layout = SITES.by_number.get(int(row[2]))
+            if layout is None:
+                continue
+            n = 2 * layout.measured
+            out.append((first + order, (int(row[1]), layout, row[_HEAD:_HEAD + n])))
+    SITES.dirty = False
+    out.sort(key=lambda r: r[0])  # (one device's rows are in order; several: by place, as close as it gets)
+    return [r[1] for r in out], lost
 
 
 def names(site: Site, kw_names: Dict[str, str], parsed: Tuple[Any, ...]) -> List[Tuple[str, str, str]]:

@@ -1,0 +1,191 @@
+"""Compiled models stay compiled (issue 37, item 7; issue 36, item 3): the watcher adds no
+recompile per watched module and no graph break. Before, each hook's own slot number (and each
+hook's id in its module's hook dicts) was a value dynamo guarded on, so blocks sharing one code
+object recompiled until the recompile limit and then ran eagerly, and many trials in one process
+did the same; the in-graph statistics stored their values on a Python object, a side effect
+activation checkpointing's operator refuses, so the whole forward fell back. Now a submodule's
+statistics are a row written into a buffer at a fixed address, identified by a tensor its hook
+holds (core/graph_stats.py). Real inductor on the CPU, small models."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from _collect import Collect
+from tensorwatch_otel import watch
+from tensorwatch_otel.core import graph_stats
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from _prenorm import Stack  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(graph_stats, "ON", True)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+def _values(frames):
+    return {(f.module, t.name): (t.abs_min, t.abs_max) for f in frames for t in f.tensors}
+
+
+def _close_to(got, want):
+    assert set(got) == set(want), set(want) ^ set(got)
+    for key, (mn, mx) in want.items():
+        scale = mx if mx is not None and math.isfinite(mx) else 1.0
+        for a, b in ((got[key][0], mn), (got[key][1], mx)):
+            assert (a is None and b is None) or math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-3 * scale), (key, got[key])
+
+
+def _eager_frames(make, x, **options):
+    model = make()
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="report", **options):
+        model(x)
+    return sink.batches[-1].frames
+
+
+def _graphs(counters):
+    return counters["stats"]["unique_graphs"], sum(counters["recompiles"].values()), \
+        sum(counters["graph_break"].values())
+
+
+def _per_block(watched, counters):
+    torch.manual_seed(0)
+    model = Stack(n_blocks=12, d=16, heads=2)
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report") if watched else None
+    for block in model.blocks:
+        block.compile()  # the FSDP2/torchtitan recipe: each block compiled on its own
+    x = torch.randn(2, 8, 16)
+    for _ in range(3):
+        model(x).square().mean().backward()
+    found = _graphs(counters)
+    if w is not None:
+        w.detach()
+    counters.clear()
+    torch._dynamo.reset()
+    return found, sink
+
+
+def test_blocks_compiled_one_by_one_share_one_graph_watched_too(_fresh):
+    unwatched, _ = _per_block(False, _fresh)
+    watched, sink = _per_block(True, _fresh)
+    assert watched == unwatched and watched[1] == 0, (watched, unwatched)  # no recompile, no break of ours
+    torch.manual_seed(0)
+    model = Stack(n_blocks=12, d=16, heads=2)
+    x = torch.randn(2, 8, 16)  # (as _per_block made them)
+    eager = _eager_frames(lambda: model, x)
+    # every block measured (in its graph), as eager watching measures it (the batch before its backward)
+    assert [f.module for f in sink.batches[0].frames] == [f.module for f in eager]
+    _close_to(_values(sink.batches[0].frames), _values(eager))
+
+
+def test_twelve_trials_in_one_process_all_run_compiled(_fresh):
+    """Fresh models (as a hyperparameter search makes them) and watch/detach on one model:
+    every trial runs compiled, the graphs those of the unwatched trials."""
+    def trials(watched):
+        torch._dynamo.reset()
+        _fresh.clear()
+        x = torch.randn(2, 8, 16)
+        seen = []
+        one = Stack(n_blocks=2, d=16, heads=2)
+        for t in range(12):
+            model = Stack(n_blocks=2, d=16, heads=2) if t % 2 else one
+            sink = Collect()
+            w = watch(model, sinks=[sink], on_detect="report") if watched else None
+            torch.compile(model)(x)
+            if w is not None:
+                w.detach()
+                seen.append([f.module for f in sink.batches[-1].frames])
+        return _graphs(_fresh), seen
+
+    unwatched, _ = trials(False)
+    watched, seen = trials(True)
+    assert watched[1] == 0 and watched[0] == unwatched[0], (watched, unwatched)
+    assert all(s == seen[0] and len(s) == 2 * 10 + 3 for s in seen)  # every trial's submodules measured
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = Stack(n_blocks=3, d=16, heads=2)
+
+    def forward(self, x):
+        for block in self.inner.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.inner.head(self.inner.ln_f(x))
+
+
+def test_activation_checkpointing_inside_a_compiled_model_keeps_one_graph(_fresh):
+    x = torch.randn(2, 8, 16)
+    unwatched = _Checkpointed()
+    torch.compile(unwatched)(x).square().mean().backward()
+    plain = _graphs(_fresh)
+    torch._dynamo.reset()
+    _fresh.clear()
+    model = _Checkpointed()
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="report"):
+        for _ in range(2):
+            torch.compile(model)(x).square().mean().backward()
+    assert _graphs(_fresh) == plain and plain[2] == 0, (_graphs(_fresh), plain)
+    eager = _eager_frames(_Checkpointed, x)
+    assert [f.module for f in sink.batches[-1].frames] == [f.module for f in eager]
+    _close_to(_values(sink.batches[-1].frames), _values(eager))
+
+
+def test_gpt2_with_gradient_checkpointing_compiled_adds_no_graph_break(_fresh):
+    pytest.importorskip("transformers")
+    from _models import batches, build
+
+    def run(watched):
+        torch._dynamo.reset()
+        _fresh.clear()
+        model = build("gpt2", torch.float32).train()
+        model.gradient_checkpointing_enable()
+        kw = batches("gpt2", 1)[0]
+        sink = Collect()
+        w = watch(model, sinks=[sink], on_detect="report") if watched else None
+        compiled = torch.compile(model)
+        for _ in range(2):
+            compiled(**kw, labels=kw["input_ids"]).loss.backward()
+        if w is not None:
+            w.detach()
+        return _graphs(_fresh), sink
+
+    plain, _ = run(False)
+    watched, sink = run(True)
+    assert watched[2] == plain[2], (watched, plain)  # graph breaks: the model's own only
+    assert watched[1] <= plain[1]
+    modules = {f.module for f in sink.batches[-1].frames}
+    assert {"transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_attn", "lm_head"} <= modules
+
+
+def test_sampling_every_third_batch_recompiles_nothing_over_twenty_batches(_fresh):
+    torch.manual_seed(0)
+    model = Stack(n_blocks=2, d=16, heads=2)
+    x = torch.randn(2, 8, 16)
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="report", every_n_batches=3):
+        compiled = torch.compile(model)
+        for _ in range(20):
+            compiled(x).square().mean().backward()
+    assert _graphs(_fresh)[1] == 0
+    assert [b.batch_number for b in sink.batches] == list(range(0, 20, 3))
+    assert all(len(b.frames) == 23 for b in sink.batches)
