@@ -152,6 +152,13 @@ def _close(a, b, scale):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce-overhead"])
 def test_compiled_values_equal_eager_and_the_inf_is_named_where_born(mode):
+    """The in-graph statistics (rows written into a table at a fixed address) on CUDA: values as
+    eager's on every replay, and under mode="reduce-overhead" CUDA graphs capture them (no
+    cudagraph skip)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     model = Stack(n_blocks=3, d=64, heads=4).to(CUDA)
     x = torch.randn(2, 16, 64, device=CUDA)
@@ -166,6 +173,7 @@ def test_compiled_values_equal_eager_and_the_inf_is_named_where_born(mode):
         with torch.no_grad():
             call(x)
     assert len(sink.batches) == 3
+    assert counters["inductor"]["cudagraph_skips"] == 0 and not counters["graph_break"]
     for batch in sink.batches:
         got = _values(batch.frames)
         assert set(got) == set(eager)

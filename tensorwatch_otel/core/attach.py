@@ -96,14 +96,19 @@ def _with_id(hook_id: int, register: Callable[[], RemovableHandle]) -> Removable
 
 
 def _register_pre(module: torch.nn.Module, hook: Any) -> RemovableHandle:
-    """`module.register_forward_pre_hook(hook)`, under the watcher's hook id."""
-    return _with_id(_hook_id(module._forward_pre_hooks), lambda: module.register_forward_pre_hook(hook))
+    """`module.register_forward_pre_hook(hook, with_kwargs=True)`, under the watcher's hook id.
+    With kwargs: the id stays taken in the module's kwargs dict while a quiet batch has the
+    hook off (core/quiet.py takes it out of the hook dict alone), so a replay's probe watcher
+    takes another (its removal clears its id in every dict)."""
+    return _with_id(_hook_id(module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
+                    lambda: module.register_forward_pre_hook(hook, with_kwargs=True))
 
 
 def _register_post(module: torch.nn.Module, hook: Any) -> RemovableHandle:
     """`module.register_forward_hook(hook, with_kwargs=True, always_call=True)`, under the
-    watcher's hook id."""
-    return _with_id(_hook_id(module._forward_hooks),
+    watcher's hook id (taken in any of the three dicts: see _register_pre)."""
+    return _with_id(_hook_id(module._forward_hooks, module._forward_hooks_with_kwargs,
+                             module._forward_hooks_always_called),
                     lambda: module.register_forward_hook(hook, with_kwargs=True, always_call=True))
 
 

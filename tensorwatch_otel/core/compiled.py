@@ -447,7 +447,10 @@ class PreHook(ModuleHook):
         """The row id its forward hook now has (its module moved to another device)."""
         self._row_id = row_id
 
-    def __call__(self, module: torch.nn.Module, args: Tuple[Any, ...]) -> object:
+    def __call__(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None
+                 ) -> object:
+        # (registered with_kwargs: its id stays taken in the module's kwargs dict while quiet
+        # batches have it off, core/attach.py; `kwargs` is not read)
         if _compiling() and traced_here():
             if self._is_root:
                 if graph_stats.ON:
