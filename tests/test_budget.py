@@ -365,3 +365,34 @@ def test_the_exported_rate_is_the_watchers_as_soon_as_it_changes(slow_frames, sl
     finally:
         prom.close()
         otel.close()
+
+
+@pytest.mark.slow
+def test_a_compiled_model_whose_graphs_measure_inside_says_the_budget_cannot_bound_them(caplog, monkeypatch):
+    """Issue 37, item 6: a compiled model's in-graph statistics run in every batch inside its
+    graphs, untimed: max_overhead cannot bound them, and the watcher says so once, naming how to
+    bound them, instead of reporting a share that leaves them out."""
+    import logging
+
+    from tensorwatch_otel.core import graph_stats
+
+    class Root(torch.nn.Module):  # a root of one's own (an nn.Sequential root keeps the ops)
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    monkeypatch.setattr(graph_stats, "ON", True)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    root = Root()
+    with caplog.at_level(logging.WARNING, logger="tensorwatch_otel"):
+        with watch(root, sinks=[], max_overhead=0.02):
+            compiled = torch.compile(root)
+            for _ in range(3):
+                compiled(torch.randn(4, 8))
+    said = [r.getMessage() for r in caplog.records if "max_overhead cannot bound" in r.getMessage()]
+    assert len(said) == 1 and "TENSORWATCH_GRAPH_STATS=0" in said[0]
+    torch._dynamo.reset()

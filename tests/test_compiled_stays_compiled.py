@@ -64,11 +64,11 @@ def _graphs(counters):
         sum(counters["graph_break"].values())
 
 
-def _per_block(watched, counters):
+def _per_block(watched, counters, **options):
     torch.manual_seed(0)
     model = Stack(n_blocks=12, d=16, heads=2)
     sink = Collect()
-    w = watch(model, sinks=[sink], on_detect="report") if watched else None
+    w = watch(model, sinks=[sink], on_detect="report", **options) if watched else None
     for block in model.blocks:
         block.compile()  # the FSDP2/torchtitan recipe: each block compiled on its own
     x = torch.randn(2, 8, 16)
@@ -93,6 +93,15 @@ def test_blocks_compiled_one_by_one_share_one_graph_watched_too(_fresh):
     # every block measured (in its graph), as eager watching measures it (the batch before its backward)
     assert [f.module for f in sink.batches[0].frames] == [f.module for f in eager]
     _close_to(_values(sink.batches[0].frames), _values(eager))
+
+
+def test_blocks_compiled_one_by_one_with_the_ops_share_one_graph_too(_fresh):
+    """A watcher whose hooks keep the ops (target_dtypes: what a row cannot give): each op takes
+    its slot as a tensor, not a constant, so the blocks still share one graph."""
+    unwatched, _ = _per_block(False, _fresh)
+    watched, sink = _per_block(True, _fresh, target_dtypes=("float16",))
+    assert watched == unwatched and watched[1] == 0, (watched, unwatched)
+    assert len(sink.batches[0].frames) == 12 * 10 + 3
 
 
 def test_twelve_trials_in_one_process_all_run_compiled(_fresh):

@@ -36,7 +36,8 @@ import torch
 
 from . import graph_stats, transforms
 from .behaviour import Behaviour
-from .compiled import compiling_here, run_eagerly_when_called_eagerly, traced_here, traced_post, traced_row, writes_rows
+from .compiled import (compiling_here, run_eagerly_when_called_eagerly, slot_tensor, traced_here, traced_post,
+                       traced_row, writes_rows)
 from .copies import ModuleHook
 from .errors import AbortAfterBatch, NonFiniteDetected
 from .events import BatchStats, BatchTraceEvent
@@ -175,6 +176,7 @@ class BatchLifecycle:
         self._graph = GraphFrames(model)  # its submodules' rows of in-graph statistics (core/graph_frames.py)
         self._threads = False  # a second thread has called the model (its rows would be shared)
         self._said_shared = False  # (said so: _say_shared)
+        self._said_untimed = False  # (said so: graph_frames)
         # in-graph rows for its submodules' hooks: not with what a row cannot give (counts, gradients,
         # a check per module)
         self._rows = graph_stats.ON and not config.target_dtypes and not config.gradients and config.check == "batch"
@@ -343,6 +345,14 @@ class BatchLifecycle:
         (core/graph_frames.py), in the order they ran, read with one copy per device: added
         before the model's own frame, where eager watching has its submodules' frames."""
         self._graph.frames(rec)
+        if self._sampling.timed and self._graph.read_rows and not self._said_untimed:
+            self._said_untimed = True
+            log.warning("tensorwatch_otel: max_overhead cannot bound this model's watching: its compiled graphs "
+                        "measure its modules inside the graph, in every batch, sampled or not, and that time "
+                        "is the graph's (not the watcher's host work, which max_overhead times and "
+                        "Watcher.overhead reports). To bound it, sample with every_n_batches and measure "
+                        "with the ops (TENSORWATCH_GRAPH_STATS=0 before importing tensorwatch_otel), or "
+                        "watch the model uncompiled; said once")
 
     def take_unwrapped(self, rec: Record, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                        output: Any) -> None:
@@ -528,7 +538,7 @@ class ForwardHook(ModuleHook):
         super().__init__()
         self._life = life
         self._info = info
-        self._slot = slot
+        self._slot = slot_tensor(slot) if slot else None  # (its op slot, as the ops take it)
         self._take = take
         self._tls = tls
         self._detect = detect
@@ -570,7 +580,7 @@ class ForwardHook(ModuleHook):
             row_id = self._row_id
             if module is not None and row_id is not None and writes_rows(row_id, args):
                 traced_row(module, row_id, self._params, args, kwargs, output)
-            elif self._slot:
+            elif self._slot is not None:
                 traced_post(self._slot, args, kwargs, output)
             return
         if self._detect.replaying:

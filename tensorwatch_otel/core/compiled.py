@@ -213,11 +213,11 @@ class _Ran:
 ran = _Ran()
 
 
-def _pre_op(token: torch.Tensor, slot: int) -> None:
+def _pre_op(token: torch.Tensor, slot_t: torch.Tensor) -> None:
     ran.calls += 1  # (before the hook: the root's, on an unsampled batch, would take hooks off)
     stack = OPEN.stack
     try:
-        for s in _live(slot):
+        for s in _live(int(slot_t)):
             if s in stack:  # its last call never returned (an exception inside the graph)
                 _unwind(stack, stack.index(s))
             w, pre = s.watcher(), s.pre()
@@ -230,13 +230,13 @@ def _pre_op(token: torch.Tensor, slot: int) -> None:
         _op_failed(exc)
 
 
-def _pre_fake(token: torch.Tensor, slot: int) -> None:
+def _pre_fake(token: torch.Tensor, slot_t: torch.Tensor) -> None:
     return None
 
 
-def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tensor]) -> None:
+def _post_op(token: torch.Tensor, slot_t: torch.Tensor, spec: str, tensors: List[torch.Tensor]) -> None:
     try:
-        live = _live(slot)
+        live = _live(int(slot_t))
         if not live:
             return
         try:
@@ -259,7 +259,7 @@ def _post_op(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tens
         _op_failed(exc)
 
 
-def _post_fake(token: torch.Tensor, slot: int, spec: str, tensors: List[torch.Tensor]) -> None:
+def _post_fake(token: torch.Tensor, slot_t: torch.Tensor, spec: str, tensors: List[torch.Tensor]) -> None:
     return None
 
 
@@ -269,10 +269,12 @@ def _define_ops() -> "torch.library.Library":
     its Python autograd, ADInplaceOrView and default-filling layers cost about 25 us per call
     (measured on CPU: half of a compiled module call's whole cost), where the dispatcher's own
     fallthroughs do the same for an op that returns nothing. The token is declared mutated, so
-    the ops keep their order and are not dropped as dead code."""
+    the ops keep their order and are not dropped as dead code. The slot is a 0-d CPU tensor the
+    hook holds (`slot_tensor`): data of the graph, not a constant dynamo would guard on, so
+    modules sharing their code share one graph with the ops too."""
     lib = torch.library.Library("tensorwatch", "DEF")
-    lib.define("pre(Tensor(a!) token, int slot) -> ()")
-    lib.define("post(Tensor(a!) token, int slot, str spec, Tensor[] tensors) -> ()")
+    lib.define("pre(Tensor(a!) token, Tensor slot) -> ()")
+    lib.define("post(Tensor(a!) token, Tensor slot, str spec, Tensor[] tensors) -> ()")
     lib.impl("pre", _pre_op, "CompositeExplicitAutograd")
     lib.impl("post", _post_op, "CompositeExplicitAutograd")
     torch.library.register_fake("tensorwatch::pre", _pre_fake, lib=lib)
@@ -369,11 +371,16 @@ def _exporting() -> bool:
 _EXPORTING_FLAG = hasattr(torch.compiler, "_is_exporting_flag")
 
 
-def traced_pre(slot: int) -> None:
+def slot_tensor(slot: int) -> torch.Tensor:
+    """The op slot `slot` as the ops take it: a 0-d int64 CPU tensor."""
+    return torch.tensor(slot, dtype=torch.int64)
+
+
+def traced_pre(slot_t: torch.Tensor) -> None:
     """Called by a pre-hook while dynamo traces: the op call that runs it at run time (none in
     a torch.export: an exported program is not this process's to watch)."""
     if not _exporting():
-        torch.ops.tensorwatch.pre(_TOKEN, slot)
+        torch.ops.tensorwatch.pre(_TOKEN, slot_t)
 
 
 class _EagerCodes:
@@ -438,7 +445,7 @@ class PreHook(ModuleHook):
     def __init__(self, slot: int, eager: _PreHook, is_root: bool = False,
                  row_id: Optional[torch.Tensor] = None) -> None:
         super().__init__()
-        self._slot = slot
+        self._slot = slot_tensor(slot)
         self._eager = eager
         self._is_root = is_root
         self._row_id = row_id  # its forward hook's (batch_lifecycle.ForwardHook)
@@ -469,14 +476,14 @@ for _hook in (PreHook, Hook, Unwatched):  # (batch_lifecycle.ForwardHook is mark
     run_eagerly_when_called_eagerly(_hook.__call__.__code__)
 
 
-def traced_post(slot: int, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object) -> None:
+def traced_post(slot_t: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: object) -> None:
     """Called by a hook while dynamo traces: the op call that runs it at run time, with the
     module's tensors and the structure around them (a constant of the graph)."""
     if _exporting():
         return
     tensors: List[torch.Tensor] = []
     spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
-    torch.ops.tensorwatch.post(_TOKEN, slot, spec, tensors)
+    torch.ops.tensorwatch.post(_TOKEN, slot_t, spec, tensors)
 
 
 def _spec(v: object, tensors: List[torch.Tensor], depth: int) -> str:

@@ -46,6 +46,7 @@ class GraphFrames:
         self._plans: Dict[Tuple[int, int], Optional[Plan]] = {}
         self._device: Optional[torch.device] = None  # the model's device when the ids were made
         self._said_lost = False
+        self.read_rows = False  # some row of this watcher's was read (its compiled graphs write rows)
 
     @property
     def active(self) -> bool:
@@ -88,6 +89,8 @@ class GraphFrames:
         """The frames of the rows this watcher's hooks wrote in the batch since the last read,
         in the order they ran, read with one copy per device: added to `rec`."""
         rows, lost = graph_stats.ran(self._cursor, self._stamp, self._infos)
+        if rows:
+            self.read_rows = True
         if lost and not self._said_lost:
             self._said_lost = True
             log.warning("tensorwatch_otel: %d rows of in-graph statistics were written over before they were read "
