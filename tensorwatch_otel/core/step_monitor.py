@@ -26,7 +26,7 @@ from .poison import ForwardPoison
 from .rank import current_rank
 from .record import Record
 from .skip import SkipStep, StepArgs, StepSkipper, stand_in, with_stand_in
-from .steps import LaunchedCheck, PendingGradients, ScaleReader, SkipCounter, StepGuard, outside_graphs
+from .steps import LaunchedCheck, PendingGradients, ScalerSkips, ScaleReader, SkipCounter, StepGuard, outside_graphs
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ class StepMonitor:
         self._fleet = fleet
         self._gradients = gradients
         self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
+        self._steps_begun = 0  # optimizer steps whose pre-hook ran (a GradScaler's skip runs none)
+        self._scaler_skips = ScalerSkips(grad_scaler, lambda: self._steps_begun, self._scaler_skipped) \
+            if grad_scaler is not None else None
         self._pending: Optional[PendingGradients] = None  # non-finite gradients no step consumed yet
         self._skipping_step = False  # a fused optimizer's step that skips itself (GradScaler's found_inf)
         self._skips = SkipCounter(max_skipped_steps)
@@ -200,6 +203,7 @@ class StepMonitor:
         """Before an optimizer step of the model. With a closure (Lightning's automatic
         optimization) the closure is wrapped so its gradients are checked when it returns; the
         step's (args, kwargs) come back. on_detect="skip": see _skippable_step."""
+        self._steps_begun += 1
         if self._handed is not None:  # a step that raised before its post-hook: our flag is not its verdict
             self._take_back()
         if self._skipper is not None and self._host.live():
@@ -462,6 +466,16 @@ class StepMonitor:
                 self._host.check(rec, 0)
 
     # ---------------------------------------------------------------- skips
+    def _scaler_skipped(self, optimizer: Any) -> None:
+        """The GradScaler skipped the step of the batch begun last: in a batch every_n_batches
+        did not record, its forward is replayed now, while its inputs are held (an fp16
+        overflow there is then named as a recorded batch names it: a detection; the skip is
+        counted as ever, at the scale's drop, when the replay finds nothing)."""
+        batch = self._host.last_batch()
+        if not self._host.live() or self._host.watches(batch):
+            return
+        self._host.localize(Record(batch))
+
     def skipped(self, batch: Optional[int] = None) -> None:
         """Count a skipped step; `batch`: the batch whose gradients it would have consumed
         (default: the last batch begun; bad gradients pending name their own batch)."""
@@ -481,6 +495,8 @@ class StepMonitor:
         The optimizers get their own step back."""
         if self._skipper is not None:
             self._skipper.remove()
+        if self._scaler_skips is not None:
+            self._scaler_skips.remove()
         self._drop_poison()
         self._take_back()  # (a step that raised after the flag was handed: it would skip every later step)
         try:

@@ -356,6 +356,44 @@ class ScaleReader:
         return 0
 
 
+class ScalerSkips:
+    """A GradScaler's `step`, watched: a call that returns without the optimizer's step having
+    run (the scaler found inf/nan in the scaled gradients and skipped it) is told to
+    `on_skip(optimizer)` at once, while the batch's inputs are still held (the scale's drop is
+    only seen at the next batch's read, after they have gone). The scaler's `step` is an
+    instance attribute while watched (put back by `remove()`, as core/skip.py's gate)."""
+
+    def __init__(self, scaler: Any, steps_begun: Callable[[], int], on_skip: Callable[[Any], None]) -> None:
+        self._ref = weakref.ref(scaler)
+        self._previous = scaler.__dict__.get("step")  # None: the class's
+        inner = self._previous if self._previous is not None else type(scaler).step.__get__(scaler)
+
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = steps_begun()
+            out = inner(optimizer, *args, **kwargs)
+            if steps_begun() == before:  # the optimizer's step did not run: the scaler's skip
+                on_skip(optimizer)
+            return out
+
+        self._step: Optional[Callable[..., Any]] = step
+        try:
+            vars(scaler)["step"] = step
+        except Exception as exc:  # a scaler that takes no attribute: its skips are seen at the next read
+            self._step = None
+            log.debug("tensorwatch_otel: cannot watch %s.step: %s", type(scaler).__name__, exc)
+
+    def remove(self) -> None:
+        """The scaler's own `step` back (unless someone wrapped ours since: then it passes through)."""
+        scaler = self._ref()
+        if scaler is None or self._step is None or scaler.__dict__.get("step") is not self._step:
+            return
+        if self._previous is None:
+            del scaler.step
+        else:
+            vars(scaler)["step"] = self._previous
+        self._step = None
+
+
 class SkipCounter:
     """Skipped steps: the total, the streak, and the events they make; apart from them the steps
     the watcher itself skipped (on_detect="skip"), with their own total and streak."""
