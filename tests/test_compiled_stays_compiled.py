@@ -95,6 +95,42 @@ def test_blocks_compiled_one_by_one_share_one_graph_watched_too(_fresh):
     _close_to(_values(sink.batches[0].frames), _values(eager))
 
 
+def test_a_12_layer_gpt2_compiled_block_by_block_runs_every_block_compiled(_fresh):
+    """The issue's scenario: `block.compile()` on each of a 12-layer GPT-2's blocks, one watch():
+    the graphs of the unwatched model, every block measured. (With transformers 5.23 the
+    unwatched model itself compiles a graph per block, its attention's layer index being a
+    constant, until dynamo's limit: the watcher adds nothing to that; the stack of blocks above
+    is where a watcher of its own recompiled.)"""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from _models import batches
+
+    def run(watched):
+        torch._dynamo.reset()
+        _fresh.clear()
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=12, n_head=4, n_positions=16, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
+        model = GPT2LMHeadModel(cfg).train()
+        sink = Collect()
+        w = watch(model, sinks=[sink], on_detect="report") if watched else None
+        for block in model.transformer.h:
+            block.compile()
+        kw = batches("gpt2", 1)[0]
+        for _ in range(2):
+            model(**kw, labels=kw["input_ids"]).loss.backward()
+        if w is not None:
+            w.detach()
+        return _graphs(_fresh), sink
+
+    plain, _ = run(False)
+    watched, sink = run(True)
+    assert watched == plain and watched[1] == 0, (watched, plain)
+    modules = {f.module for f in sink.batches[-1].frames}
+    assert {f"transformer.h.{i}.mlp.c_fc" for i in range(12)} <= modules
+
+
 def test_blocks_compiled_one_by_one_with_the_ops_share_one_graph_too(_fresh):
     """A watcher whose hooks keep the ops (target_dtypes: what a row cannot give): each op takes
     its slot as a tensor, not a constant, so the blocks still share one graph."""

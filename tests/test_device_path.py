@@ -397,6 +397,63 @@ def _train_forward_n(model, xs, forced):
     return [f for b in sink.batches for f in b.frames]
 
 
+class _Scaled(nn.Module):
+    """A weight of its own, called with a keyword (its frame takes the general path) or without
+    (the one-in-one-out frame's slot codes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, scale=1.0):
+        return (x @ self.weight) * scale
+
+
+def test_slot_codes_cached_by_one_frame_are_read_by_a_frame_of_the_general_path():
+    """A weight measured by a one-in-one-out frame (a slot code, cached) and reused in a later
+    no-grad batch by a frame of the general path (a keyword input): the record reads the code
+    (before: its read-back took the code for a 0-d tensor and failed)."""
+    def run(forced):
+        torch.manual_seed(0)
+        model = _Scaled()
+        x = torch.randn(3, 8)
+        sink = Collect()
+        device_stats.force_on_cpu(forced)
+        try:
+            with watch(model, sinks=[sink], on_detect="report"):
+                model(x)
+                model(x)  # (learning ended: a training batch measures the weight again, as a slot code)
+                with torch.no_grad():
+                    model(x, scale=2.0)  # the general path, the weight from the cache
+        finally:
+            device_stats.force_on_cpu(False)
+        return [f for b in sink.batches for f in b.frames]
+
+    assert _rows(run(True)) == _rows(run(False))
+
+
+def test_cached_weights_outlive_many_reads_of_check_module():
+    """check="module" reads the buffer after every frame: a weight measured in one no-grad batch
+    and reused in the next, 70 reads later, still has its values (not said lost)."""
+    def run(forced):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(70)])
+        x = torch.randn(2, 4)
+        sink = Collect()
+        device_stats.force_on_cpu(forced)
+        try:
+            with watch(model, sinks=[sink], on_detect="report", check="module"), torch.no_grad():
+                for _ in range(3):
+                    model(x)
+        finally:
+            device_stats.force_on_cpu(False)
+        return [f for b in sink.batches for f in b.frames]
+
+    forced = run(True)
+    assert not any(t.note for f in forced for t in f.tensors)
+    assert _rows(forced) == _rows(run(False))
+
+
 @pytest.mark.slow
 def test_frames_inside_an_inductor_graph_are_measured_at_once(monkeypatch):
     """The compiled ops run the hooks inside an inductor graph, whose buffers are reused by the

@@ -52,6 +52,9 @@ _SIZE_SHIFT = (2, 1, 1)  # log2 of the element size, by dtype code
 #: reads whose values slot codes can still look up (SlotBuffer.decoded): a cached weight's code is
 #: reused until the weights are measured again (at the latest every 32 batches)
 KEPT_READS = 64
+#: the reads within which a cached slot code is used again (the rest of KEPT_READS: the reads a
+#: frame's own record may still make before it reads back); an older one is measured again
+FRESH_READS = 48
 INITIAL_SLOTS = 1024
 _MASK = 0x7FFFFFFF  # the sign-cleared pattern's largest value; also the abs-min slot's complement base
 _INF_BITS = 0x7F800000
@@ -544,6 +547,7 @@ class DeviceStats:
         # the buffer, while there is exactly one (a model on one GPU): the one-in-one-out frames'
         # (FrameRecorder._device_call); None before the first and once there are several
         self.one: Optional[SlotBuffer] = None
+        self.coder: Optional[SlotBuffer] = None  # the buffer that gave slot codes (the one `one` was)
         self.interpreted = triton_interpreting()
         self._lock = threading.Lock()
 
@@ -560,6 +564,8 @@ class DeviceStats:
                 self.buffers[key] = SlotBuffer(dev) if ok else None
                 made = [b for b in self.buffers.values() if b is not None]
                 self.one = made[0] if len(made) == 1 else None
+                if self.one is not None:
+                    self.coder = self.one
             return self.buffers[key]
 
     def frame(self) -> "DeviceFrame":

@@ -157,6 +157,10 @@ class Record:
             self._mags += draft.mags
         self._frames.append((info, draft.items, first))
 
+    def uses_codes(self, buf: SlotBuffer) -> None:
+        """Some statistic of a frame added (or about to be) is a slot code of `buf`."""
+        self._code_buf = buf
+
     def add_lists(self, info: ModuleInfo, items: List[Item], stats: List[Stat], dtypes: List[torch.dtype],
                   codes: Optional[SlotBuffer] = None, others: int = 0) -> None:
         """A frame given as a draft's three lists (items kept; no counts rows: no target_dtypes);

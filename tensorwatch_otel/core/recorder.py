@@ -23,7 +23,7 @@ from . import naming
 from .events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from .record import FrameDraft, Item, ModuleInfo, Record, Stat
 from .cpu_kernel import CODES, KERNEL
-from .device_stats import CountLayout, DeviceFrame, DeviceStats, SlotStat, wanted as device_path_wanted
+from .device_stats import FRESH_READS, CountLayout, DeviceFrame, DeviceStats, SlotStat, wanted as device_path_wanted
 from .magnitude import HISTOGRAM_EVERY, measure_counts
 from .stats import HostBatch, host_readable, measure_host as measure, nonfinite_kind_of
 from .weights import WeightTable, takes
@@ -384,7 +384,8 @@ class FrameRecorder:
                 continue
             seen = params_seen.get(id(p))
             version = p._version
-            if seen is not None and seen[1] == version and seen[2] == p.data_ptr() and seen[3] is p.dtype:
+            if seen is not None and seen[1] == version and seen[2] == p.data_ptr() and seen[3] is p.dtype \
+                    and (seen[4][0].__class__ is not int or seen[4][0] >> 32 > buf.epoch - FRESH_READS):
                 r = seen[4]
                 if r[0].__class__ is not int:
                     others += 2
@@ -401,7 +402,8 @@ class FrameRecorder:
             items.append(name)
         for t, name in ((x, _INPUT0), (y, "output")):
             seen_t = acts_seen.get(id(t))
-            if seen_t is not None and seen_t[0]() is t and seen_t[1] == t._version:
+            if seen_t is not None and seen_t[0]() is t and seen_t[1] == t._version \
+                    and (seen_t[2][0].__class__ is not int or seen_t[2][0] >> 32 > buf.epoch - FRESH_READS):
                 r = seen_t[2]
                 if r[0].__class__ is not int:
                     others += 2
@@ -419,6 +421,19 @@ class FrameRecorder:
             stats += r
             items.append(name)
         rec.add_lists(info, items, stats, dtypes, buf, others)
+        return True
+
+    def _usable(self, rec: Record, r: StatPair) -> bool:
+        """A cached pair `rec` can take: a value, or a slot code of a read still kept when `rec`
+        reads back (SlotBuffer.decoded keeps KEPT_READS reads: check="module" reads after every
+        frame), `rec` told which buffer its codes are of. A code too old is measured again."""
+        code = r[0]
+        if code.__class__ is not int:
+            return True
+        coder = self._device.coder if self._device is not None else None
+        if coder is None or code >> 32 <= coder.epoch - FRESH_READS:
+            return False
+        rec.uses_codes(coder)
         return True
 
     def _abandon(self) -> None:
@@ -515,7 +530,8 @@ class FrameRecorder:
         seen = self.params_seen.get(id(p))
         version = p._version
         ptr = p.data_ptr() if p.__class__ in _PLAIN else id(p)
-        if seen is not None and seen[0] is p and seen[1] == version and seen[2] == ptr and seen[3] is p.dtype:
+        if seen is not None and seen[0] is p and seen[1] == version and seen[2] == ptr and seen[3] is p.dtype \
+                and self._usable(rec, seen[4]):
             d.stats += seen[4]
             d.dtypes.append(seen[3])
             d.items.append(name)
@@ -550,7 +566,7 @@ class FrameRecorder:
             return self._tensor_magnitude(rec, t, name, d)
         key = id(t)
         seen = self.acts_seen.get(key)
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
+        if seen is not None and seen[0]() is t and seen[1] == t._version and self._usable(rec, seen[2]):
             d.stats += seen[2]
             d.dtypes.append(seen[3])
             d.items.append(name)
