@@ -195,6 +195,32 @@ def test_activation_checkpointing_inside_a_compiled_model_keeps_one_graph(_fresh
     _close_to(_values(sink.batches[-1].frames), _values(eager))
 
 
+class _AllCheckpointed(nn.Module):
+    """Every submodule call inside activation checkpointing: no row is written where the graph
+    may set a Python attribute after it runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = Stack(n_blocks=2, d=16, heads=2)
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_a_model_checkpointed_whole_still_has_its_rows_read(_fresh):
+    x = torch.randn(2, 8, 16)
+    model = _AllCheckpointed()
+    sink = Collect()
+    with watch(model, sinks=[sink], on_detect="report"):
+        for _ in range(2):
+            torch.compile(model)(x).square().mean().backward()
+    eager = _eager_frames(_AllCheckpointed, x)
+    for batch in sink.batches:
+        assert [f.module for f in batch.frames] == [f.module for f in eager]
+    _close_to(_values(sink.batches[-1].frames), _values(eager))
+
+
 def test_gpt2_with_gradient_checkpointing_compiled_adds_no_graph_break(_fresh):
     pytest.importorskip("transformers")
     from _models import batches, build

@@ -109,6 +109,29 @@ def test_per_sample_gradients_with_grad_and_functional_call(gradients):
     assert remaining_hooks(model) == {}
 
 
+@pytest.mark.slow
+def test_a_table_of_in_graph_statistics_leaves_calls_under_torch_func_alone(monkeypatch):
+    """A compiled watched model run earlier in the process made a table of in-graph statistics
+    (core/graph_stats.py); a batch begun inside torch.func.grad then stamps it without the
+    transform seeing it (before: grad refused the in-place write to a captured tensor)."""
+    from tensorwatch_otel.core import graph_stats
+
+    monkeypatch.setattr(graph_stats, "ON", True)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled_model = Net()
+    with watch(compiled_model, sinks=[]):
+        torch.compile(compiled_model)(torch.randn(2, 8))
+    torch._dynamo.reset()
+    assert graph_stats.has_tables()
+    model, x, y = Net(), torch.randn(5, 8), torch.randn(5, 4)
+    sink = Collect()
+    with watch(model, sinks=[sink]):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        grad(_loss(model))(params, x[2], y[2])
+    assert len(_forward(sink)) == 1
+
+
 def test_jvp_is_measured_through_its_primal_values():
     torch.manual_seed(0)
     model, x = Net(), torch.randn(4, 8)

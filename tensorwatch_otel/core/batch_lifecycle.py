@@ -335,6 +335,13 @@ class BatchLifecycle:
                         "TENSORWATCH_GRAPH_STATS=0 before importing tensorwatch_otel to measure with "
                         "the ops, per thread; said once")
 
+    def rows_unseen(self, rec: Record) -> bool:
+        """At the model's own call's end: rows of this batch may wait unread though no graph said
+        so (`pending`): graphs whose every row is written inside activation checkpointing's
+        operator, which takes no side effect. Read when this watcher's graphs have written rows
+        before, or when the batch holds no frame of a submodule yet while tables exist."""
+        return self._graph.active and graph_stats.has_tables() and (self._graph.read_rows or not rec.frame_count)
+
     @property
     def graph_active(self) -> bool:
         """Some submodule hook of this watcher writes rows inside compiled graphs."""
@@ -594,7 +601,8 @@ class ForwardHook(ModuleHook):
         info = self._info
         outside_backward = _graph_task() == -1  # inside: checkpoint recomputation, not a batch
         try:
-            if graph_stats.ON and st.recording and outside_backward and st.rec is not None and graph_stats.pending() \
+            if graph_stats.ON and st.recording and outside_backward and st.rec is not None \
+                    and (graph_stats.pending() or (info.is_root and self._life.rows_unseen(st.rec))) \
                     and self._life.graph_active:
                 # the frames measured inside graphs that ran before this call returned (for the
                 # model's own call: its submodules'; else a call run eagerly between graphs)

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import graph_stats
+from . import graph_stats, transforms
 from .compiled import _parsed as _parsed_spec
 from .events import NOTE_EMPTY, NOTE_NO_DATA
 from .record import FrameDraft, Item, ModuleInfo, Record
@@ -60,9 +60,8 @@ class GraphFrames:
         return t.device if t is not None else torch.device("cpu")
 
     def _new_id(self, info: ModuleInfo) -> torch.Tensor:
-        device = _first_device(info.params) or self._model_device()
-        row_id = graph_stats.new_row_id(device)
-        self._infos[int(row_id.item())] = info
+        number, row_id = graph_stats.new_row_id(_first_device(info.params) or self._model_device())
+        self._infos[number] = info
         return row_id
 
     def row_id(self, info: ModuleInfo, holder: Any) -> torch.Tensor:
@@ -75,6 +74,13 @@ class GraphFrames:
     def begin(self) -> None:
         """A recorded batch begins: the rows written from now on (stamped) are its own. A model
         moved to another device since the ids were made gets them anew there first."""
+        if transforms.active():  # (a call inside torch.func: the tables are not the transform's)
+            with transforms.set_aside():
+                self._begin()
+        else:
+            self._begin()
+
+    def _begin(self) -> None:
         device = self._model_device()
         if device != self._device:
             self._device = device
@@ -88,7 +94,11 @@ class GraphFrames:
     def frames(self, rec: Record) -> None:
         """The frames of the rows this watcher's hooks wrote in the batch since the last read,
         in the order they ran, read with one copy per device: added to `rec`."""
-        rows, lost = graph_stats.ran(self._cursor, self._stamp, self._infos)
+        if transforms.active():
+            with transforms.set_aside():
+                rows, lost = graph_stats.ran(self._cursor, self._stamp, self._infos)
+        else:
+            rows, lost = graph_stats.ran(self._cursor, self._stamp, self._infos)
         if rows:
             self.read_rows = True
         if lost and not self._said_lost:

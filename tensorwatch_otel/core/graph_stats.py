@@ -233,10 +233,13 @@ def _side_effects_allowed() -> bool:
         return False
 
 
-def new_row_id(device: torch.device) -> torch.Tensor:
-    """A module hook's row id: a 0-d float64 tensor on its module's device (its rows are
-    written there)."""
-    return torch.full((), float(SITES.new_row_id()), dtype=torch.float64, device=device)
+def new_row_id(device: torch.device) -> Tuple[int, torch.Tensor]:
+    """A module hook's row id: the number, and a 0-d float64 tensor holding it on its module's
+    device (its rows are written there; the CPU for a module on the meta device)."""
+    number = SITES.new_row_id()
+    if device.type == "meta":
+        device = torch.device("cpu")
+    return number, torch.full((), float(number), dtype=torch.float64, device=device)
 
 
 def _tracing_context() -> Any:
