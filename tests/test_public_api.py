@@ -98,3 +98,18 @@ def test_import_loads_no_exporter_library():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "LOADED:\n" in proc.stdout, proc.stdout
+
+
+def test_import_loads_neither_dynamo_nor_triton():
+    """`import tensorwatch_otel` loads torch only: dynamo (about a second) loads at the first
+    watch(), and Triton is left for the caller to import (a test suite chooses its interpreter
+    with TRITON_INTERPRET before Triton's first import)."""
+    code = textwrap.dedent("""
+        import sys
+        import tensorwatch_otel
+        from tensorwatch_otel import watch
+        print("LOADED:" + ",".join(sorted(m for m in ("torch._dynamo", "triton") if m in sys.modules)))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "LOADED:\n" in proc.stdout, proc.stdout

@@ -30,6 +30,7 @@ from .events import SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent
 from .record import FrameDraft, ModuleInfo, Record
 from .skip import is_stand_in
 from .finite import all_finite
+from .graph_stats import constant_result
 from .process import said_once
 from .stats import measure
 
@@ -99,8 +100,10 @@ def _may_break() -> bool:
     return may
 
 
-# called at trace time, its answer a constant of the graph being traced
-_graph_may_break: Callable[[], bool] = torch._dynamo.assume_constant_result(_may_break)
+# called at trace time, its answer a constant of the graph being traced (marked for dynamo at
+# the first watch(), with graph_stats' others: loading dynamo at import would cost a second, and
+# import Triton before a test suite's device tests choose its interpreter)
+_graph_may_break: Callable[[], bool] = constant_result(_may_break)
 
 
 def outside_graphs(fn: Callable[..., Any], otherwise: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
