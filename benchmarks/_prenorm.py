@@ -55,3 +55,35 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class MlpBlock(nn.Module):
+    """A pre-norm MLP block alone (no attention): the MLP-heavy shape."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln, self.mlp = nn.LayerNorm(d), Mlp(d)
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class MlpStack(nn.Module):
+    """`n_blocks` MLP blocks of width `d`, a final LayerNorm and a Linear head, under a root of
+    its own (`mlp_stack(..., sequential=True)`: the same modules under an nn.Sequential)."""
+
+    def __init__(self, n_blocks: int = 3, d: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList(MlpBlock(d) for _ in range(n_blocks))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def mlp_stack(n_blocks: int, d: int, sequential: bool = False) -> nn.Module:
+    if sequential:
+        return nn.Sequential(*(MlpBlock(d) for _ in range(n_blocks)), nn.LayerNorm(d), nn.Linear(d, d))
+    return MlpStack(n_blocks, d)

@@ -74,7 +74,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _bracketed import median_interval, run_bracketed  # noqa: E402
-from _prenorm import Stack  # noqa: E402
+from _prenorm import Stack, mlp_stack  # noqa: E402
 
 VARIANTS = ("null", "watched", "watched_sampled", "wrapped", "custom", "plain", "custom_sampled", "plain_sampled",
             "custom_kernel", "kernel_grad")
@@ -84,8 +84,10 @@ SAMPLE_EVERY = 10
 
 # --- the model (benchmarks/_prenorm.py) and its input ---------------------------------------------
 
-def build(quick: bool, device: torch.device):
-    """(model, input): the CPU shape, the GPT-2-medium shape on CUDA, a tiny one for --quick."""
+def build(quick: bool, device: torch.device, shape_name: str = "prenorm"):
+    """(model, input): the CPU shape, the GPT-2-medium shape on CUDA, a tiny one for --quick;
+    `shape_name` "mlp" / "mlp-sequential": the blocks without attention (an MLP-block step), under
+    a root of their own / an nn.Sequential."""
     if quick:
         n, d, heads, shape = 1, 32, 4, (2, 16)
     elif device.type == "cuda":
@@ -93,7 +95,11 @@ def build(quick: bool, device: torch.device):
     else:
         n, d, heads, shape = 4, 256, 8, (8, 128)
     torch.manual_seed(0)
-    model = Stack(n, d, heads).to(device).train()
+    if shape_name == "prenorm":
+        model = Stack(n, d, heads)
+    else:
+        model = mlp_stack(n, d, sequential=shape_name == "mlp-sequential")
+    model = model.to(device).train()
     x = torch.randn(*shape, d, generator=torch.Generator().manual_seed(1)).to(device)
     return model, x
 
@@ -459,6 +465,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per copy after its first (default 2)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--shape", choices=("prenorm", "mlp", "mlp-sequential"), default="prenorm",
+                   help="prenorm (default): the pre-norm transformer blocks; mlp: the same blocks without "
+                   "attention (an MLP-block step); mlp-sequential: those under an nn.Sequential root")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--hook-guards", choices=("on", "torch"), default="on",
                    help="on (default): torch._dynamo.config.skip_nnmodule_hook_guards = False, so "
@@ -492,7 +501,7 @@ def main(argv=None) -> int:
     torch._dynamo.config.recompile_limit = 64
     if args.hook_guards == "on":  # guard the hook dicts: attach/detach after compile is seen
         torch._dynamo.config.skip_nnmodule_hook_guards = False
-    base, x = build(args.quick, device)
+    base, x = build(args.quick, device, args.shape)
     print(f"model: {len(base.blocks)} pre-norm blocks, {sum(1 for _ in base.modules())} modules, input "
           f"{tuple(x.shape)}, device {device}, autocast {autocast}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.clock} clock, skip_nnmodule_hook_guards "

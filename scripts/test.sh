@@ -29,5 +29,17 @@ echo "== lint (ruff) and type check (mypy, strict on tensorwatch_otel/core; see 
 python3 -m ruff check .
 python3 -m mypy
 
-echo "== running tests (${SECONDS}s so far; the tests take 12-16 minutes on 2 cores, a dot per test)"
-python3 -m pytest "$@"
+if [ "$#" -gt 0 ]; then  # tests of one's choice: as asked, in this process
+  echo "== running tests (${SECONDS}s so far)"
+  python3 -m pytest "$@"
+  exit
+fi
+# In parallel worker processes (pytest-xdist), one more than the CPUs: many tests wait on
+# subprocesses and servers. Then the tests marked `timing` (wall-clock bounds) alone, so the
+# others' load does not decide them.
+workers="${TENSORWATCH_TEST_WORKERS:-$(( $(nproc) + 1 ))}"
+echo "== running tests (${SECONDS}s so far; about 12 minutes on 2 cores, in ${workers} processes, a dot per test)"
+python3 -m pytest -p no:cacheprovider -p no:benchmark -n "$workers" --dist worksteal -m "not timing"
+echo "== running the timing tests alone (${SECONDS}s so far; about a minute)"
+python3 -m pytest -p no:cacheprovider -p no:benchmark -m timing
+echo "== all tests passed in ${SECONDS}s"

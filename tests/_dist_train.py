@@ -191,4 +191,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    leave(main())
+    leave(main(), sys.argv[1])  # (the results folder: a stopped rank waits there for its peers)

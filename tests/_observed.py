@@ -7,6 +7,7 @@ import atexit
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, NoReturn
 
@@ -27,13 +28,28 @@ def read_observed(folder: Path, world: int, proc: Any) -> List[Dict[str, Any]]:
     return seen
 
 
-def leave(code: int) -> NoReturn:
+def _wait_for_peers(folder: str, seconds: float = 30.0) -> None:
+    """Until every rank of the launch has written its result (or `seconds` pass): a rank that
+    exits non-zero makes torchrun end the others at once, and on a loaded machine a peer that
+    stopped at the same step may not have written its result yet."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all((Path(folder) / f"observed-rank{r}.json").exists() for r in range(world)):
+            return
+        time.sleep(0.05)
+
+
+def leave(code: int, folder: str = "") -> NoReturn:
     """End a torchrun'd rank once its results are written: the exit handlers run (the package's,
     logging's, torch's), then the process ends without the interpreter's finalization, where a
     finished rank has aborted under load ("terminate called without an active exception",
     cause unknown) and failed a test whose every check had passed. The tests are about the
     training; the launches set PYTHONFAULTHANDLER, so an abort before this point still shows
-    every thread's stack."""
+    every thread's stack. `folder`: where the ranks write their results; a non-zero exit waits
+    there for its peers' results first."""
+    if code and folder:
+        _wait_for_peers(folder)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

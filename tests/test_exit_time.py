@@ -21,6 +21,8 @@ from _blackhole import BlackHole
 from _otel_fixtures import OverflowNet, parse_prom, sample
 from tensorwatch_otel import NonFiniteDetected, watch
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: run alone, after the parallel tests (scripts/test.sh)
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 T = 1.5  # flush_timeout_s of these tests

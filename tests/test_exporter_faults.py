@@ -21,6 +21,8 @@ from tensorwatch_otel.sinks.otel_env import configure_from_env, shutdown_bounded
 from tensorwatch_otel.sinks._base import Sink
 from tensorwatch_otel.sinks.otel import OtelTelemetry
 
+pytestmark = pytest.mark.timing  # slowdowns measured against a twin: run alone (scripts/test.sh)
+
 # Allowed slowdown of a step with a broken exporter against one without. The exporters work on
 # their own threads; on a 2-core box their retries still compete for the CPU a little.
 MAX_RATIO = 1.5

@@ -71,6 +71,7 @@ def _big(seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.timing
 def test_a_hanging_compiler_holds_no_batch_and_is_killed_with_its_children(fresh_kernel, hanging_cc):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     x = torch.randn(4, 64)
@@ -119,6 +120,7 @@ def test_the_torch_mode_builds_nothing(fresh_kernel, monkeypatch):
     assert fresh_kernel.wait(timeout=1) is None
 
 
+@pytest.mark.timing
 def test_a_process_exiting_during_the_build_leaves_no_compiler_behind(hanging_cc):
     """The interpreter exits while the hanging compiler runs: the exit kills its process group,
     does not wait for it, and the build's thread has ended before the interpreter's finalization."""

@@ -288,6 +288,7 @@ def test_span_without_trace_id_is_a_child_of_the_step(otel):
     assert span.parent.span_id == step.get_span_context().span_id
 
 
+@pytest.mark.timing
 def test_on_event_returns_fast_even_with_slow_exporter():
     import time
 

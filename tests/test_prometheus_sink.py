@@ -233,6 +233,7 @@ def test_big_model_scrapes_fast():
     assert float(again) < 0.8, again
 
 
+@pytest.mark.timing
 def test_on_batch_is_cheap(registry):
     """Folding a batch into the window on the training thread costs a small share of the watched
     forward that produced it (about 0.1% for 2,000 Linear layers), measured side by side."""
@@ -368,6 +369,7 @@ def _run_linger(port, linger):
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_linger_serves_until_one_scrape_after_detection():
     port = free_port()
@@ -385,6 +387,7 @@ def test_linger_serves_until_one_scrape_after_detection():
     assert "waiting up to 30 s" in err and "ValueError" in err
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_linger_is_bounded_without_scrapes():
     proc = _run_linger(free_port(), 1.5)
@@ -396,6 +399,7 @@ def test_linger_is_bounded_without_scrapes():
     assert "no scrape within" in proc.stderr.read()
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_linger_zero_exits_at_once():
     proc = _run_linger(free_port(), 0)
