@@ -502,13 +502,14 @@ def main(argv=None) -> int:
     if args.hook_guards == "on":  # guard the hook dicts: attach/detach after compile is seen
         torch._dynamo.config.skip_nnmodule_hook_guards = False
     base, x = build(args.quick, device, args.shape)
-    print(f"model: {len(base.blocks)} pre-norm blocks, {sum(1 for _ in base.modules())} modules, input "
+    blocks = sum(1 for m in base.modules() if type(m).__name__ in ("Block", "MlpBlock"))
+    print(f"model: {args.shape}, {blocks} blocks, {sum(1 for _ in base.modules())} modules, input "
           f"{tuple(x.shape)}, device {device}, autocast {autocast}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.clock} clock, skip_nnmodule_hook_guards "
           f"{torch._dynamo.config.skip_nnmodule_hook_guards}", file=sys.stderr)
     result: dict = {"device": str(device), "threads": torch.get_num_threads(), "rounds": args.rounds,
                     "backend": args.backend, "clock": args.clock,
-                    "input": list(x.shape), "blocks": len(base.blocks), "torch": torch.__version__,
+                    "input": list(x.shape), "shape": args.shape, "blocks": blocks, "torch": torch.__version__,
                     "skip_nnmodule_hook_guards": torch._dynamo.config.skip_nnmodule_hook_guards}
     trainers: Dict[str, CompiledTrainer] = {}
     first: Dict[str, dict] = {}

@@ -67,6 +67,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     import tensorwatch_otel as tw
     from tensorwatch_otel.core import device_stats
 
+    from tensorwatch_otel.core.cpu_kernel import KERNEL
+
+    KERNEL.wait(120)  # the C kernel the default path measures with, built (or loaded) before any timing
     torch.set_num_threads(1)
     blocks = args.blocks or (2 if args.quick else 24)
     rounds = args.rounds or (3 if args.quick else 40)

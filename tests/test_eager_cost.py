@@ -62,6 +62,31 @@ def test_host_floats_equal_the_tensor_path(kernel, dtype):
         assert r.__class__ is str or all(isinstance(v, torch.Tensor) for v in r)
 
 
+def test_the_per_frame_call_keeps_each_threads_values_apart(kernel):
+    """kernel.host on small tensors (the recorder's per-frame call, one C call returning its
+    pair, no shared buffer) from 6 threads at once: each gets its own tensor's values."""
+    import threading
+
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(64, generator=g) * (i + 1) for i in range(6)]
+    want = [(t.abs().min().item(), t.abs().max().item()) for t in tensors]
+    wrong: list = []
+
+    def run(i: int) -> None:
+        for _ in range(3000):
+            got = kernel.host(tensors[i])
+            if got != want[i]:
+                wrong.append((i, got))
+                return
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+
+
 class Scaler(nn.Module):
     """The parent modifies its child's output in place after the child returned."""
 

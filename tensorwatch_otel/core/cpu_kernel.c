@@ -113,6 +113,18 @@ void tw_abs_minmax_many(const void* const* ptrs, const int64_t* ns, const int8_t
     }
 }
 
+/* One tensor on the calling thread, its pair returned by value (no buffer shared between
+   threads): the per-frame call of the recorder's hot path, for tensors below the parallel size. */
+typedef struct { double lo, hi; } tw_pair;
+tw_pair tw_abs_minmax_one(const void* p, int64_t n, int code) {
+    const void* ptrs[1] = {p};
+    int8_t c = (int8_t)code;
+    double out[2];
+    tw_abs_minmax_many(ptrs, &n, &c, 1, out, 1, INT64_MAX);
+    tw_pair r = {out[0], out[1]};
+    return r;
+}
+
 /* abs min/max and exact threshold counts in one call (target_dtypes; core/magnitude.py).
    rg: nr pairs (a, w) of sign-cleared patterns, a >= 1: cnt[r] = #{elements whose pattern m
    has a <= m < a + w}. Range 0 is always the non-zero finite elements (1, inf - 1).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -156,6 +156,8 @@ class FrameRecorder:
                                         Optional[torch.Tensor]]] = {}
         self._fb = _FrameBatch(self._device)  # the calling thread's frame in progress
         # small dense CPU weights: one kernel call per batch for all of them (core/weights.py)
+        self._host: Optional[Callable[[torch.Tensor], Tuple[float, float]]] = None  # the kernel's host call...
+        self._host_of: object = None  # ...as looked up for this weight-table read (_one_in_one_out)
         self.weights = _NoWeightTable() if self._device is not None and self._device.cpu else WeightTable()
         self._declined: set[int] = set()  # ids of weights that cannot be rows
         self._hist_batch = (-1, False, 0)  # (batch number, histogram batch?, watched batches seen)
@@ -336,7 +338,10 @@ class FrameRecorder:
         x_cached = seen is not None and seen[0]() is x and seen[1] == x._version
         if not x_cached and not host_readable(x):
             return False
-        host = getattr(KERNEL.get(), "host", None)
+        if self._host_of is not table:  # (the kernel's host call, looked up again with each table read)
+            self._host_of = table
+            self._host = getattr(KERNEL.get(), "host", None)
+        host = self._host
         if host is None:
             return False
         if seen is None or not x_cached:  # (None: never cached)
@@ -344,8 +349,9 @@ class FrameRecorder:
         out = acts_seen.get(id(y))  # (an output passed up unchanged: measured once)
         if out is None or out[0]() is not y or out[1] != y._version:
             out = acts_seen[id(y)] = (weakref.ref(y), y._version, host(y), y.dtype)  # as at its return
-        d = FrameDraft()
-        items, stats, rec_dtypes = d.items, d.stats, d.dtypes
+        items: List[Item] = []
+        stats: List[Stat] = []
+        rec_dtypes: List[torch.dtype] = []
         for name, i in hits:
             stats.append(vals[2 * i])
             stats.append(vals[2 * i + 1])
@@ -357,7 +363,7 @@ class FrameRecorder:
         rec_dtypes.append(out[3])
         items.append(_INPUT0)
         items.append("output")
-        rec.add_frame(info, d)
+        rec.add_lists(info, items, stats, rec_dtypes, None, len(stats))  # (FrameDraft's lists, without one)
         return True
 
     def _device_call(self, rec: Record, info: ModuleInfo, x: torch.Tensor, y: torch.Tensor) -> bool:
