@@ -65,6 +65,31 @@ def test_few_launches_and_no_allocation_per_module_call_one_copy_per_step(forced
     assert sink.batches[-1].frames[0].tensors[0].abs_max > 0
 
 
+def test_a_warm_step_reads_each_distinct_tensor_once(forced, monkeypatch):
+    """Bytes the watcher's table launches read in a warm training step against the bytes of the
+    distinct tensors they measure (the issue's bound: at most 1.2x): an output passed on as the
+    next module's input, and a weight used twice, are read once. Fewer tensors are read than the
+    frames show, because the frames share them."""
+    launched = []  # per table launch: its tensors' (address, elements, dtype code)
+    real = device_stats.launch_table
+
+    def spy(buf, entries, count, programs, block):
+        launched.append([tuple(entries[4 * i:4 * i + 3]) for i in range(count)])
+        return real(buf, entries, count, programs, block)
+
+    monkeypatch.setattr(device_stats, "launch_table", spy)
+    counts, sink = _counted_training(monkeypatch)
+    assert counts.tables[-1] == 1  # a warm step: one table launch, at the batch's read
+    rows = launched[-1]
+    size = {code: 1 << shift for code, shift in enumerate(device_stats._SIZE_SHIFT)}
+    read = sum(n * size[code] for _, n, code in rows)
+    distinct = sum(n * size[code] for _, n, code in set(rows))
+    assert read <= 1.2 * distinct, (read, distinct)
+    shown = sum(1 for f in sink.batches[-1].frames for t in f.tensors if t.abs_max is not None)
+    assert len(rows) < shown, (len(rows), shown)  # the frames share tensors; each is read once
+    assert len(set(a for a, _, _ in rows)) == len(rows)  # no address twice
+
+
 def test_without_the_step_guard_the_buffer_read_is_the_only_transfer(forced, monkeypatch):
     counts, _ = _counted_training(monkeypatch, steps=3, guard_steps=False)
     assert [row[:4] for row in counts.steps[1:]] == [[0, 0, 1, 2]] * 2
