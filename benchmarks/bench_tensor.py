@@ -102,7 +102,7 @@ def candidates(device: str, names: List[str]) -> Dict[str, Callable]:
     if device.startswith("cuda"):
         table["compiled"] = _compiled()
     else:
-        table["torch_cpu"] = stats._abs_minmax_torch_cpu
+        table["torch_cpu"] = stats.abs_minmax_torch_cpu
     return {n: table[n] for n in ["amax"] + [n for n in names if n in table and n != "amax"]}
 
 

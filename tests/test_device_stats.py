@@ -271,7 +271,7 @@ def _torch_counted(plan, t):
     """The same by the torch ops: abs min/max, and counts_torch with that abs max."""
     from tensorwatch_otel.core import magnitude, stats
 
-    mn, mx = stats._abs_minmax_torch_cpu(t)
+    mn, mx = stats.abs_minmax_torch_cpu(t)
     return float(mn), float(mx), [int(c) for c in magnitude.counts_torch(t, mx, plan).tolist()]
 
 

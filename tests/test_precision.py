@@ -48,7 +48,7 @@ def kernel_paths():
     kernel = KERNEL.wait(120)
 
     def torch_ops(t, plan, hist):
-        mn, mx = M.stats._abs_minmax_torch_cpu(t)
+        mn, mx = M.stats.abs_minmax_torch_cpu(t)
         return mn, mx, M.counts_torch(t, mx, plan), M.histogram_torch(t) if hist else None
 
     paths = [("torch", torch_ops)]

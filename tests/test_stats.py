@@ -23,7 +23,7 @@ SIZES = (1, 7, 1000, stats._SMALL + 1, stats._CHUNK - 1, 3 * stats._CHUNK + 5)
 def _paths():
     """Every way measure() may reduce a plain tensor, each callable on CPU tensors."""
     return [pytest.param(measure, id="measure"),  # the compiled kernel on CPU where it builds
-            pytest.param(lambda x: stats._abs_minmax_torch_cpu(x), id="torch_cpu_path"),
+            pytest.param(lambda x: stats.abs_minmax_torch_cpu(x), id="torch_cpu_path"),
             pytest.param(lambda x: stats._abs_minmax_device(x), id="device_path")]
 
 
@@ -274,7 +274,7 @@ def test_kernel_without_openmp_and_with_many_threads_agree(dtype, tmp_path):
             torch.set_num_threads(nt)
             for n in (1, 5, (1 << 16) + 3, 3 * stats._CHUNK + 5):
                 x = _values(dtype, n, seed=n + nt)
-                want = _host(stats._abs_minmax_torch_cpu(x))
+                want = _host(stats.abs_minmax_torch_cpu(x))
                 for k in kernels:
                     assert _host(k(x)) == want == _expected(x)
                     y = x.clone()

@@ -221,7 +221,7 @@ def _fmt_change(v) -> str:
 
 
 def _fmt_move(t, stat: str) -> str:
-    from ..report.diff import _num
+    from ..report.diff import number_text
 
     def pick(s):
         if stat == "min" or (stat == "both" and (t.min_change or 0) > (t.max_change or 0)):
@@ -230,4 +230,4 @@ def _fmt_move(t, stat: str) -> str:
 
     label, va = pick(t.a)
     _, vb = pick(t.b)
-    return f"{label} {_num(va)} -> {_num(vb)}"
+    return f"{label} {number_text(va)} -> {number_text(vb)}"

@@ -33,7 +33,7 @@ from .record import ModuleInfo
 from .steps import StepTracker
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .compiled import _PreHook, _Watcher
+    from .compiled import EagerPreHook, SlotOwner
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,8 @@ class HookSet:
     now, `current()` says whether it still holds what was last seen, `remove()` takes every
     hook off."""
 
-    def __init__(self, model: torch.nn.Module, config: WatchConfig, *, slot_owner: "_Watcher", quiet: QuietBatches,
-                 pre_hook: "_PreHook", make_hook: Callable[[ModuleInfo, int], ModuleHook],
+    def __init__(self, model: torch.nn.Module, config: WatchConfig, *, slot_owner: "SlotOwner", quiet: QuietBatches,
+                 pre_hook: "EagerPreHook", make_hook: Callable[[ModuleInfo, int], ModuleHook],
                  capture_hook: Optional[Callable[..., Any]],
                  param_hook: Callable[[ModuleInfo, str], Callable[[torch.Tensor], None]],
                  params_current: Callable[[], None], before_step: Callable[..., Any],

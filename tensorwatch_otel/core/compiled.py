@@ -36,14 +36,15 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from typing import Protocol
 
-    class _Watcher(Protocol):
+    class SlotOwner(Protocol):
         """What the ops read of a watcher (core/watcher.py's Watcher)."""
 
-        _attached: bool
+        @property
+        def attached(self) -> bool: ...
 
 # The watcher's eager hooks, as the ops call them: the module is None once it was freed.
-_PreHook = Callable[[Optional[torch.nn.Module], Tuple[Any, ...]], object]
-_PostHook = Callable[[Optional[torch.nn.Module], Tuple[Any, ...], Dict[str, Any], Any], object]
+EagerPreHook = Callable[[Optional[torch.nn.Module], Tuple[Any, ...]], object]
+EagerPostHook = Callable[[Optional[torch.nn.Module], Tuple[Any, ...], Dict[str, Any], Any], object]
 _F = TypeVar("_F", bound=Callable[..., object])
 
 _MAX_ITEMS = 256  # as recorder.MAX_ITEMS: values looked at per container
@@ -80,7 +81,7 @@ class _Slot:
 
     __slots__ = ("watcher", "module", "pre", "post")
 
-    def __init__(self, watcher: _Watcher, module: torch.nn.Module, pre: _PreHook, post: Optional[_PostHook]):
+    def __init__(self, watcher: SlotOwner, module: torch.nn.Module, pre: EagerPreHook, post: Optional[EagerPostHook]):
         self.watcher = weakref.ref(watcher)
         self.module = weakref.ref(module)
         self.pre = _weak(pre)
@@ -99,7 +100,7 @@ class SlotTable:
         self._by_module: "weakref.WeakKeyDictionary[torch.nn.Module, List[int]]" = weakref.WeakKeyDictionary()
         self._ids = itertools.count(1)
 
-    def new(self, watcher: _Watcher, module: torch.nn.Module, pre: _PreHook, post: Optional[_PostHook]) -> int:
+    def new(self, watcher: SlotOwner, module: torch.nn.Module, pre: EagerPreHook, post: Optional[EagerPostHook]) -> int:
         slot = next(self._ids)
         if slot % 1024 == 0:
             self._forget_freed()
@@ -123,7 +124,7 @@ class SlotTable:
             if live is not None and slot in live:
                 live.remove(slot)
 
-    def set_post(self, slot: int, post: _PostHook) -> None:
+    def set_post(self, slot: int, post: EagerPostHook) -> None:
         self._slots[slot].post = _weak(post)
 
     def of_watcher(self, watcher: object) -> List[_Slot]:
@@ -157,11 +158,12 @@ class SlotHandle:
         SLOTS.release(self.slot)
 
 
-def new_slot(watcher: _Watcher, module: torch.nn.Module, pre: _PreHook, post: Optional[_PostHook] = None) -> int:
+def new_slot(watcher: SlotOwner, module: torch.nn.Module, pre: EagerPreHook,
+             post: Optional[EagerPostHook] = None) -> int:
     return SLOTS.new(watcher, module, pre, post)
 
 
-def set_post(slot: int, post: _PostHook) -> None:
+def set_post(slot: int, post: EagerPostHook) -> None:
     SLOTS.set_post(slot, post)
 
 
@@ -193,7 +195,7 @@ def _unwind(stack: List[_Slot], lo: int) -> None:
     while len(stack) > lo:
         s = stack.pop()
         w, post = s.watcher(), s.post()
-        if w is None or not w._attached or post is None:
+        if w is None or not w.attached or post is None:
             continue
         try:
             post(s.module(), (), {}, None)
@@ -221,7 +223,7 @@ def _pre_op(token: torch.Tensor, slot_t: torch.Tensor) -> None:
             if s in stack:  # its last call never returned (an exception inside the graph)
                 _unwind(stack, stack.index(s))
             w, pre = s.watcher(), s.pre()
-            if w is not None and w._attached and pre is not None:
+            if w is not None and w.attached and pre is not None:
                 pre(s.module(), ())
                 stack.append(s)
     except (NonFiniteDetected, AbortAfterBatch):
@@ -249,7 +251,7 @@ def _post_op(token: torch.Tensor, slot_t: torch.Tensor, spec: str, tensors: List
             if stack and stack[-1] is s:
                 stack.pop()
             w, post = s.watcher(), s.post()
-            if w is not None and w._attached and post is not None:
+            if w is not None and w.attached and post is not None:
                 with immediate():  # (the graph's buffers are reused as it goes on: measured now)
                     post(s.module(), args, kwargs, output)
     except (NonFiniteDetected, AbortAfterBatch):
@@ -442,7 +444,7 @@ class PreHook(ModuleHook):
 
     __slots__ = ("_slot", "_eager", "_is_root", "_row_id")
 
-    def __init__(self, slot: int, eager: _PreHook, is_root: bool = False,
+    def __init__(self, slot: int, eager: EagerPreHook, is_root: bool = False,
                  row_id: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self._slot = slot_tensor(slot)
@@ -521,14 +523,14 @@ _Node = Tuple[Any, ...]
 
 def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any], object]:
     """(args, kwargs, output) of the hooked call, the real tensors in place as fresh aliases."""
-    parsed = _parsed(spec)
+    parsed = parsed_spec(spec)
     it = iter(_fresh(tensors))
     args, kwargs, output = (_fill(p, it) for p in parsed)
     return args, kwargs, output
 
 
 @functools.lru_cache(maxsize=4096)
-def _parsed(spec: str) -> Tuple[_Node, ...]:
+def parsed_spec(spec: str) -> Tuple[_Node, ...]:
     """`spec`'s parsed form (one spec per call site)."""
     return _parse(spec, 0)[0]
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import graph_stats, transforms
-from .compiled import _parsed as _parsed_spec
+from .compiled import parsed_spec
 from .events import NOTE_EMPTY, NOTE_NO_DATA
 from .record import FrameDraft, Item, ModuleInfo, Record
 
@@ -128,7 +128,7 @@ class GraphFrames:
             return None
         items: List[Item] = []
         dtypes: List[torch.dtype] = []
-        for name, kind, dt in site.layout(info.kw_names, _parsed_spec):
+        for name, kind, dt in site.layout(info.kw_names, parsed_spec):
             if kind == "m":
                 items.append(name)
                 dtypes.append(getattr(torch, dt))

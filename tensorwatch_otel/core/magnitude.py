@@ -298,12 +298,12 @@ def measure_counts(t: torch.Tensor, plan: Plan, histogram: bool) -> Union[Quad, 
     """`stats.measure(t)` plus the tensor's counts row and, when `histogram`, its histogram row
     (both None for tensors without float values: integer, bool, a wrapper's inner tensors), or
     a NOTE_* string. One call on CPU with the compiled kernel (a second for the histogram)."""
-    if type(t) in stats._PLAIN and t.layout is torch.strided and not t.is_meta and t.numel() > 0 \
+    if type(t) in stats.PLAIN_TYPES and t.layout is torch.strided and not t.is_meta and t.numel() > 0 \
             and t.dtype in _FLOATS and not t.is_quantized:
         v = t
         if v.device.type == "cpu":
             if not v.is_contiguous():
-                v = stats._in_memory_order(v)
+                v = stats.in_memory_order(v)
             if v.is_contiguous():
                 kernel = KERNEL.get()
                 fn = getattr(kernel, "counts", None)
@@ -312,7 +312,7 @@ def measure_counts(t: torch.Tensor, plan: Plan, histogram: bool) -> Union[Quad, 
                     args = plan.kernel_args.get(v.dtype) or plan.args(v.dtype)
                     mn, mx, row = fn(v, *args)
                     return mn, mx, row, (whole(v)[2] if histogram else None)
-            mn, mx = stats._abs_minmax_torch_cpu(v)
+            mn, mx = stats.abs_minmax_torch_cpu(v)
             return mn, mx, counts_torch(v, mx, plan), (histogram_torch(v) if histogram else None)
         r = stats.measure(t)
         if isinstance(r, str):
@@ -321,7 +321,7 @@ def measure_counts(t: torch.Tensor, plan: Plan, histogram: bool) -> Union[Quad, 
     r = stats.measure(t)
     if isinstance(r, str):
         return r
-    vals = stats._values(t)
+    vals = stats.values_of(t)
     if isinstance(vals, torch.Tensor) and vals.dtype in _FLOATS:
         return r[0], r[1], counts_torch(vals, r[1], plan), (histogram_torch(vals) if histogram else None)
     return r[0], r[1], None, None

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 Pair = Tuple[torch.Tensor, torch.Tensor]  # (abs_min, abs_max) as 0-d device tensors
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
                                          "float8_e8m0fnu") if hasattr(torch, n))
 # abs(-128) does not fit in int8 (it stays -128), and the wide unsigned types have no CPU abs or
@@ -45,10 +45,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _values(t: torch.Tensor) -> Union[torch.Tensor, str, List[torch.Tensor]]:
+def values_of(t: torch.Tensor) -> Union[torch.Tensor, str, List[torch.Tensor]]:
     """The tensor whose abs min/max describe `t`, or a NOTE_* when there are none (a wrapper
     subclass without a dequantize method: the list of its inner tensors)."""
-    if type(t) not in _PLAIN:
+    if type(t) not in PLAIN_TYPES:
         u = _unwrap_subclass(t)
         if isinstance(u, (str, list)):
             return u
@@ -62,7 +62,7 @@ def _values(t: torch.Tensor) -> Union[torch.Tensor, str, List[torch.Tensor]]:
                 vals = torch.cat([vals.reshape(-1), vals.new_zeros(1)])
             t = vals
         elif t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
-            return _values(t.to_sparse_coo())
+            return values_of(t.to_sparse_coo())
         else:
             return NOTE_NO_DATA
     if t.is_quantized:
@@ -97,7 +97,7 @@ def _wrapper_values(t: torch.Tensor) -> Union[torch.Tensor, List[torch.Tensor], 
             v = getattr(t, name)()
         except Exception:  # another signature (NF4Tensor.dequantize is a static helper)
             continue
-        if isinstance(v, torch.Tensor) and type(v) in _PLAIN:
+        if isinstance(v, torch.Tensor) and type(v) in PLAIN_TYPES:
             return v
     wrapper: Any = t  # a wrapper subclass (checked above): it has __tensor_flatten__
     names = wrapper.__tensor_flatten__()[0]
@@ -118,7 +118,7 @@ def _unwrap_subclass(t: torch.Tensor) -> Union[torch.Tensor, str, List[torch.Ten
         wrapped = _wrapper_values(t)
         if wrapped is not None:
             if isinstance(wrapped, list):
-                inner = [_values(x) for x in wrapped]
+                inner = [values_of(x) for x in wrapped]
                 found = [x for x in inner if not isinstance(x, str)]
                 flat = [y for x in found for y in (x if isinstance(x, list) else (x,))]
                 return flat or NOTE_NO_DATA
@@ -149,7 +149,7 @@ def measure(t: torch.Tensor) -> Union[Pair, str]:
     (whether a NaN-holding tensor also held an infinity: nonfinite_kind_of, at a detection).
     A wrapper subclass is measured as its dequantized values, or over its inner tensors.
     """
-    v = _values(t) if (type(t) not in _PLAIN or t.layout is not torch.strided or t.is_meta
+    v = values_of(t) if (type(t) not in PLAIN_TYPES or t.layout is not torch.strided or t.is_meta
                        or t.numel() == 0 or t.dtype is torch.bool or t.dtype in _FP8 or t.is_quantized) else t
     if not isinstance(v, torch.Tensor):
         if isinstance(v, str):
@@ -188,7 +188,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _CODES = CODES
 _STRIDED = torch.strided
 # HostBatch.add_all: attribute reads mapped over a list (no bytecode per tensor)
-_PLAIN_SET = frozenset(_PLAIN)
+_PLAIN_SET = frozenset(PLAIN_TYPES)
 _STRIDED_SET = {torch.strided}
 _class_of = operator.attrgetter("__class__")
 _is_cpu = operator.attrgetter("is_cpu")
@@ -215,7 +215,7 @@ class HostBatch:
     def add(self, t: torch.Tensor) -> bool:
         """Take `t` when the kernel can read it as it is (a dense CPU float tensor); False
         otherwise (measure it with `measure`)."""
-        if t.__class__ not in _PLAIN or not t.is_cpu:  # (meta tensors are not is_cpu)
+        if t.__class__ not in PLAIN_TYPES or not t.is_cpu:  # (meta tensors are not is_cpu)
             return False
         code = _CODES.get(t.dtype)
         if code is None or t.layout is not _STRIDED or not t.is_contiguous():
@@ -282,7 +282,7 @@ def measure_host(t: torch.Tensor) -> Union[Pair, Tuple[float, float], str]:
     """`measure(t)`, except that a dense CPU float tensor read by the compiled kernel gives its
     two values as Python floats (on the host already: no 0-d tensors to make, stack and copy
     at the read-back). Same values, same NaN rule."""
-    if t.__class__ in _PLAIN and t.dtype in _FLOATS and t.device.type == "cpu" and t.layout is torch.strided \
+    if t.__class__ in PLAIN_TYPES and t.dtype in _FLOATS and t.device.type == "cpu" and t.layout is torch.strided \
             and t.is_contiguous() and t.numel() > 0 and not t.is_meta:
         kernel = KERNEL.get()
         host: Optional[Callable[[torch.Tensor], Tuple[float, float]]] = getattr(kernel, "host", None)
@@ -316,7 +316,7 @@ _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16:
 _scratch = threading.local()
 
 
-def _in_memory_order(v: torch.Tensor) -> torch.Tensor:
+def in_memory_order(v: torch.Tensor) -> torch.Tensor:
     """`v` itself, or, when it is dense memory read in another order (transposed, permuted), a
     contiguous view of the same elements. Abs min and max do not depend on the order, and CPU
     aminmax would copy a non-contiguous tensor first (a tensor-sized allocation, many times the
@@ -330,19 +330,19 @@ def _abs_minmax_cpu(v: torch.Tensor) -> Pair:
     """One read with the compiled kernel (core/cpu_kernel.py) when the memory is dense, else
     the torch ops below."""
     if not v.is_contiguous():
-        v = _in_memory_order(v)
+        v = in_memory_order(v)
     if v.is_contiguous():
         kernel = KERNEL.get()
         if kernel is not None:
             return kernel(v)
-    return _abs_minmax_torch_cpu(v)
+    return abs_minmax_torch_cpu(v)
 
 
-def _abs_minmax_torch_cpu(v: torch.Tensor) -> Pair:
+def abs_minmax_torch_cpu(v: torch.Tensor) -> Pair:
     if v.requires_grad:
         v = v.detach()
     if not v.is_contiguous():
-        v = _in_memory_order(v)
+        v = in_memory_order(v)
     n = v.numel()
     if n <= _SMALL:
         return torch.aminmax(v.abs())  # float aminmax: NaN anywhere gives NaN in both
@@ -379,7 +379,7 @@ def _abs_minmax_torch_cpu(v: torch.Tensor) -> Pair:
 def storage_freed(t: torch.Tensor) -> bool:
     """A plain tensor whose storage no longer holds its elements: FSDP2 frees an unsharded
     parameter's storage after its module ran, and reading it then would crash the process."""
-    if type(t) not in _PLAIN or t.is_meta or t.layout is not torch.strided or t.numel() == 0:
+    if type(t) not in PLAIN_TYPES or t.is_meta or t.layout is not torch.strided or t.numel() == 0:
         return False
     try:
         need = (t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
@@ -394,7 +394,7 @@ def nonfinite_kind_of(t: torch.Tensor) -> Optional[str]:
     min/max say NaN for a tensor holding NaN whether or not it also holds an infinity."""
     if storage_freed(t):
         return None
-    v = _values(t)
+    v = values_of(t)
     if isinstance(v, str):
         return None
     flags = [torch.stack([torch.isinf(x).any(), torch.isnan(x).any()])

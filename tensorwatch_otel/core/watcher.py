@@ -180,6 +180,11 @@ class Watcher:
             self.detach()
 
     @property
+    def attached(self) -> bool:
+        """Its hooks are on the model (between watch() and detach())."""
+        return self._attached
+
+    @property
     def sinks(self) -> List[Sink]:
         return self._fanout.sinks
 

@@ -180,7 +180,7 @@ def _wait(work: Any, deadline: float, stage: str) -> None:
     work.wait()
 
 
-def _park(seconds: float) -> None:
+def park(seconds: float) -> None:
     """Fault injection: behave like a stuck process (torchrun ends it when rank 0 exits)."""
     log.warning("nettest fault injection: this rank stops responding for %.0f s", seconds)
     time.sleep(seconds)
@@ -318,7 +318,7 @@ def run_rank(launch: Launch, opts: Options, faults: Faults, store: Any) -> RankS
                                                                 timeout=timedelta(seconds=opts.timeout_s))
         _stage(store, st, "barrier")
         if faults.has("hang", launch.rank):
-            _park(6 * opts.timeout_s + 60)
+            park(6 * opts.timeout_s + 60)
         _barrier(st, side, opts.timeout_s)
         _stage(store, st, "all_reduce")
         _check_allreduce(st, dev, time.monotonic() + opts.timeout_s, corrupt)

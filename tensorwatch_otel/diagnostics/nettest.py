@@ -121,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
     opts = Options(args.backend, float(args.timeout), max(4, int(args.size_mb * (1 << 20))),
                    args.nccl_debug_dir if args.nccl_debug else None)
     if faults.has("absent", launch.rank):
-        from ._nettest_rank import _park
+        from ._nettest_rank import park
 
-        _park(6 * opts.timeout_s + 60)
+        park(6 * opts.timeout_s + 60)
         return 1
     from . import _nettest_store as kv
 

@@ -140,10 +140,10 @@ def _make_sinks(tracer_provider: Any, meter_provider: Any) -> List[Sink]:
 
 def _file_and_prometheus_sinks() -> List[Sink]:
     from ..core.env import ENV_JSONL, ENV_PROMETHEUS_ADDR, text
-    from ..sinks.from_env import _prometheus_port
+    from ..sinks.from_env import prometheus_port
 
     sinks: List[Sink] = []
-    port = _prometheus_port()
+    port = prometheus_port()
     if port is not None:
         from ..sinks.prometheus import PrometheusMetrics
 
@@ -189,10 +189,10 @@ def _guarded(add: Callable[[Any], None]) -> Callable:
 def _add_transformers(trainer) -> None:
     cb = TensorwatchInstrumentor()._callback_for("transformers", trainer.callback_handler.callbacks)
     if cb is not None:
-        from .transformers import _guard_train
+        from .transformers import guard_train
 
         trainer.add_callback(cb)
-        _guard_train(trainer)  # detached when train() raises, from the first train() on
+        guard_train(trainer)  # detached when train() raises, from the first train() on
 
 
 def _add_lightning(framework: str) -> Callable[[Any], None]:

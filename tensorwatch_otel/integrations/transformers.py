@@ -55,12 +55,12 @@ class TensorwatchCallback(TrainerCallback):
 
     # -- TrainerCallback events ---------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
-        _guard_train(_calling_trainer(self))
+        guard_train(_calling_trainer(self))
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.detach()  # a retried inner loop (auto_find_batch_size) starts a fresh watcher
         trainer = _calling_trainer(self)
-        _guard_train(trainer)
+        guard_train(trainer)
         if model is None and trainer is not None:
             model = trainer.model
         if model is None:
@@ -128,7 +128,7 @@ def _calling_trainer(callback: TensorwatchCallback) -> Optional[Trainer]:
     return None
 
 
-def _guard_train(trainer: Optional[Trainer]) -> None:
+def guard_train(trainer: Optional[Trainer]) -> None:
     """Make `trainer.train()` detach every TensorwatchCallback of the trainer when it returns or
     raises: transformers calls no callback event when training raises.
 

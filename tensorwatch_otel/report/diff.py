@@ -214,7 +214,7 @@ def first_nonfinite(frames: Sequence[Frame]) -> Optional[int]:
 _NUM_W = 9
 
 
-def _num(v: Optional[float]) -> str:
+def number_text(v: Optional[float]) -> str:
     if v is None:
         return ""
     return f"{v:.2e}" if math.isfinite(v) else str(v)
@@ -231,7 +231,7 @@ def _side(t: Optional[TensorStat]) -> str:
         return f"{'-':>{_NUM_W}} {'-':>{_NUM_W}}"
     if t.abs_min is None or t.abs_max is None:
         return f"{t.note or 'no data':>{2 * _NUM_W + 1}}"
-    return f"{_num(t.abs_min):>{_NUM_W}} {_num(t.abs_max):>{_NUM_W}}"
+    return f"{number_text(t.abs_min):>{_NUM_W}} {number_text(t.abs_max):>{_NUM_W}}"
 
 
 TABLE_HEADER = (f"{'frame':>7}  {'A abs min':>{_NUM_W}} {'A abs max':>{_NUM_W}}  {'B abs min':>{_NUM_W}} "

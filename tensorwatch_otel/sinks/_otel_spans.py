@@ -108,7 +108,7 @@ def frame_attributes(fr: Frame, index: int) -> Dict[str, Any]:
     return attrs
 
 
-def _detection_context(trace_id: str, ctx):
+def detection_context(trace_id: str, ctx):
     """A context whose (remote) parent is in the event's trace, so the span and the metric
     exemplars share the trace id every sink got from the core; None when it is not valid hex."""
     try:

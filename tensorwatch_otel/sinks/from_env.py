@@ -19,7 +19,7 @@ __all__ = ["sinks_from_env", "ENV_PROMETHEUS_PORT", "ENV_PROMETHEUS_ADDR", "ENV_
 log = logging.getLogger(__name__)
 
 
-def _prometheus_port() -> Optional[int]:
+def prometheus_port() -> Optional[int]:
     raw = text(os.environ, ENV_PROMETHEUS_PORT)
     if raw is None:
         return None
@@ -39,7 +39,7 @@ def sinks_from_env() -> List[Sink]:
     and OtelTelemetry (see otel_sink_from_env). An invalid TENSORWATCH_* value raises
     ConfigError (a ValueError) naming the variable."""
     sinks: List[Sink] = []
-    port = _prometheus_port()
+    port = prometheus_port()
     if port is not None:
         from .prometheus import PrometheusMetrics
 

@@ -25,7 +25,7 @@ from ..core.events import (BatchStats, Event, NonFiniteEvent, SamplingRateEvent,
 from ..core.rank import current_rank
 from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__
-from ._otel_spans import SpanBuilder, _detection_context, frame_attributes  # noqa: F401 (re-export)
+from ._otel_spans import SpanBuilder, detection_context, frame_attributes  # noqa: F401 (re-export)
 from ._aggregate import DEFAULT_WINDOW_S, ENV_WINDOW, ModuleFilter, Patterns, Window, window_seconds
 from ._base import SamplingTally, Sink, StepTally, utf8_safe, utf8_text
 from ._options import number_option
@@ -301,7 +301,7 @@ class OtelTelemetry(Sink):
         # current span when the event took its trace id, else a trace of its own.
         current = trace.get_current_span(ctx).get_span_context()
         joined = current.is_valid and format(current.trace_id, "032x") == event.trace_id
-        dctx = _detection_context(event.trace_id, ctx) if event.trace_id and not joined else None
+        dctx = detection_context(event.trace_id, ctx) if event.trace_id and not joined else None
         self._nonfinite.add(1, {**_utf8(place_attributes(event.place)), _RANK: event.rank, _FIRST_RANK: first},
                             context=dctx or ctx)
         if dctx is not None:

@@ -112,10 +112,10 @@ class _TensorwatchCollector(Collector):
 
     def describe(self) -> Iterable[Metric]:
         # Names only, so registering never materialises a batch.
-        return self._sink._families(None, self._sink._default_rank)
+        return self._sink.describe_families()
 
     def collect(self) -> Iterable[Metric]:
-        return self._sink._collect()
+        return self._sink.collect_families()
 
 
 class PrometheusMetrics(Sink):
@@ -441,7 +441,11 @@ class PrometheusMetrics(Sink):
                 pass
 
     # -- collection (scrape thread) -------------------------------------------------------
-    def _collect(self) -> Iterator[Metric]:
+    def describe_families(self) -> List[Metric]:
+        """Every family's name and type, without samples (a registry's describe: never a batch)."""
+        return self._families(None, self._default_rank)
+
+    def collect_families(self) -> Iterator[Metric]:
         with self._lock:
             self._scrapes += 1
             self._unscraped_detection = False
