@@ -268,8 +268,8 @@ def _post_fake(token: torch.Tensor, slot_t: torch.Tensor, spec: str, tensors: Li
 def _define_ops() -> "torch.library.Library":
     """`tensorwatch::pre` and `tensorwatch::post`, defined by schema with one kernel for every
     backend (CompositeExplicitAutograd) and a fake for tracing. Not `torch.library.custom_op`:
-    its Python autograd, ADInplaceOrView and default-filling layers cost about 25 us per call
-    (measured on CPU: half of a compiled module call's whole cost), where the dispatcher's own
+    its Python autograd, ADInplaceOrView and default-filling layers cost half of a compiled
+    module call's whole cost (docs/performance.md, "Figures behind the code"), where the dispatcher's own
     fallthroughs do the same for an op that returns nothing. The token is declared mutated, so
     the ops keep their order and are not dropped as dead code. The slot is a 0-d CPU tensor the
     hook holds (`slot_tensor`): data of the graph, not a constant dynamo would guard on, so

@@ -235,7 +235,7 @@ def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
         """(abs_min, abs_max) of `v` (as abs_min_max takes it) as Python floats: the values are
         on the host as soon as the call returns, and no tensor is made for them. A tensor below
         the parallel size in one call of three arguments on this thread (the recorder's
-        per-frame call: 0.5 us here against 1.2 for the general call, docs/performance.md)."""
+        per-frame call; what it saves: docs/performance.md, "Figures behind the code")."""
         n = v.numel()
         if n < par_min:
             r = one_fn(v.data_ptr(), n, CODES[v.dtype])

@@ -12,8 +12,8 @@ module's pre-hook itself (torch has already picked the hooks it runs for that ca
 is seen exactly as with the hooks on. A call of the root, or of the module whose call began the
 last batch, takes the sentry off: both keep their hooks, and their pre-hook decides for the
 batch the call begins. Taking 10,000 hooks off or putting them back touches 10,000 dicts no
-longer in cache (about 3 ms at 5000 modules); the sentry keeps that to once per recorded batch,
-not twice per batch.
+longer in cache (its cost: docs/performance.md, "Figures behind the code"); the sentry keeps
+that to once per recorded batch, not twice per batch.
 
 Only hooks alone in their dict are taken off (a module's pre-hook and hook both, or neither), so
 one put back at the end of its dict is where it was; a module with other hooks (FSDP's, the
