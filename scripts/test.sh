@@ -3,11 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v amtool >/dev/null; then
-  echo "== installing prometheus and alertmanager (Debian packages; about a minute)"
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v amtool >/dev/null \
+    || ! command -v chromium-headless-shell >/dev/null; then
+  # (the headless browser draws the docs' pictures: scripts/docs_pictures.py, tests/test_docs_pictures.py)
+  echo "== installing prometheus, alertmanager and a headless Chromium (Debian packages; about a minute)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus prometheus-alertmanager \
+    chromium-headless-shell fonts-dejavu-core >/dev/null
   # The packages start services we do not use; the tests start their own on free ports.
   $SUDO systemctl stop prometheus prometheus-alertmanager prometheus-node-exporter 2>/dev/null || true
 fi
