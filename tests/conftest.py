@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+import _interpreted  # noqa: F401  (first: Triton's interpreter is chosen before anything imports Triton)
 import pytest
 
 

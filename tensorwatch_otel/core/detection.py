@@ -27,6 +27,7 @@ from .behaviour import Behaviour
 from .capture import BatchCapture
 from .config import WatchConfig
 from .errors import AbortAfterBatch, NonFiniteDetected
+from .on_detect import OnDetect
 from .events import AbortAfterBatchEvent, Frame, NonFiniteEvent, TensorStat
 from .fleet import FleetStop
 from .ports import Sink, SinkFanout
@@ -43,14 +44,15 @@ MakeProbe = Callable[[torch.nn.Module, Sink], Any]
 
 
 class DetectionPipeline:
-    def __init__(self, model: torch.nn.Module, config: WatchConfig, behaviour: Behaviour, fanout: SinkFanout,
-                 fleet: FleetStop, kind_of: KindOf, forget_batch: Callable[[], None],
+    def __init__(self, model: torch.nn.Module, config: WatchConfig, behaviour: Behaviour, on_detect: OnDetect,
+                 fanout: SinkFanout, fleet: FleetStop, kind_of: KindOf, forget_batch: Callable[[], None],
                  history: Callable[[], History], make_probe: MakeProbe,
                  forward_poisoned: Callable[[NonFiniteEvent, List[torch.Tensor]], None] = lambda event, params: None,
                  sampled: Callable[[int], bool] = lambda batch: True):
         self._model = model
         self._config = config
         self._behaviour = behaviour
+        self._on_detect = on_detect
         self._fanout = fanout
         self._fleet = fleet
         self._kind_of = kind_of
@@ -136,21 +138,27 @@ class DetectionPipeline:
         event = dataclasses.replace(event, capture=capture, reproduced=reproduced,
                                     host=host() if reproduced is not None else None, verdict=verdict,
                                     uncertain=event.uncertain or uncertain)
-        raising = cfg.on_detect == "raise" or force is not None
         if self._fleet.active():
             event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
         self.detections += 1
         self._fanout.on_event(event)
-        if raising:
+        recorded = event
+
+        def raise_it() -> None:
             self._fanout.flush(cfg.flush_timeout_s)
             self._forget_batch()  # a caught exception leaves a clean state
             self.release_inputs()
-            exc = NonFiniteDetected(self._behaviour.detection_message(event) + (force or ""), event)
+            exc = NonFiniteDetected(self._behaviour.detection_message(recorded) + (force or ""), recorded)
             if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
                 raise exc
-        elif cfg.on_detect == "skip" and event.phase == "forward" and torch.is_grad_enabled():
-            # the forward cannot be undone, but the step that would consume its gradients can
-            self._forward_poisoned(event, [p for p in self._model.parameters() if p.requires_grad])
+
+        def spoil_step() -> None:
+            self._forward_poisoned(recorded, [p for p in self._model.parameters() if p.requires_grad])
+
+        if force is not None:  # raised whatever on_detect says
+            raise_it()
+        else:
+            self._on_detect.after_recorded(event, raise_it, spoil_step)
 
     def escalate(self, event: NonFiniteEvent, note: str, recorded: bool = True) -> None:
         """Raise `event` as on_detect="raise" would have (on_detect="skip" that can skip no more):

@@ -22,10 +22,11 @@ from .backward import producer_frame
 from .errors import NonFiniteDetected
 from .events import NonFiniteEvent
 from .fleet import FleetStop
+from .on_detect import OnDetect, Raise
 from .poison import ForwardPoison
 from .rank import current_rank
 from .record import Record
-from .skip import SkipStep, StepArgs, StepSkipper, stand_in, with_stand_in
+from .skip import SkipStep, StepArgs, stand_in, with_stand_in
 from .steps import LaunchedCheck, PendingGradients, ScalerSkips, ScaleReader, SkipCounter, StepGuard, outside_graphs
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,9 @@ class _Bad:
 
 class StepMonitor:
     def __init__(self, host: StepHost, fleet: FleetStop, grad_scaler: Any = None, max_skipped_steps: int = 20,
-                 gradients: bool = False, skip: bool = False, report: bool = False, captures: bool = False) -> None:
+                 gradients: bool = False, on_detect: Optional[OnDetect] = None, captures: bool = False) -> None:
         self._host = host
-        self._report = report  # on_detect="report": a step runs whatever its gradients hold
+        self._on_detect = on_detect if on_detect is not None else Raise()
         self._captures = captures  # capture_dir: a detection writes its batch's inputs, held until the next batch
         self._fleet = fleet
         self._gradients = gradients
@@ -105,7 +106,7 @@ class StepMonitor:
         self._skips = SkipCounter(max_skipped_steps)
         self._guard: Optional[StepGuard] = None
         self._optim_state: Any = None  # OptimizerStateReader with optimizer_state=True
-        self._skipper = StepSkipper() if skip else None  # on_detect="skip": steps made not to happen
+        self._skipper = self._on_detect.skipper()  # on_detect="skip": steps made not to happen
         self._poison: Optional[ForwardPoison] = None  # a training forward's detection and the gradients it spoilt
         # the step guard's check launched without a read, and replicated: read with the next batch
         self._deferred: Optional[Tuple[LaunchedCheck, bool]] = None
@@ -262,7 +263,7 @@ class StepMonitor:
         the step), gradients the device path does not take, and where a detection needs the
         batch's inputs, which the next batch lets go: an unrecorded batch (its detection is
         localized by a replay of them) or `capture_dir` (they are written to a file)."""
-        hand = not self._report
+        hand = self._on_detect.step_waits_for_verdict  # (report lets the step run whatever its gradients hold)
         if hand and not _takes_found_inf(optimizer):
             return False
         if self._captures or not self._host.watches(batch):

@@ -34,6 +34,7 @@ from .detection import DetectionPipeline
 from .compiled import compiling_here
 from .events import BatchStats
 from .fleet import FleetStop
+from .on_detect import choose as choose_on_detect
 from .optim_state import OptimizerStateReader
 from .ports import Sink, SinkFanout
 from .quiet import QuietBatches
@@ -94,10 +95,11 @@ class Watcher:
         self._recorder = FrameRecorder(model)
         self.grad_scaler = grad_scaler
         # (the collaborators built before the batch lifecycle reach it when called, not before)
+        self._on_detect = choose_on_detect(config.on_detect)  # what a detection does to training
         self._fleet = FleetStop(lambda e: self._detect.durable(e), lambda: self._life.batches,
-                                 config.on_detect == "raise" and not local, model=model, publishes=not local)
+                                 self._on_detect.stops_ranks and not local, model=model, publishes=not local)
         # ring, capture, replay, fleet, flush, raise (core/detection.py)
-        self._detect = DetectionPipeline(model, config, self.behaviour, self._fanout, self._fleet,
+        self._detect = DetectionPipeline(model, config, self.behaviour, self._on_detect, self._fanout, self._fleet,
                                          self._recorder.kind, lambda: self._recorder.acts_seen.clear(),
                                          lambda: self._life.history, self._probe,
                                          forward_poisoned=lambda e, params: self._steps.forward_poisoned(e, params),
@@ -109,8 +111,8 @@ class Watcher:
             watches=self._watches, live=lambda: self._attached and not self._detect.replaying,
             weights_changed=self._recorder.invalidate_weights, generation=lambda: self._hooks.index.generation,
             localize=self._detect.localized),
-            self._fleet, grad_scaler, config.max_skipped_steps, config.gradients, skip=config.on_detect == "skip",
-            report=config.on_detect == "report", captures=bool(config.capture_dir))
+            self._fleet, grad_scaler, config.max_skipped_steps, config.gradients, on_detect=self._on_detect,
+            captures=bool(config.capture_dir))
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._life.last_batch()),
                                           self._steps.backward_done, self._hook_failed)
@@ -142,7 +144,7 @@ class Watcher:
         # gradients=True localizes bad gradients in the backward of a recorded batch: the step guard
         # adds the batches every_n_batches or max_overhead do not record, and on_detect="skip", whose verdict is
         # on the gradients the step consumes (DDP's all-reduced ones, a GradScaler's unscaled ones)
-        guard = cfg.guard_steps and (not cfg.gradients or cfg.on_detect == "skip" or cfg.sampling)
+        guard = cfg.guard_steps and (not cfg.gradients or self._on_detect.guards_every_step or cfg.sampling)
         self._steps.use(StepGuard(hooks.index, self._recorder.device_stats) if guard else None,
                         OptimizerStateReader(hooks.index) if cfg.optimizer_state else None)
         self._attached = True
