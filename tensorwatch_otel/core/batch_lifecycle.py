@@ -583,69 +583,99 @@ class ForwardHook(ModuleHook):
 
     def __call__(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  output: Any) -> None:
-        if _compiling() and traced_here():  # traced into a graph: its ops write a row, or an op runs it
-            row_id = self._row_id
-            if module is not None and row_id is not None and writes_rows(row_id, args):
-                traced_row(module, row_id, self._params, args, kwargs, output)
-            elif self._slot is not None:
-                traced_post(self._slot, args, kwargs, output)
-            return
+        """A module call returned: the hot path, in named steps (the branch a recorded frame takes
+        is written out here, the rest are methods)."""
+        if _compiling() and traced_here():
+            return self._traced(module, args, kwargs, output)
         if self._detect.replaying:
-            return
+            return None
         st = self._tls.st
         if not st.recording and st.depth > 1:  # an inner call of an unsampled batch: nothing to do
             st.depth -= 1
-            return
+            return None
         if st.quiet and module is not st.entry:  # a hook still on in a quiet batch: its pre-hook did not count
-            return
-        info = self._info
+            return None
         outside_backward = _graph_task() == -1  # inside: checkpoint recomputation, not a batch
         try:
-            if graph_stats.ON and st.recording and outside_backward and st.rec is not None \
-                    and (graph_stats.pending() or (info.is_root and self._life.rows_unseen(st.rec))) \
-                    and self._life.graph_active:
-                # the frames measured inside graphs that ran before this call returned (for the
-                # model's own call: its submodules'; else a call run eagerly between graphs)
-                self._life.graph_frames(st.rec)
-            budget = self._budget
+            rec = st.rec
+            if graph_stats.ON and st.recording and outside_backward and rec is not None \
+                    and (graph_stats.pending() or self._info.is_root):
+                self._read_graph_rows(rec)
             if not st.recording:  # the outermost call of an unsampled batch (inner ones returned above)
-                if outside_backward and st.rec is not None and _tracing() is None:
-                    t0 = budget.clock() if budget is not None else 0.0
-                    self._life.check_output(st, info, args, kwargs, output, self._take)
-                    if budget is not None:
-                        budget.spend(t0)
+                if outside_backward and rec is not None and _tracing() is None:
+                    self._check_unsampled(st, args, kwargs, output)
             # (jit.trace: an op run here would be traced into its graph)
-            elif info.recorded and outside_backward and _tracing() is None:
-                t0 = budget.clock() if budget is not None else 0.0
-                rec = st.rec
+            elif self._info.recorded and outside_backward and _tracing() is None:
+                rec = st.rec  # (as the graph rows' read left it)
                 assert rec is not None  # (a call of an open batch)
-                try:
-                    grad = _grad_enabled()
-                    _set_grad(False)  # (torch.no_grad() without its three Python calls)
-                    wrapped = _transforms()  # torch.func's tensors: measured through what they wrap
-                    try:
-                        if wrapped:
-                            self._life.take_unwrapped(rec, info, args, kwargs, output)
-                        else:
-                            self._take(rec, info, args, kwargs, output)
-                    finally:
-                        _set_grad(grad)
-                    if grad and self._grad_acts and not wrapped:
-                        self._backward.hook_activations(info, args, output)
-                except Exception as exc:  # a frame we cannot take must not stop training
-                    self._life.hook_failed(info, exc)
-                if self._check_module:
-                    self._life.check_module(rec, rec.frame_count - 1)
-                elif rec.stat_count > _MAX_PENDING:
-                    rec.readback()
-                if budget is not None:
-                    budget.spend(t0)
+                self._record(rec, args, kwargs, output)
         finally:  # a detection in the outermost frame must still end the batch
             st.depth -= 1
             if st.depth <= 0:
-                st.depth = 0
-                if outside_backward and st.rec is not None:
-                    self._life.end_call(st, info.is_root, output)
+                self._end_outermost(st, outside_backward, output)
+        return None
+
+    def _traced(self, module: Optional[torch.nn.Module], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                output: Any) -> None:
+        """Traced into a graph by dynamo: its ops write a row (core/graph_stats.py), or an op runs
+        this hook at run time (core/compiled.py)."""
+        row_id = self._row_id
+        if module is not None and row_id is not None and writes_rows(row_id, args):
+            traced_row(module, row_id, self._params, args, kwargs, output)
+        elif self._slot is not None:
+            traced_post(self._slot, args, kwargs, output)
+
+    def _read_graph_rows(self, rec: Record) -> None:
+        """The frames measured inside graphs that ran before this call returned (for the model's
+        own call: its submodules'; else a call run eagerly between graphs), read when some graph
+        wrote rows since the last read, or, at the model's own call, rows may wait unsaid."""
+        life = self._life
+        if (graph_stats.pending() or life.rows_unseen(rec)) and life.graph_active:
+            life.graph_frames(rec)
+
+    def _check_unsampled(self, st: ThreadBatch, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+        """The outermost call of a batch that records no frame: its output checked (timed by the
+        budget)."""
+        budget = self._budget
+        t0 = budget.clock() if budget is not None else 0.0
+        self._life.check_output(st, self._info, args, kwargs, output, self._take)
+        if budget is not None:
+            budget.spend(t0)
+
+    def _record(self, rec: Record, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+        """The call's frame into `rec` (timed by the budget): taken without autograd, through
+        what torch.func's tensors wrap; its activations' gradients hooked with gradients=True; a
+        module check after it with check="module"."""
+        budget = self._budget
+        t0 = budget.clock() if budget is not None else 0.0
+        info = self._info
+        try:
+            grad = _grad_enabled()
+            _set_grad(False)  # (torch.no_grad() without its three Python calls)
+            wrapped = _transforms()  # torch.func's tensors: measured through what they wrap
+            try:
+                if wrapped:
+                    self._life.take_unwrapped(rec, info, args, kwargs, output)
+                else:
+                    self._take(rec, info, args, kwargs, output)
+            finally:
+                _set_grad(grad)
+            if grad and self._grad_acts and not wrapped:
+                self._backward.hook_activations(info, args, output)
+        except Exception as exc:  # a frame we cannot take must not stop training
+            self._life.hook_failed(info, exc)
+        if self._check_module:
+            self._life.check_module(rec, rec.frame_count - 1)
+        elif rec.stat_count > _MAX_PENDING:
+            rec.readback()
+        if budget is not None:
+            budget.spend(t0)
+
+    def _end_outermost(self, st: ThreadBatch, outside_backward: bool, output: Any) -> None:
+        """The outermost watched call returned: the batch's call ends (outside a backward)."""
+        st.depth = 0
+        if outside_backward and st.rec is not None:
+            self._life.end_call(st, self._info.is_root, output)
 
 
 run_eagerly_when_called_eagerly(ForwardHook.__call__.__code__)
