@@ -43,6 +43,6 @@ fi
 workers="${TENSORWATCH_TEST_WORKERS:-$(( $(nproc) + 1 ))}"
 echo "== running tests (${SECONDS}s so far; about 12 minutes on 2 cores, in ${workers} processes, a dot per test)"
 python3 -m pytest -p no:cacheprovider -p no:benchmark -n "$workers" --dist worksteal -m "not timing"
-echo "== running the timing tests alone (${SECONDS}s so far; about a minute)"
+echo "== running the timing tests alone (${SECONDS}s so far; about 2 minutes)"
 python3 -m pytest -p no:cacheprovider -p no:benchmark -m timing
 echo "== all tests passed in ${SECONDS}s"

@@ -58,6 +58,7 @@ def test_bench_sinks_quick(tmp_path):
     assert "prometheus / watch" in stdout
 
 
+@pytest.mark.timing  # (the variants' hook times in order: run alone, scripts/test.sh)
 @pytest.mark.slow
 def test_bench_paired_quick(tmp_path):
     result, stdout = _run("bench_paired.py", tmp_path, "--rounds", "1")
