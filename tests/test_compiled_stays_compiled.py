@@ -64,6 +64,23 @@ def _graphs(counters):
         sum(counters["graph_break"].values())
 
 
+def _gpt2_steps(counters, model, compile_model, watched):
+    """Two training steps of a GPT-2 of tests/_models.py, watched (from before `compile_model`)
+    or not, through what `compile_model(model)` returns: ((graphs, recompiles, graph breaks),
+    the sink)."""
+    from _models import batches
+
+    sink = Collect()
+    w = watch(model, sinks=[sink], on_detect="report") if watched else None
+    run = compile_model(model)
+    kw = batches("gpt2", 1)[0]
+    for _ in range(2):
+        run(**kw, labels=kw["input_ids"]).loss.backward()
+    if w is not None:
+        w.detach()
+    return _graphs(counters), sink
+
+
 def _per_block(watched, counters, **options):
     torch.manual_seed(0)
     model = Stack(n_blocks=12, d=16, heads=2)
@@ -104,8 +121,6 @@ def test_a_12_layer_gpt2_compiled_block_by_block_runs_every_block_compiled(_fres
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from _models import batches
-
     def run(watched):
         torch._dynamo.reset()
         _fresh.clear()
@@ -113,16 +128,13 @@ def test_a_12_layer_gpt2_compiled_block_by_block_runs_every_block_compiled(_fres
         cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=12, n_head=4, n_positions=16, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
         model = GPT2LMHeadModel(cfg).train()
-        sink = Collect()
-        w = watch(model, sinks=[sink], on_detect="report") if watched else None
-        for block in model.transformer.h:
-            block.compile()
-        kw = batches("gpt2", 1)[0]
-        for _ in range(2):
-            model(**kw, labels=kw["input_ids"]).loss.backward()
-        if w is not None:
-            w.detach()
-        return _graphs(_fresh), sink
+
+        def per_block(m):
+            for block in m.transformer.h:
+                block.compile()
+            return m
+
+        return _gpt2_steps(_fresh, model, per_block, watched)
 
     plain, _ = run(False)
     watched, sink = run(True)
@@ -223,22 +235,14 @@ def test_a_model_checkpointed_whole_still_has_its_rows_read(_fresh):
 
 def test_gpt2_with_gradient_checkpointing_compiled_adds_no_graph_break(_fresh):
     pytest.importorskip("transformers")
-    from _models import batches, build
+    from _models import build
 
     def run(watched):
         torch._dynamo.reset()
         _fresh.clear()
         model = build("gpt2", torch.float32).train()
         model.gradient_checkpointing_enable()
-        kw = batches("gpt2", 1)[0]
-        sink = Collect()
-        w = watch(model, sinks=[sink], on_detect="report") if watched else None
-        compiled = torch.compile(model)
-        for _ in range(2):
-            compiled(**kw, labels=kw["input_ids"]).loss.backward()
-        if w is not None:
-            w.detach()
-        return _graphs(_fresh), sink
+        return _gpt2_steps(_fresh, model, torch.compile, watched)
 
     plain, _ = run(False)
     watched, sink = run(True)
