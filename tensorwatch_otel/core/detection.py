@@ -142,18 +142,17 @@ class DetectionPipeline:
             event = self._fleet.publish(event)  # multi-rank: first_rank is whoever published first
         self.detections += 1
         self._fanout.on_event(event)
-        recorded = event
 
         def raise_it() -> None:
             self._fanout.flush(cfg.flush_timeout_s)
             self._forget_batch()  # a caught exception leaves a clean state
             self.release_inputs()
-            exc = NonFiniteDetected(self._behaviour.detection_message(recorded) + (force or ""), recorded)
+            exc = NonFiniteDetected(self._behaviour.detection_message(event) + (force or ""), event)
             if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
                 raise exc
 
         def spoil_step() -> None:
-            self._forward_poisoned(recorded, [p for p in self._model.parameters() if p.requires_grad])
+            self._forward_poisoned(event, [p for p in self._model.parameters() if p.requires_grad])
 
         if force is not None:  # raised whatever on_detect says
             raise_it()

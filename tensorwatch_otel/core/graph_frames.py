@@ -8,6 +8,7 @@ that held the old ones are traced again, once)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -24,6 +25,12 @@ log = logging.getLogger(__name__)
 # a frame plan: the module's info, its items (a name per measured value, (name, note) for the
 # others) and the measured values' dtypes
 Plan = Tuple[ModuleInfo, List[Item], List[torch.dtype]]
+
+
+def _outside_transforms() -> "contextlib.AbstractContextManager[None]":
+    """The calling thread's torch.func transforms set aside while the tables are read or stamped
+    (they are not the transform's tensors); nothing to do outside a transform."""
+    return transforms.set_aside() if transforms.active() else contextlib.nullcontext()
 
 
 def _first_device(params: Dict[str, Optional[torch.nn.Parameter]]) -> Optional[torch.device]:
@@ -74,30 +81,21 @@ class GraphFrames:
     def begin(self) -> None:
         """A recorded batch begins: the rows written from now on (stamped) are its own. A model
         moved to another device since the ids were made gets them anew there first."""
-        if transforms.active():  # (a call inside torch.func: the tables are not the transform's)
-            with transforms.set_aside():
-                self._begin()
-        else:
-            self._begin()
-
-    def _begin(self) -> None:
-        device = self._model_device()
-        if device != self._device:
-            self._device = device
-            self._infos.clear()
-            for ref, info in self._holders:
-                holder = ref()
-                if holder is not None:
-                    holder.rehome(self._new_id(info))
-        self._stamp = graph_stats.begin_batch()
+        with _outside_transforms():  # (a call inside torch.func: the tables are not the transform's)
+            device = self._model_device()
+            if device != self._device:
+                self._device = device
+                self._infos.clear()
+                for ref, info in self._holders:
+                    holder = ref()
+                    if holder is not None:
+                        holder.rehome(self._new_id(info))
+            self._stamp = graph_stats.begin_batch()
 
     def frames(self, rec: Record) -> None:
         """The frames of the rows this watcher's hooks wrote in the batch since the last read,
         in the order they ran, read with one copy per device: added to `rec`."""
-        if transforms.active():
-            with transforms.set_aside():
-                rows, lost = graph_stats.ran(self._cursor, self._stamp, self._infos)
-        else:
+        with _outside_transforms():
             rows, lost = graph_stats.ran(self._cursor, self._stamp, self._infos)
         if rows:
             self.read_rows = True

@@ -22,7 +22,7 @@ from .backward import producer_frame
 from .errors import NonFiniteDetected
 from .events import NonFiniteEvent
 from .fleet import FleetStop
-from .on_detect import OnDetect, Raise
+from .on_detect import OnDetect
 from .poison import ForwardPoison
 from .rank import current_rank
 from .record import Record
@@ -91,9 +91,9 @@ class _Bad:
 
 class StepMonitor:
     def __init__(self, host: StepHost, fleet: FleetStop, grad_scaler: Any = None, max_skipped_steps: int = 20,
-                 gradients: bool = False, on_detect: Optional[OnDetect] = None, captures: bool = False) -> None:
+                 gradients: bool = False, *, on_detect: OnDetect, captures: bool = False) -> None:
         self._host = host
-        self._on_detect = on_detect if on_detect is not None else Raise()
+        self._on_detect = on_detect
         self._captures = captures  # capture_dir: a detection writes its batch's inputs, held until the next batch
         self._fleet = fleet
         self._gradients = gradients
