@@ -58,7 +58,8 @@ class HookClock:
 
     @contextlib.contextmanager
     def patched(self) -> Iterator["HookClock"]:
-        from tensorwatch_otel.core import quiet, steps
+        from tensorwatch_otel.core.frames import quiet
+        from tensorwatch_otel.core.steps import tracker as steps
 
         wrap = self.wrap
         saved = []

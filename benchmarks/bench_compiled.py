@@ -9,8 +9,8 @@ every step, untimed):
     null            a second compiled unwatched copy: copy-to-copy difference plus noise
     watched         THE PACKAGE: tensorwatch_otel.watch(model, sinks=[]) before torch.compile(model):
                     its hooks traced into the graph, as plain ops for graphs on the CPU
-                    (core/graph_stats.py; TENSORWATCH_GRAPH_STATS=0: custom ops that run the
-                    eager hook at run time, core/compiled.py, the default on a GPU): every
+                    (core/measure/graph_stats.py; TENSORWATCH_GRAPH_STATS=0: custom ops that run the
+                    eager hook at run time, core/frames/compiled.py, the default on a GPU): every
                     module's weights, inputs and outputs
     watched_sampled the same, with every_n_batches=10 (a copy of its own: one watcher sees
                     consecutive batches)
@@ -32,7 +32,7 @@ every step, untimed):
     plain_sampled   `plain`'s compiled model, device flag on every 10th step only (the
                     statistics are still computed, torch.where keeps the old row)
 
-The prototypes live in this file, not in the package: the groundwork for core/compiled.py. Each
+The prototypes live in this file, not in the package: the groundwork for core/frames/compiled.py. Each
 watched step ends with the per-batch read-back (one copy of the buffer to the host and an
 isfinite check there). Apart from the timing, per variant: graphs compiled and graph breaks on
 its first step (torch._dynamo counters), the inductor kernels and custom-op calls in its
@@ -125,11 +125,11 @@ def _absminmax_fake(buf, row, x) -> None:
 
 @torch.library.custom_op("twbench::absminmax_kernel", mutates_args=("buf",))
 def absminmax_kernel(buf: torch.Tensor, row: int, x: torch.Tensor) -> None:
-    """absminmax through the package's statistics (tensorwatch_otel.core.stats.measure: one read
+    """absminmax through the package's statistics (tensorwatch_otel.core.measure.stats.measure: one read
     of the tensor, the compiled CPU kernel on a CPU) instead of abs() + aminmax()."""
     if buf.data_ptr() in _OFF:
         return
-    from tensorwatch_otel.core.stats import measure
+    from tensorwatch_otel.core.measure.stats import measure
 
     pair = measure(x.detach())
     if not isinstance(pair, str):
@@ -367,7 +367,7 @@ def attribute(trainer: CompiledTrainer, steps: int, op_calls: int) -> dict:
     they run, and rebuilding the hooked values) plus the optimizer step hooks, over the step.
     Leaves out the custom ops' dispatch (measured apart: an op call with an empty body, times
     `op_calls`, the op calls in the step's generated code) and indirect costs."""
-    from tensorwatch_otel.core import compiled as front
+    from tensorwatch_otel.core.frames import compiled as front
 
     spent = [0.0]
     clock = CompiledTrainer.clock

@@ -7,7 +7,7 @@ Variants (each on its own copy of the same weights, timed in rounds that rotate 
 ratios against `unwatched` for the eager variants and against `compiled` for the compiled ones):
 
     unwatched            the model alone
-    watched              watch(model, sinks=[]): on CUDA the fused device path (core/device_stats.py)
+    watched              watch(model, sinks=[]): on CUDA the fused device path (core/measure/device_stats.py)
     watched_torch_ops    (CUDA) the same with the device path off: two vector_norm reads and two
                          0-d results per tensor, a stack and one copy per batch
     watched_device       (CPU) the device path forced on the CPU under Triton's interpreter: the
@@ -93,7 +93,7 @@ class Trainer:
     def __init__(self, name: str, base: torch.nn.Module, x: torch.Tensor, autocast: Optional[torch.dtype],
                  fused: bool = False, on_detect: str = "report"):
         import tensorwatch_otel as tw
-        from tensorwatch_otel.core import device_stats
+        from tensorwatch_otel.core.measure import device_stats
 
         self.name, self.x, self.autocast = name, x, autocast
         self.model = copy.deepcopy(base)
@@ -132,7 +132,7 @@ def counts(trainer: Trainer) -> Dict[str, int]:
     copies, and the device path's slot-buffer reads."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tensorwatch_otel.core import device_stats
+    from tensorwatch_otel.core.measure import device_stats
 
     reads = []
     readers = set()

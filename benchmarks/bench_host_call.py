@@ -65,9 +65,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import tensorwatch_otel as tw
-    from tensorwatch_otel.core import device_stats
+    from tensorwatch_otel.core.measure import device_stats
 
-    from tensorwatch_otel.core.cpu_kernel import KERNEL
+    from tensorwatch_otel.core.measure.cpu_kernel import KERNEL
 
     KERNEL.wait(120)  # the C kernel the default path measures with, built (or loaded) before any timing
     torch.set_num_threads(1)

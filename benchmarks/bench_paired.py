@@ -237,7 +237,7 @@ def main(argv=None) -> int:
                 "auto": torch.bfloat16 if device.type == "cuda" else None}[args.autocast]
     if args.threads:
         torch.set_num_threads(args.threads)
-    from tensorwatch_otel.core.cpu_kernel import KERNEL
+    from tensorwatch_otel.core.measure.cpu_kernel import KERNEL
     KERNEL.wait()  # the CPU kernel is built on a thread of its own: time the kernel, not its build
     if args.clock == "cpu":
         if device.type != "cpu":

@@ -261,7 +261,7 @@ def main(argv=None) -> int:
         p.error("--rounds and --steps must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from tensorwatch_otel.core.cpu_kernel import KERNEL
+    from tensorwatch_otel.core.measure.cpu_kernel import KERNEL
     KERNEL.wait()  # the CPU kernel is built on a thread of its own: time the kernel, not its build
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     base, ids, labels = build_model(args.quick)

@@ -4,8 +4,8 @@ For each dtype and size, every candidate way of getting both extremes is timed s
 one process (samples interleaved, order rotated each repeat) and reported as the ratio of its
 median time to the median of `x.amax()` (one read of the tensor). On one CPU thread the clock is
 the process' CPU time, so other work on a shared machine does not stretch the samples.
-`measure` is the package's own `tensorwatch_otel.core.stats.measure` (on CPU: the compiled
-one-read kernel of core/cpu_kernel.py where a C compiler exists); the others are the
+`measure` is the package's own `tensorwatch_otel.core.measure.stats.measure` (on CPU: the compiled
+one-read kernel of core/measure/cpu_kernel.py where a C compiler exists); the others are the
 alternatives it chooses between:
 
     abs_chunked   |x| chunk by chunk into a reused buffer, aminmax of each chunk
@@ -36,7 +36,7 @@ from typing import Callable, Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tensorwatch_otel.core import stats  # noqa: E402
+from tensorwatch_otel.core.measure import stats  # noqa: E402
 
 INF = float("inf")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     clock = _CLOCK[clock_name]
     if args.threads:
         torch.set_num_threads(args.threads)
-    from tensorwatch_otel.core.cpu_kernel import KERNEL
+    from tensorwatch_otel.core.measure.cpu_kernel import KERNEL
     KERNEL.wait()  # the CPU kernel is built on a thread of its own: time the kernel, not its build
     sizes = [int(float(s)) for s in args.sizes.split(",") if s.strip()]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]

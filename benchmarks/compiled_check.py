@@ -28,7 +28,8 @@ def one(device: str, blocks: int, d: int, mode: str, autocast: bool, steps: int 
     from torch.profiler import ProfilerActivity, profile
 
     import tensorwatch_otel as tw
-    from tensorwatch_otel.core import compiled, device_stats
+    from tensorwatch_otel.core.frames import compiled
+    from tensorwatch_otel.core.measure import device_stats
 
     torch._dynamo.reset()
     counters.clear()

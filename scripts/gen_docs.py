@@ -395,7 +395,8 @@ def modules_page() -> str:
                "by layer (imports run core <- report <- sinks <- watch / integrations <- cli; see\n"
                "[Architecture](../architecture.md)).\n")
     pkg = os.path.join(ROOT, "tensorwatch_otel")
-    for folder in ("", "core", "report", "sinks", "integrations", "cli", "diagnostics"):
+    for folder in ("", "core", "core/batch", "core/steps", "core/frames", "core/measure", "report", "sinks",
+                   "integrations", "cli", "diagnostics"):
         path = os.path.join(pkg, folder)
         title = f"tensorwatch_otel/{folder + '/' if folder else ''}"
         out.append(f"\n## `{title}`\n\n| module | what it is for |\n|---|---|\n")

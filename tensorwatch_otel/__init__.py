@@ -17,7 +17,7 @@ from .core.events import (
     TensorStat,
 )
 from ._version import __version__
-from .core.capture import load_capture
+from .core.batch.capture import load_capture
 from ._watch import watch
 from .core.errors import AbortAfterBatch, NonFiniteDetected
 from .core.watcher import Watcher

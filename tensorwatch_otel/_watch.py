@@ -74,13 +74,13 @@ def watch(model: torch.nn.Module, *, sinks: Optional[Sequence[Sink]] = None, max
     `target_dtypes=["float8_e4m3fn", "float16"]`: every measured tensor's frame statistic gains
     `underflow` / `overflow`, the share of its non-zero finite elements a cast to each dtype
     flushes to zero / puts beyond its largest value (8-bit floats with per-tensor current
-    scaling), and `magnitude`, the power-of-two histogram they come from (core/magnitude.py).
+    scaling), and `magnitude`, the power-of-two histogram they come from (core/measure/magnitude.py).
 
     `max_overhead=0.02`: the watcher times its own work and measures one batch in N, N chosen to
     keep its share of the step time within 2% (every_n_batches is the shortest interval it
     chooses, 1000 the longest; the first and traced batches are always measured). The step guard
     still checks every batch. `Watcher.measure_every_n_batches` and `Watcher.overhead` say where
-    it stands; a change is an INFO log line and a `sampling_rate` event (core/budget.py).
+    it stands; a change is an INFO log line and a `sampling_rate` event (core/batch/sampling.py).
     """
     if unknown:
         check_keywords("watch()", unknown, _OPTIONS)
@@ -131,7 +131,7 @@ def _sink_list(sinks) -> List[Sink]:
 
 
 def _check_grad_scaler(scaler) -> None:
-    # what the watcher reads of it: the scale (core/steps.py ScaleReader) and whether it is on
+    # what the watcher reads of it: the scale (core/steps/guard.py ScaleReader) and whether it is on
     if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("get_scale", "update", "step")):
         raise TypeError(f"grad_scaler={scaler!r}: expected a torch.amp.GradScaler (or None)")
 
@@ -166,7 +166,7 @@ def _check_patterns(model: torch.nn.Module, config: WatchConfig, include_from_en
 
 
 def _module_labels(model: torch.nn.Module) -> List[str]:
-    """Module paths as include/exclude see them (core/attach.py): the user's model inside
+    """Module paths as include/exclude see them (core/frames/attach.py): the user's model inside
     DDP / torch.compile wrappers, wrapper segments dropped, the root as ``(root)``."""
     inner = naming.unwrap_root(model)
     out = ["(root)"]

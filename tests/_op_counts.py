@@ -20,9 +20,9 @@ from typing import List
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tensorwatch_otel.core import device_stats
+from tensorwatch_otel.core.measure import device_stats
 from tensorwatch_otel.core.record import Record
-from tensorwatch_otel.core.recorder import FrameRecorder
+from tensorwatch_otel.core.frames.recorder import FrameRecorder
 
 aten = torch.ops.aten
 
@@ -30,7 +30,7 @@ aten = torch.ops.aten
 def torch_ops_path(monkeypatch) -> None:
     """CPU statistics by torch ops (as on a device, with 0-d result tensors read back once)
     instead of the compiled kernel, for this test (undone with the monkeypatch)."""
-    from tensorwatch_otel.core import cpu_kernel
+    from tensorwatch_otel.core.measure import cpu_kernel
 
     cpu_kernel.KERNEL.wait()
     monkeypatch.setattr(cpu_kernel.KERNEL, "_kernel", None)

@@ -1,4 +1,4 @@
-"""The batch lifecycle's state machine (core/batch_lifecycle.py): each thread's batch is IDLE,
+"""The batch lifecycle's state machine (core/batch/lifecycle.py): each thread's batch is IDLE,
 RECORDING, UNSAMPLED or QUIET, read here from inside real models' forwards as they run, and the
 phase changes only through ThreadBatch.open / close (IDLE <-> an open phase)."""
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from _collect import Collect
 from tensorwatch_otel import DebugUnderflowOverflow, NonFiniteDetected, watch
-from tensorwatch_otel.core.batch_lifecycle import Phase, ThreadBatch
+from tensorwatch_otel.core.batch.lifecycle import Phase, ThreadBatch
 from tensorwatch_otel.core.record import Record
 
 CORE = pathlib.Path(__file__).resolve().parent.parent / "tensorwatch_otel" / "core"
@@ -291,13 +291,13 @@ def _attribute_writes(tree):
 def test_only_the_thread_batch_changes_its_phase_and_record():
     """The phase, its flags and the record are written by ThreadBatch's own methods (the flags
     only where the phase changes): no hook or lifecycle method sets them past the transitions."""
-    tree = ast.parse((CORE / "batch_lifecycle.py").read_text())
+    tree = ast.parse((CORE / "batch" / "lifecycle.py").read_text())
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ThreadBatch"]
     inside = _attribute_writes(cls)
     assert {(f, a) for f, a, o in inside if a in _WRITERS} == \
         {(f, a) for a, fs in _WRITERS.items() for f in fs}
     assert all(o == "self" for _, a, o in inside if a in _WRITERS)
-    outside = [(path.name, f, a, o) for path in sorted(CORE.glob("*.py"))
+    outside = [(path.name, f, a, o) for path in sorted(CORE.rglob("*.py"))
                for f, a, o in _attribute_writes(ast.parse(path.read_text()))
                if a in _WRITERS and o != "self"]
     assert outside == []

@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from _attribution import HookClock, hook_dispatch_s  # noqa: E402
 from tensorwatch_otel import watch  # noqa: E402
-from tensorwatch_otel.core import recorder, steps  # noqa: E402
+from tensorwatch_otel.core.frames import recorder
+from tensorwatch_otel.core.steps import tracker as steps  # noqa: E402
 
 pytestmark = pytest.mark.timing  # times the hooks: run alone (scripts/test.sh)
 

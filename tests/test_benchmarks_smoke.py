@@ -74,7 +74,7 @@ def test_bench_paired_quick(tmp_path):
     # the watcher adds device work and at most one host sync per step (the optimizer-step guard's
     # read; none on a CPU with the compiled kernel, whose values are on the host at once;
     # gradients=True has none); the peer reads values on the host
-    from tensorwatch_otel.core import cpu_kernel
+    from tensorwatch_otel.core.measure import cpu_kernel
     guard_sync = 0 if cpu_kernel.find_compiler() else 1
     assert c["watch"]["extra_ops"] > 0 and c["gradients"]["extra_ops"] > c["watch"]["extra_ops"]
     assert c["watch"]["host_syncs"] == c["unwatched"]["host_syncs"] + guard_sync
@@ -86,7 +86,7 @@ def test_bench_paired_quick(tmp_path):
     assert set(a) == {"watch", "sampled", "gradients", "optimizer_state", "prometheus"}
     for name, r in a.items():
         assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"] and r["ratio_min"] > 1.0, (name, r)
-        if name == "sampled":  # an unsampled step: only the root's hooks run (core/quiet.py)
+        if name == "sampled":  # an unsampled step: only the root's hooks run (core/frames/quiet.py)
             assert r["module_calls"] == 1, r
         else:
             assert r["module_calls"] == a["watch"]["module_calls"] > 10

@@ -2,7 +2,7 @@
 in N, N chosen so that its share of the step stays within the budget; detection (the step guard)
 stays on every batch.
 
-The policy's tests drive core/budget.py with a fake clock (deterministic); the real ones train a
+The policy's tests drive core/batch/sampling.py with a fake clock (deterministic); the real ones train a
 small model whose frame recording is made slow on purpose, so their assertions hold on a busy
 machine: they test directions and bounds with wide margins, never exact timings.
 """
@@ -23,10 +23,10 @@ from _collect import Collect
 from _models import TwoLinear
 from _otel_fixtures import parse_prom, sample
 from tensorwatch_otel import DebugUnderflowOverflow, NonFiniteDetected, watch
-from tensorwatch_otel.core.budget import MAX_INTERVAL, OverheadBudget
+from tensorwatch_otel.core.batch.sampling import MAX_INTERVAL, OverheadBudget
 from tensorwatch_otel.core.config import ConfigError, WatchConfig
 from tensorwatch_otel.core.events import SamplingRateEvent
-from tensorwatch_otel.core.recorder import FrameRecorder
+from tensorwatch_otel.core.frames.recorder import FrameRecorder
 
 
 class FakeClock:
@@ -314,7 +314,7 @@ def slow_steps(monkeypatch):
     """The watcher's work at every optimizer step (the step guard's) takes 5 ms more: more than a
     5% budget of a 40 ms step allows even in an unmeasured batch, so the interval goes to its
     limit at the first measured batch after unmeasured ones."""
-    from tensorwatch_otel.core.step_monitor import StepMonitor
+    from tensorwatch_otel.core.steps.monitor import StepMonitor
 
     before = StepMonitor.before_step
 
@@ -374,7 +374,7 @@ def test_a_compiled_model_whose_graphs_measure_inside_says_the_budget_cannot_bou
     bound them, instead of reporting a share that leaves them out."""
     import logging
 
-    from tensorwatch_otel.core import graph_stats
+    from tensorwatch_otel.core.measure import graph_stats
 
     class Root(torch.nn.Module):  # a root of one's own (an nn.Sequential root keeps the ops)
         def __init__(self):

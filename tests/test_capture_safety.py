@@ -16,7 +16,7 @@ from torch import nn
 import pytest
 from _collect import Collect
 from tensorwatch_otel import NonFiniteDetected, load_capture, watch
-from tensorwatch_otel.core.capture import FORMAT
+from tensorwatch_otel.core.batch.capture import FORMAT
 
 
 class Evil:
@@ -164,7 +164,7 @@ def test_inputs_a_capture_cannot_hold_are_named_once_and_the_file_stays_safe(tmp
     x = torch.randn(2, 4)
     x[0, 0] = float("inf")
     nested = [torch.zeros(4), (torch.zeros(4), {"b": torch.zeros(1)})]
-    caplog.set_level(logging.WARNING, logger="tensorwatch_otel.core.capture")
+    caplog.set_level(logging.WARNING, logger="tensorwatch_otel.core.batch.capture")
     ev, _ = _detect(tmp_path, x, nested, extra=Cache(), dims=Batch(torch.ones(2)), dt=Pair(torch.ones(1), 2),
                     od=collections.OrderedDict(a=torch.ones(1)))
     cap = load_capture(ev.capture)  # safe: no trusted=True needed

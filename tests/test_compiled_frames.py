@@ -3,8 +3,8 @@ model.compile() before watch(), and watch(torch.compile(model)) record the frame
 (same module paths, tensor names, values), with no graph break of ours; an inf is named where it is
 born inside the graph; detach stops recording, sampling does not recompile, and the step guard
 and `gradients=True` work on compiled models. Every test runs twice: with the submodules measured
-inside the graph (core/graph_stats.py, the default for CPU graphs) and with the ops of
-core/compiled.py (the default on a GPU, and for what a site cannot give)."""
+inside the graph (core/measure/graph_stats.py, the default for CPU graphs) and with the ops of
+core/frames/compiled.py (the default on a GPU, and for what a site cannot give)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
 @pytest.fixture(autouse=True, params=["in_graph", "ops"])
 def engine(request, monkeypatch):
     """The compiled front end under test; dynamo guards on the switch, and graphs are traced afresh."""
-    from tensorwatch_otel.core import graph_stats
+    from tensorwatch_otel.core.measure import graph_stats
 
     monkeypatch.setattr(graph_stats, "ON", request.param == "in_graph")
     torch._dynamo.reset()
@@ -35,7 +35,7 @@ def engine(request, monkeypatch):
 
 
 def _front():
-    from tensorwatch_otel.core import compiled
+    from tensorwatch_otel.core.frames import compiled
 
     return compiled
 
@@ -645,7 +645,7 @@ def test_a_model_whose_submodules_hooks_never_run_is_said_once(monkeypatch, capl
     that calls their forward() directly) is said at WARNING once, with the batch and the count."""
     import logging
 
-    from tensorwatch_otel.core import compiled
+    from tensorwatch_otel.core.frames import compiled
 
     monkeypatch.setattr(compiled, "_exporting", lambda: True)  # what torch 2.11 made of it
     torch._dynamo.reset()

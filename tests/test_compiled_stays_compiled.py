@@ -5,7 +5,7 @@ object recompiled until the recompile limit and then ran eagerly, and many trial
 did the same; the in-graph statistics stored their values on a Python object, a side effect
 activation checkpointing's operator refuses, so the whole forward fell back. Now a submodule's
 statistics are a row written into a buffer at a fixed address, identified by a tensor its hook
-holds (core/graph_stats.py). Real inductor on the CPU, small models."""
+holds (core/measure/graph_stats.py). Real inductor on the CPU, small models."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from _collect import Collect
 from tensorwatch_otel import watch
-from tensorwatch_otel.core import graph_stats
+from tensorwatch_otel.core.measure import graph_stats
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Stack  # noqa: E402

@@ -130,7 +130,7 @@ def test_a_copy_or_a_save_of_a_watched_model_scripts(how):
     """An EMA's deep copy, or a model saved whole while watched, is a plain model before any
     call: torch.jit.script compiles it (it compiles every forward hook a module holds, and
     found the copied ones: 'Unwatched' object has no attribute '__name__')."""
-    from tensorwatch_otel.core.copies import Unwatched
+    from tensorwatch_otel.core.frames.copies import Unwatched
 
     torch.manual_seed(0)
     model, x = Net(), torch.randn(5, 8)

@@ -1,4 +1,4 @@
-"""The CPU kernel's C source is a file of the package (tensorwatch_otel/core/cpu_kernel.c): its
+"""The CPU kernel's C source is a file of the package (tensorwatch_otel/core/measure/cpu_kernel.c): its
 own C test (tests/c/test_cpu_kernel.c) checks it without Python or torch in between, and the
 loader reads that same file."""
 
@@ -11,14 +11,14 @@ import zipfile
 
 import pytest
 
-from tensorwatch_otel.core import cpu_kernel
+from tensorwatch_otel.core.measure import cpu_kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
 def test_the_kernel_source_is_the_packaged_file() -> None:
-    path = os.path.join(ROOT, "tensorwatch_otel", "core", cpu_kernel.SOURCE_FILE)
+    path = os.path.join(ROOT, "tensorwatch_otel", "core", "measure", cpu_kernel.SOURCE_FILE)
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
     assert cpu_kernel.source() == text
@@ -49,4 +49,4 @@ def test_a_built_wheel_ships_the_kernel_source(tmp_path: "os.PathLike[str]") -> 
     wheels = [f for f in os.listdir(out) if f.endswith(".whl")]
     assert len(wheels) == 1
     with zipfile.ZipFile(os.path.join(out, wheels[0])) as z:
-        assert "tensorwatch_otel/core/cpu_kernel.c" in z.namelist()
+        assert "tensorwatch_otel/core/measure/cpu_kernel.c" in z.namelist()

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.cuda,
 
 from _collect import Collect  # noqa: E402
 from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
-from tensorwatch_otel.core import device_stats  # noqa: E402
+from tensorwatch_otel.core.measure import device_stats  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Stack  # noqa: E402

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 from _collect import Collect  # noqa: E402
 from _op_counts import OpCounts, counted_training, torch_ops_path  # noqa: E402
 from tensorwatch_otel import watch  # noqa: E402
-from tensorwatch_otel.core import device_stats  # noqa: E402
+from tensorwatch_otel.core.measure import device_stats  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Stack  # noqa: E402

@@ -26,7 +26,7 @@ from _collect import Collect  # noqa: E402
 from _models import TwoLinear as Net  # noqa: E402
 from _op_counts import torch_ops_path  # noqa: E402
 from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch  # noqa: E402
-from tensorwatch_otel.core import device_stats  # noqa: E402
+from tensorwatch_otel.core.measure import device_stats  # noqa: E402
 
 INF, NAN = float("inf"), float("nan")
 
@@ -173,7 +173,7 @@ def test_report_mode_lets_the_step_run_and_reports_with_the_next_batch(forced):
 def test_a_scalers_found_inf_is_left_to_the_scaler(forced, monkeypatch):
     """With a GradScaler the fused step already has the scaler's found_inf: the guard reads that
     verdict (as on the read path), launches nothing and lends no flag of its own."""
-    from tensorwatch_otel.core.steps import StepGuard
+    from tensorwatch_otel.core.steps.guard import StepGuard
 
     launches = []
     real_launch = StepGuard.launch

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
 from _collect import Collect  # noqa: E402
 from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
-from tensorwatch_otel.core import device_stats  # noqa: E402
-from tensorwatch_otel.core.steps import StepGuard  # noqa: E402
+from tensorwatch_otel.core.measure import device_stats  # noqa: E402
+from tensorwatch_otel.core.steps.guard import StepGuard  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Stack  # noqa: E402
@@ -210,7 +210,8 @@ def _train_forward(model, x, forced):
 def test_cpu_tensors_keep_the_cpu_kernel_on_a_device_path_recorder(monkeypatch):
     """A CPU model watched on a machine with a GPU (the device path on for CUDA tensors only):
     its frames still go to the CPU kernel in one call per frame, with the weight table."""
-    from tensorwatch_otel.core import cpu_kernel, recorder, stats
+    from tensorwatch_otel.core.measure import cpu_kernel, stats
+    from tensorwatch_otel.core.frames import recorder
 
     if cpu_kernel.KERNEL.wait() is None:
         pytest.skip("the CPU statistics kernel could not be built here (no C compiler)")
@@ -460,7 +461,7 @@ def test_frames_inside_an_inductor_graph_are_measured_at_once(monkeypatch):
     graph's later kernels without a version bump: a deferred measurement would read another
     tensor's values there (the failure seen on an H200). Inside the ops frames launch at once:
     compiled values equal eager's."""
-    from tensorwatch_otel.core import graph_stats
+    from tensorwatch_otel.core.measure import graph_stats
 
     monkeypatch.setattr(graph_stats, "ON", False)  # the ops, as on CUDA today
     torch._dynamo.reset()
@@ -488,7 +489,7 @@ def test_frames_inside_an_inductor_graph_are_measured_at_once(monkeypatch):
 
 @pytest.mark.slow
 def test_a_compiled_model_on_the_device_path_records_the_eager_frames(monkeypatch):
-    """watch() then torch.compile: the hooks' bodies run the recorder at run time (core/compiled.py),
+    """watch() then torch.compile: the hooks' bodies run the recorder at run time (core/frames/compiled.py),
     so the fused kernel measures there too, with the eager default path's values."""
     torch.manual_seed(0)
     model = Stack(n_blocks=2, d=16, heads=2)

@@ -1,4 +1,4 @@
-"""The device path's fused kernel and slot buffer (core/device_stats.py), run on CPU tensors
+"""The device path's fused kernel and slot buffer (core/measure/device_stats.py), run on CPU tensors
 with Triton's interpreter: exact abs min/max against torch on every dtype it reads and on the
 edge values, one launch per call, the buffer reused batch to batch.
 
@@ -17,7 +17,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed: the fused device kernel cannot be tested")
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
-from tensorwatch_otel.core import device_stats  # noqa: E402
+from tensorwatch_otel.core.measure import device_stats  # noqa: E402
 
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -178,7 +178,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tensorwatch_otel.core._device_kernel import build
+from tensorwatch_otel.core.measure._device_kernel import build
 minmax, scaled, table = build()
 head = {"slots": "*i32", "xs": ("*fp32", "*bf16", "*fp16"), "ns": ("i64", "i32", "i32"), "first": "i32",
         "programs": "i32"}
@@ -248,7 +248,7 @@ def test_the_mode_is_checked_and_force_needs_the_interpreter(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- target_dtypes
-# The counts rows the kernels give with a CountLayout (core/magnitude.py Plan.device_layout)
+# The counts rows the kernels give with a CountLayout (core/measure/magnitude.py Plan.device_layout)
 # against the torch ops' rows (magnitude.counts_torch, the route a device tensor takes without
 # the device path) on the same tensors: equal as integers, column by column.
 
@@ -269,7 +269,7 @@ def _counted(stats, plan, tensors):
 
 def _torch_counted(plan, t):
     """The same by the torch ops: abs min/max, and counts_torch with that abs max."""
-    from tensorwatch_otel.core import magnitude, stats
+    from tensorwatch_otel.core.measure import magnitude, stats
 
     mn, mx = stats.abs_minmax_torch_cpu(t)
     return float(mn), float(mx), [int(c) for c in magnitude.counts_torch(t, mx, plan).tolist()]
@@ -282,7 +282,7 @@ def _same_counted(got, want):
 def _around_thresholds(plan, dtype):
     """Values of `dtype` on and next to every direct threshold of `plan` (patterns -2..+2 of
     each range's ends), both signs, with zeros, subnormals, the max, inf and nan elsewhere."""
-    from tensorwatch_otel.core import magnitude
+    from tensorwatch_otel.core.measure import magnitude
 
     inf = magnitude._INF_BITS[dtype]
     pairs, _ = plan.ranges(dtype)
@@ -296,7 +296,7 @@ def _scaled_edges(plan, dtype):
     """Tensors whose abs max puts a scaled target's threshold on one of their patterns: for
     several abs maxima, the patterns -2..+2 around amax * Y / fmax (the threshold moves with
     amax), and the abs max itself."""
-    from tensorwatch_otel.core import magnitude
+    from tensorwatch_otel.core.measure import magnitude
 
     out = []
     for amax in (1.0, 3.0, 0.7, 448.0 * 3, 1e-3, 57344.0 * 0.3):
@@ -319,7 +319,7 @@ def test_counts_equal_the_torch_ops_counts(stats, dtype, targets):
     inf or nan (the scaled counts then follow the torch ops' arithmetic: an infinite abs max
     scales by 0, a NaN one counts nothing), all-zero and subnormal-only tensors (abs max 0,
     and one that scales by a huge factor), one element, several blocks."""
-    from tensorwatch_otel.core import magnitude
+    from tensorwatch_otel.core.measure import magnitude
 
     plan = magnitude.plan_for(targets)
     fi = torch.finfo(dtype)
@@ -348,7 +348,7 @@ def test_counts_of_many_mixed_tensors_in_one_frame(stats, monkeypatch):
     """More tensors than one launch takes, of the three dtypes, each with its own wide slot:
     every row lands in its own tensor's slot (two launches per MAX_TENSORS with an 8-bit
     target), and the buffer's next batch starts from zeroed counts."""
-    from tensorwatch_otel.core import magnitude
+    from tensorwatch_otel.core.measure import magnitude
 
     launches = []
     real, real_scaled = device_stats.launch, device_stats.launch_scaled
@@ -368,7 +368,7 @@ def test_counts_of_many_mixed_tensors_in_one_frame(stats, monkeypatch):
 
 def test_counted_and_plain_slots_share_a_buffer(stats):
     """Plain slots and counted (wider) ones issued in one batch: each reads back its own values."""
-    from tensorwatch_otel.core import magnitude
+    from tensorwatch_otel.core.measure import magnitude
 
     plan = magnitude.plan_for(("float16", "float8_e5m2"))
     frame = stats.frame()

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from tensorwatch_otel import NonFiniteDetected, watch
-from tensorwatch_otel.core import cpu_kernel, stats
-from tensorwatch_otel.core.stats import HostBatch, measure, measure_host
+from tensorwatch_otel.core.measure import cpu_kernel, stats
+from tensorwatch_otel.core.measure.stats import HostBatch, measure, measure_host
 from _collect import Collect
 
 

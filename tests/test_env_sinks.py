@@ -614,7 +614,7 @@ def test_pipeline_that_fails_half_way_is_taken_down_and_logged(clean_env, caplog
     clean_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "-5")  # the SDK refuses it after the tracer provider exists
     with pytest.raises(ValueError):
         configure_from_env(0)
-    from tensorwatch_otel.core.cpu_kernel import KERNEL
+    from tensorwatch_otel.core.measure.cpu_kernel import KERNEL
     KERNEL.wait(120)  # the process's one kernel build (a thread of its own) is not the pipeline's
     threads_before = {t.name for t in threading.enumerate()}
     caplog.set_level(logging.WARNING, logger="tensorwatch_otel")

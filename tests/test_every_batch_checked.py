@@ -121,7 +121,7 @@ def test_an_inf_anywhere_a_frame_looks_is_found_in_an_unsampled_batch(name):
 
 def test_the_output_check_reads_what_a_frame_reads():
     """The output check's walk has the recorder's bounds: 256 values per container, 6 levels."""
-    from tensorwatch_otel.core import finite, recorder
+    from tensorwatch_otel.core.frames import finite, recorder
 
     assert (finite.MAX_ITEMS, finite.MAX_DEPTH) == (recorder.MAX_ITEMS, recorder.MAX_DEPTH)
     t = torch.ones(1)

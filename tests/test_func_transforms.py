@@ -112,9 +112,9 @@ def test_per_sample_gradients_with_grad_and_functional_call(gradients):
 @pytest.mark.slow
 def test_a_table_of_in_graph_statistics_leaves_calls_under_torch_func_alone(monkeypatch):
     """A compiled watched model run earlier in the process made a table of in-graph statistics
-    (core/graph_stats.py); a batch begun inside torch.func.grad then stamps it without the
+    (core/measure/graph_stats.py); a batch begun inside torch.func.grad then stamps it without the
     transform seeing it (before: grad refused the in-place write to a captured tensor)."""
-    from tensorwatch_otel.core import graph_stats
+    from tensorwatch_otel.core.measure import graph_stats
 
     monkeypatch.setattr(graph_stats, "ON", True)
     torch._dynamo.reset()
@@ -154,7 +154,7 @@ def test_functionalize_runs_and_is_measured():
         from _collect import Collect
         from test_func_transforms import Net
         from tensorwatch_otel import watch
-        from tensorwatch_otel.core import cpu_kernel
+        from tensorwatch_otel.core.measure import cpu_kernel
         cpu_kernel.KERNEL.wait()
         torch.manual_seed(0)
         model, x = Net(), torch.randn(4, 8)

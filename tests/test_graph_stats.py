@@ -1,4 +1,4 @@
-"""Statistics inside the compiled graph (core/graph_stats.py, TENSORWATCH_GRAPH_STATS=1, switched on
+"""Statistics inside the compiled graph (core/measure/graph_stats.py, TENSORWATCH_GRAPH_STATS=1, switched on
 here through graph_stats.ON): a compiled model's submodules are measured by plain aten ops in the
 graph, so the generated code holds no op of ours; the frames equal eager watching's (names, order,
 values within 1e-3 of their magnitude, dtypes, notes) on several model shapes and under
@@ -21,7 +21,8 @@ from _collect import Collect
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Mlp, Stack  # noqa: E402
 from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
-from tensorwatch_otel.core import compiled, graph_stats  # noqa: E402
+from tensorwatch_otel.core.frames import compiled
+from tensorwatch_otel.core.measure import graph_stats  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

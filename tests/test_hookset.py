@@ -1,4 +1,4 @@
-"""The watcher's hooks have one owner (core/attach.py's HookSet): it places them, moves them to
+"""The watcher's hooks have one owner (core/frames/attach.py's HookSet): it places them, moves them to
 what the model holds after a replacement, and removes every one of them at detach(). An
 object's private state is written only by its own methods: no core module writes another
 object's underscored attributes (assigned, deleted, or changed in place), the batch record's
@@ -55,7 +55,7 @@ def test_no_core_module_writes_another_objects_private_state():
         "rec._stats[pos] = v\ndel rec._stats[m:], rec._frames[n:]\nself._stats += pair\n")) == \
         [(1, "rec._stats"), (2, "rec._dtypes.append"), (3, "rec._frames.append"), (4, "rec._stats"),
          (4, "rec._stats[pos]"), (5, "rec._frames"), (5, "rec._frames[n:]"), (5, "rec._stats"), (5, "rec._stats[m:]")]
-    found = {f.name: _writes_of_foreign_private_state(f.read_text()) for f in sorted(CORE.glob("*.py"))}
+    found = {f.name: _writes_of_foreign_private_state(f.read_text()) for f in sorted(CORE.rglob("*.py"))}
     assert {name: w for name, w in found.items() if w} == {}
 
 

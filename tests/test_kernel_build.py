@@ -14,7 +14,7 @@ import torch
 
 from _collect import Collect
 from tensorwatch_otel import watch
-from tensorwatch_otel.core import cpu_kernel, stats
+from tensorwatch_otel.core.measure import cpu_kernel, stats
 
 
 def _alive(pid: int) -> bool:
@@ -132,7 +132,7 @@ def test_a_process_exiting_during_the_build_leaves_no_compiler_behind(hanging_cc
     script = ("import atexit, os, threading, time, torch\n"
               "atexit.register(lambda: print('left running:', [t.name for t in threading.enumerate()\n"
               "                                                if t.name.startswith('tensorwatch')], flush=True))\n"
-              "from tensorwatch_otel.core import stats\n"
+              "from tensorwatch_otel.core.measure import stats\n"
               "stats.measure(torch.randn(1 << 17))  # starts the build\n"
               f"while not os.path.exists({str(hanging_cc / 'child.pid')!r}): time.sleep(0.02)\n"
               "print('exiting', flush=True)\n")

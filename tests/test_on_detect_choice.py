@@ -1,4 +1,4 @@
-"""`on_detect` is chosen once per watch as a behaviour object (core/on_detect.py) and asked where
+"""`on_detect` is chosen once per watch as a behaviour object (core/steps/on_detect.py) and asked where
 it decides: no module of the package compares the option's value, so a new value is one class."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tensorwatch_otel import NonFiniteDetected, watch
-from tensorwatch_otel.core import on_detect
+from tensorwatch_otel.core.steps import on_detect
 from tensorwatch_otel.core.config import ON_DETECT
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tensorwatch_otel"

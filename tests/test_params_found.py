@@ -142,7 +142,7 @@ def test_a_swapped_in_module_is_watched_under_its_path(gradients, caplog):
         with torch.no_grad():
             model.b.weight.fill_(0.5)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with caplog.at_level(logging.INFO, logger="tensorwatch_otel.core.attach"):
+        with caplog.at_level(logging.INFO, logger="tensorwatch_otel.core.frames.attach"):
             model(torch.randn(4, 8)).sum().backward()
         assert any("b (Linear)" in r.getMessage() and "replaced" in r.getMessage() for r in caplog.records)
         frames = [b for b in sink.batches if b.phase == "forward"][-1].frames
@@ -163,7 +163,7 @@ def test_a_swapped_in_module_is_watched_under_its_path(gradients, caplog):
 def test_the_kind_of_a_tensor_whose_storage_was_freed_is_not_read():
     # FSDP2 frees an unsharded parameter's storage after its module ran; a detection that asks
     # for its kind later must not read freed memory (it crashed the process)
-    from tensorwatch_otel.core.stats import nonfinite_kind_of
+    from tensorwatch_otel.core.measure.stats import nonfinite_kind_of
 
     p = nn.Parameter(torch.full((64, 64), INF))
     assert nonfinite_kind_of(p) == "inf"
@@ -187,7 +187,7 @@ def test_functional_call_lends_tensors_without_a_rescan():
 
 
 def test_a_rescan_that_fails_logs_once_and_training_goes_on(monkeypatch, caplog):
-    from tensorwatch_otel.core.attach import HookSet
+    from tensorwatch_otel.core.frames.attach import HookSet
 
     placed = HookSet.rescan
 

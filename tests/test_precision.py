@@ -12,9 +12,9 @@ from torch import nn
 
 from _collect import Collect
 from tensorwatch_otel import watch
-from tensorwatch_otel.core import magnitude as M
+from tensorwatch_otel.core.measure import magnitude as M
 from tensorwatch_otel.core.config import WatchConfig
-from tensorwatch_otel.core.cpu_kernel import KERNEL
+from tensorwatch_otel.core.measure.cpu_kernel import KERNEL
 from tensorwatch_otel.core.env import ENV_TARGET_DTYPES, ConfigError
 from tensorwatch_otel.core.events import Magnitude
 from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record

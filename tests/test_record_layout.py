@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
-from tensorwatch_otel.core.recorder import FrameRecorder
+from tensorwatch_otel.core.frames.recorder import FrameRecorder
 
 
 def test_frames_written_through_a_draft_read_back_in_order():

@@ -15,7 +15,7 @@ from torch import nn
 
 from _collect import Collect
 from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
-from tensorwatch_otel.core.rerun import COMPILED_RANDOM
+from tensorwatch_otel.core.batch.rerun import COMPILED_RANDOM
 from tensorwatch_otel.core.events import SkippedStepEvent
 
 BAD = 13  # an unsampled batch at every_n_batches=10

@@ -295,7 +295,7 @@ def test_a_compiled_model_is_replayed_eagerly_and_named_as_in_eager_full_watchin
 
 
 def test_healthy_unsampled_batches_replay_nothing_and_a_bad_one_is_replayed_once(monkeypatch):
-    from tensorwatch_otel.core import detection
+    from tensorwatch_otel.core.batch import detection
 
     calls = []
     localize = detection.localize
@@ -321,7 +321,7 @@ def test_gradients_true_still_guards_the_unsampled_batches_steps(scenario):
 def test_the_output_check_reads_the_loss_alone_when_there_is_one(fused):
     from dataclasses import dataclass
 
-    from tensorwatch_otel.core.finite import all_finite, output_tensors
+    from tensorwatch_otel.core.frames.finite import all_finite, output_tensors
 
     @dataclass
     class Out:

@@ -20,9 +20,9 @@ from torch import nn
 
 from _collect import Collect
 from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch
-from tensorwatch_otel.core.capture import BatchCapture
+from tensorwatch_otel.core.batch.capture import BatchCapture
 from tensorwatch_otel.core.config import WatchConfig
-from tensorwatch_otel.core.rerun import rerun_verdict
+from tensorwatch_otel.core.batch.rerun import rerun_verdict
 from tensorwatch_otel.core.watcher import Watcher
 
 

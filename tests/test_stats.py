@@ -1,4 +1,4 @@
-"""The per-tensor statistics (core/stats.py): abs min and abs max are exact element values, NaN
+"""The per-tensor statistics (core/measure/stats.py): abs min and abs max are exact element values, NaN
 anywhere makes both NaN, an infinity shows in abs max, whatever path (size, dtype, sign,
 layout) the measurement takes. The accelerator path is exercised here on CPU tensors."""
 
@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
-from tensorwatch_otel.core import cpu_kernel, stats
+from tensorwatch_otel.core.measure import cpu_kernel, stats
 from tensorwatch_otel.core.events import NOTE_EMPTY, NOTE_NO_DATA
-from tensorwatch_otel.core.stats import measure
+from tensorwatch_otel.core.measure.stats import measure
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # below the small-tensor cut, one chunk, several chunks with a ragged tail
@@ -240,7 +240,7 @@ def test_nan_of_any_sign_and_payload(path, n):
             assert math.isnan(mn) and math.isnan(mx), (dtype, hex(pat))
 
 
-# -- the compiled CPU kernel (core/cpu_kernel.py) --------------------------------------------------
+# -- the compiled CPU kernel (core/measure/cpu_kernel.py) --------------------------------------------------
 
 def test_the_kernel_is_built_where_a_compiler_exists():
     """On a machine with a C compiler (this one, CI) measure() reads CPU tensors with the
@@ -290,10 +290,10 @@ def test_kernel_without_openmp_and_with_many_threads_agree(dtype, tmp_path):
 def test_no_compiler_falls_back_to_torch_ops_said_once(caplog):
     """Without a compiler (or with one that fails) the statistics are the torch path's, and the
     log says so once, at info level: the run is watched exactly, only slower."""
-    with caplog.at_level(logging.INFO, logger="tensorwatch_otel.core.cpu_kernel"):
+    with caplog.at_level(logging.INFO, logger="tensorwatch_otel.core.measure.cpu_kernel"):
         assert cpu_kernel.build(cc="/nonexistent/cc") is None
         assert cpu_kernel.build(cc=shutil.which("false") or "/bin/false") is None
-    said = [r for r in caplog.records if r.name == "tensorwatch_otel.core.cpu_kernel"]
+    said = [r for r in caplog.records if r.name == "tensorwatch_otel.core.measure.cpu_kernel"]
     assert len(said) == 2 and all(r.levelno == logging.INFO for r in said)
     assert "/nonexistent/cc" in said[0].getMessage() and "torch ops" in said[0].getMessage()
     loader = cpu_kernel._Loader()

@@ -248,7 +248,7 @@ def test_one_numbering_of_a_skip_with_and_without_gradients():
 
 def test_the_fused_check_used_on_cuda_finds_inf_and_nan_in_mixed_dtypes(monkeypatch):
     """The CUDA path (one _foreach_norm per device, float32 results), run here on the CPU."""
-    from tensorwatch_otel.core import steps
+    from tensorwatch_otel.core.steps import guard as steps
     from test_sync_count import SyncCounter
 
     monkeypatch.setattr(steps, "FUSED_DEVICES", ("cuda", "cpu"))
@@ -333,12 +333,12 @@ def test_parameter_groups_do_not_change_which_gradient_is_named():
 
 
 def test_a_guard_that_fails_logs_once_and_training_goes_on(monkeypatch, caplog):
-    from tensorwatch_otel.core import finite
+    from tensorwatch_otel.core.frames import finite
 
     def broken(t):
         raise RuntimeError("no reading this tensor")
 
-    monkeypatch.setattr(finite, "measure", broken)  # the guard's read (core/finite.py)
+    monkeypatch.setattr(finite, "measure", broken)  # the guard's read (core/frames/finite.py)
     monkeypatch.setattr(finite.HostBatch, "measure", lambda self: broken(None))  # the CPU kernel's batch
     torch.manual_seed(0)
     model = Net()

@@ -215,7 +215,7 @@ def test_peer_syncs_many_times_per_batch_in_the_same_harness():
 def test_the_cpu_kernel_path_transfers_nothing():
     """With the compiled CPU kernel the batch's statistics and the guard's gradients are
     measured straight into host memory: no sync, no copy, and the values are the exact ones."""
-    from tensorwatch_otel.core import cpu_kernel
+    from tensorwatch_otel.core.measure import cpu_kernel
 
     if cpu_kernel.KERNEL.wait() is None:
         pytest.skip("no compiled CPU kernel on this machine")

@@ -1,4 +1,4 @@
-"""The weight table (core/weights.py): a model's small CPU weights read in one kernel call per
+"""The weight table (core/measure/weights.py): a model's small CPU weights read in one kernel call per
 batch, each frame still showing its weights as they were at its call."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 from tensorwatch_otel import NonFiniteDetected, watch
-from tensorwatch_otel.core import cpu_kernel
-from tensorwatch_otel.core.recorder import FrameRecorder
-from tensorwatch_otel.core.weights import SMALL
+from tensorwatch_otel.core.measure import cpu_kernel
+from tensorwatch_otel.core.frames.recorder import FrameRecorder
+from tensorwatch_otel.core.measure.weights import SMALL
 from _collect import Collect
 
 INF, NAN = float("inf"), float("nan")
@@ -336,7 +336,8 @@ def test_a_module_fed_by_the_forward_itself_shows_its_input_and_output_as_at_its
 def test_weights_beyond_the_table_s_room_are_measured_at_their_call_and_not_offered_again(monkeypatch):
     """Past ELEMENTS a weight stays off the table for good: its frames measure it at the call
     (the values right) without asking again every batch whether it could be a row."""
-    from tensorwatch_otel.core import recorder, weights
+    from tensorwatch_otel.core.frames import recorder
+    from tensorwatch_otel.core.measure import weights
 
     monkeypatch.setattr(weights, "ELEMENTS", 40)  # room for two Linear(4, 4) (20 elements each)
     asked = []

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, FrozenSet, Iterable, Mapping, Optional, 
 import torch
 
 from . import env as _env
-from .magnitude import parse_targets
+from .measure.magnitude import parse_targets
 from .rank import env_rank
 from .env import ENV_EVERY_N_BATCHES, ENV_MAX_FRAMES, ENV_ON_DETECT, ConfigError  # noqa: F401  (re-exported)
 
@@ -119,7 +119,7 @@ class WatchConfig:
     def sampling(self) -> bool:
         """Some batches may go unrecorded (every_n_batches > 1, or max_overhead choosing an
         interval): their outputs and optimizer steps are checked all the same, and their inputs
-        held for the replay that names a detection's place (core/detection.py)."""
+        held for the replay that names a detection's place (core/batch/detection.py)."""
         return self.every_n_batches > 1 or self.max_overhead is not None
 
     @classmethod
@@ -198,8 +198,8 @@ class WatchConfig:
                               "e.g. 0.02 for 2%")
         _env.warn_unknown(env)
         env_rank(env)  # a bad RANK fails when the watcher is built, not in a sink or at a detection
-        _env.cpu_kernel_mode(env)  # process-wide, read by core/cpu_kernel.py; a bad value fails here, early
-        _env.graph_stats_mode(env)  # process-wide, read by core/graph_stats.py at import; the same
+        _env.cpu_kernel_mode(env)  # process-wide, read by core/measure/cpu_kernel.py; a bad value fails here, early
+        _env.graph_stats_mode(env)  # process-wide, read by core/measure/graph_stats.py at import; the same
         return cls(max_frames=max_frames, trace_batches=traced, abort_after_batch=abort_after_batch,
                    every_n_batches=every, gradients=flags["gradients"], include=include,
                    exclude=exclude, on_detect=on_detect, check=check,

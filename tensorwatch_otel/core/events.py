@@ -17,7 +17,7 @@ NOTE_NOT_TENSOR = "not a tensor"
 NOTE_EMPTY = "empty"
 NOTE_NO_DATA = "no data"  # meta/fake tensors, wrapper subclasses without storage
 # a tensor written in place after its module returned, before its deferred measurement read it
-# (core/device_stats.py): its value at the return is lost
+# (core/measure/device_stats.py): its value at the return is lost
 NOTE_CHANGED = "changed in place"
 
 ROOT_LABEL = "(root)"  # the root module's path is "" in the report and "(root)" in labels
@@ -101,7 +101,7 @@ class TensorStat:
     note: str = ""  # one of the NOTE_* values when there are no statistics
     range_used: Optional[float] = None  # abs_max / largest finite value of dtype (floats only)
     #: target_dtypes: dtype name -> share in [0, 1] of the non-zero finite elements a cast to it
-    #: flushes to zero / puts beyond its largest finite value (core/magnitude.py: the rule); None
+    #: flushes to zero / puts beyond its largest finite value (core/measure/magnitude.py: the rule); None
     #: without target dtypes or for a tensor without float values (integer, bool)
     underflow: Optional[Dict[str, float]] = None
     overflow: Optional[Dict[str, float]] = None

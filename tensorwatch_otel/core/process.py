@@ -18,35 +18,36 @@ import threading
 from types import MappingProxyType
 from typing import Hashable, Mapping, Set
 
-#: "module.NAME" (a module of tensorwatch_otel/core) -> why the process holds it
+#: "module.NAME" (a module of tensorwatch_otel/core, dotted from there: "measure.stats") -> why the
+#: process holds it
 PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
-    "compiled.SLOTS": "slot number -> the hooks an op call site in a compiled graph runs; graphs hold the "
-                      "numbers and may outlive the watcher that placed them",
-    "compiled.OPEN": "per thread, the module calls whose pre op ran inside a compiled graph and whose post "
-                     "op has not run yet (an exception inside the graph leaves them open)",
-    "compiled.ran": "pre ops run so far by every compiled graph of the process: where it moved, an "
-                    "unsampled batch keeps the hooks on (core/quiet.py)",
-    "compiled.EAGER": "the hook code objects dynamo must run eagerly when reached as a frame of their own, "
-                      "marked once dynamo is loaded",
-    "cpu_kernel.KERNEL": "the CPU statistics kernel, built once per process on a thread of its own",
-    "cpu_kernel.COMPILERS": "compiler processes still running, killed with their process groups at exit",
-    "device_stats.DEVICE_PATH": "which devices take the fused device path (a test/benchmark switch) and the "
-                                "fused kernels, built once per process",
-    "device_stats.IMMEDIATE": "per thread, inside a compiled graph's ops: frames are measured at once, never "
-                              "deferred (inductor reuses the graph's buffers without a version bump)",
-    "graph_stats.SITES": "in-graph statistics: the call sites compiled graphs were traced with (their "
-                         "values are stored on them after each run) and the per-device sequence counters",
-    "graph_stats.ROOT_TRACED": "the tracing contexts (weakly held) whose graph traced a model's own hooks: "
-                               "their submodules keep the ops",
-    "graph_stats._TRACE_TIME": "the functions (of graph_stats and compiled) marked for dynamo to run at trace "
-                               "time, at the first watch()",
-    "graph_stats.ON": "whether submodules of compiled graphs are measured inside the graph (the environment "
-                      "at import; dynamo guards on it)",
+    "frames.compiled.SLOTS": "slot number -> the hooks an op call site in a compiled graph runs; graphs hold the "
+                             "numbers and may outlive the watcher that placed them",
+    "frames.compiled.OPEN": "per thread, the module calls whose pre op ran inside a compiled graph and whose post "
+                            "op has not run yet (an exception inside the graph leaves them open)",
+    "frames.compiled.ran": "pre ops run so far by every compiled graph of the process: where it moved, an "
+                           "unsampled batch keeps the hooks on (core/frames/quiet.py)",
+    "frames.compiled.EAGER": "the hook code objects dynamo must run eagerly when reached as a frame of their own, "
+                             "marked once dynamo is loaded",
+    "measure.cpu_kernel.KERNEL": "the CPU statistics kernel, built once per process on a thread of its own",
+    "measure.cpu_kernel.COMPILERS": "compiler processes still running, killed with their process groups at exit",
+    "measure.device_stats.DEVICE_PATH": "which devices take the fused device path (a test/benchmark switch) and the "
+                                        "fused kernels, built once per process",
+    "measure.device_stats.IMMEDIATE": "per thread, inside a compiled graph's ops: frames are measured at once, never "
+                                      "deferred (inductor reuses the graph's buffers without a version bump)",
+    "measure.graph_stats.SITES": "in-graph statistics: the call sites compiled graphs were traced with (their "
+                                 "values are stored on them after each run) and the per-device sequence counters",
+    "measure.graph_stats.ROOT_TRACED": "the tracing contexts (weakly held) whose graph traced a model's own hooks: "
+                                       "their submodules keep the ops",
+    "measure.graph_stats._TRACE_TIME": "the functions (of graph_stats and compiled) marked for dynamo to run at trace "
+                                       "time, at the first watch()",
+    "measure.graph_stats.ON": "whether submodules of compiled graphs are measured inside the graph (the environment "
+                              "at import; dynamo guards on it)",
     "events.TRACE_IDS": "where events take the current trace id from (the OpenTelemetry sink sets it)",
     "fleet.NODE_FILES": "node files this process opened, numbered in the same sequence on every local rank",
-    "quiet._instances": "every quiet-batch switch alive: a sentry pre-hook registered globally consults them",
-    "skip._CLASSES": "optimizer class -> its stand-in class for a skipped step, made once per class",
-    "stats._scratch": "per thread, the reused chunk buffers of the torch-ops CPU path",
+    "frames.quiet._instances": "every quiet-batch switch alive: a sentry pre-hook registered globally consults them",
+    "steps.skip._CLASSES": "optimizer class -> its stand-in class for a skipped step, made once per class",
+    "measure.stats._scratch": "per thread, the reused chunk buffers of the torch-ops CPU path",
     "watcher.ACTIVE": "watchers alive, weakly held: detect_overflow() hands its findings to them",
 })
 

@@ -11,20 +11,20 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 
-from . import magnitude as _mag
-from .device_stats import SlotBuffer, SlotStat
-from .histogram_layout import ROW_DTYPE
+from .measure import magnitude as _mag
+from .measure.device_stats import SlotBuffer, SlotStat
+from .measure.histogram_layout import ROW_DTYPE
 from .process import said_once
 from .events import NOTE_CHANGED, Frame, Magnitude, TensorStat
 from .naming import module_class_name
-from .stats import DTYPE_MAX, dtype_name
+from .measure.stats import DTYPE_MAX, dtype_name
 
 
 log = logging.getLogger(__name__)
 SHARES_FAILED = "underflow/overflow shares failed"  # said_once's key: logged once per process
 
 # a statistic (FrameDraft.stats): a 0-d device tensor, a float on the host already (the CPU
-# kernel), or a device buffer's slot until the batch's read-back (core/device_stats.py): a
+# kernel), or a device buffer's slot until the batch's read-back (core/measure/device_stats.py): a
 # SlotStat, or a slot code (an int, SlotBuffer.take_one) of the record's one code buffer
 Stat = Union[torch.Tensor, float, SlotStat, int]
 # a frame item (FrameDraft.items): a measured tensor's name, or (name, note) for a value without statistics
@@ -51,7 +51,7 @@ class ModuleInfo:
 
     def lend(self, params: Optional[Dict[str, Optional[torch.nn.Parameter]]] = None) -> None:
         """accelerate's offload lends this module its parameters for each call, new tensors each
-        time (core/offload.py): read them from `params` (what the module held during its call),
+        time (core/frames/offload.py): read them from `params` (what the module held during its call),
         else from the module as before, and measure them without caching (a cached one would
         keep the lent copy alive)."""
         if params is not None:
@@ -119,7 +119,7 @@ class Record:
         self.phase = phase
         self.detected = False  # one detection per record (check="module" checks every frame)
         self.header = header and phase == "forward"  # its first frame starts a batch in the report
-        # target_dtypes (core/magnitude.py): per measured tensor k its counts row on the device
+        # target_dtypes (core/measure/magnitude.py): per measured tensor k its counts row on the device
         # (None: no float values) and, on histogram batches (`histogram`, decided by the
         # recorder at the first measurement), its histogram row (else None); after readback()
         # the shares [k * len(targets) + j] (NaN where none applies) and the host histogram
@@ -135,7 +135,7 @@ class Record:
         self._rows: List[Optional[Row]] = []  # per k: (host matrix, its row, dtype) or None
         self._floats: List[bool] = []  # per k: the tensor had float values (shares apply)
         # measured tensors whose values were lost (a deferred measurement read the tensor after an
-        # in-place write, core/device_stats.py): their host values are 0.0 placeholders, never
+        # in-place write, core/measure/device_stats.py): their host values are 0.0 placeholders, never
         # shown, exported or checked
         self._lost: Optional[set[int]] = None
         self._code_buf: Optional[SlotBuffer] = None  # the buffer its slot codes (ints) are of

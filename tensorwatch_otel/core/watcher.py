@@ -1,6 +1,6 @@
 """The watcher: what `watch()` returns. It builds and wires the collaborators (hooks, recorder,
 batch lifecycle, detection, step monitor, sinks) and is their public face; the batches themselves
-are core/batch_lifecycle.py's.
+are core/batch/lifecycle.py's.
 
 A batch ends when a thread's outermost watched call ends: the root's forward, as in
 transformers.debug_utils (with gradient accumulation every micro-batch forward is a batch; eval
@@ -24,25 +24,26 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Type
 
 import torch
 
-from .attach import HookSet
-from .backward import BackwardRecorder
-from .batch_lifecycle import BatchLifecycle, ThreadBatch
-from .behaviour import Behaviour
-from .budget import FixedSampling, OverheadBudget
+from .frames.attach import HookSet
+from .frames.backward import BackwardRecorder
+from .batch.lifecycle import BatchLifecycle, ThreadBatch
+from .batch.behaviour import Behaviour
+from .batch.sampling import FixedSampling, OverheadBudget
 from .config import WatchConfig
-from .detection import DetectionPipeline
-from .compiled import compiling_here
+from .batch.detection import DetectionPipeline
+from .frames.compiled import compiling_here
 from .events import BatchStats
 from .fleet import FleetStop
-from .on_detect import choose as choose_on_detect
-from .optim_state import OptimizerStateReader
+from .steps.on_detect import choose as choose_on_detect
+from .steps.optim_state import OptimizerStateReader
 from .ports import Sink, SinkFanout
-from .quiet import QuietBatches
+from .frames.quiet import QuietBatches
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
-from .recorder import FrameRecorder
-from .step_monitor import StepHost, StepMonitor
-from .steps import StepGuard
+from .frames.recorder import FrameRecorder
+from .steps.monitor import StepHost, StepMonitor
+from .steps.guard import StepGuard
+from .steps.tracker import StepTracker
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Watcher:
         self.config = config
         self.behaviour = behaviour or Behaviour()
         self._fanout = SinkFanout(sinks, strict=config.strict)
-        # which batches are measured (core/budget.py); with max_overhead it times the watcher's work
+        # which batches are measured (core/batch/sampling.py); with max_overhead it times the watcher's work
         self._sampling: "FixedSampling | OverheadBudget" = FixedSampling(config.every_n_batches, config.trace_batches) \
             if config.max_overhead is None else OverheadBudget(config.max_overhead, config.every_n_batches,
                                                                config.trace_batches, emit=self._fanout.on_event,
@@ -98,13 +99,13 @@ class Watcher:
         self._on_detect = choose_on_detect(config.on_detect)  # what a detection does to training
         self._fleet = FleetStop(lambda e: self._detect.durable(e), lambda: self._life.batches,
                                  self._on_detect.stops_ranks and not local, model=model, publishes=not local)
-        # ring, capture, replay, fleet, flush, raise (core/detection.py)
+        # ring, capture, replay, fleet, flush, raise (core/batch/detection.py)
         self._detect = DetectionPipeline(model, config, self.behaviour, self._on_detect, self._fanout, self._fleet,
                                          self._recorder.kind, lambda: self._recorder.acts_seen.clear(),
                                          lambda: self._life.history, self._probe,
                                          forward_poisoned=lambda e, params: self._steps.forward_poisoned(e, params),
                                          sampled=self._watches)
-        # optimizer steps, skips, the loss scale, the step guard (core/step_monitor.py)
+        # optimizer steps, skips, the loss scale, the step guard (core/steps/monitor.py)
         self._steps = StepMonitor(StepHost(
             detect=self._detect.detected, escalate=self._detect.escalate, emit=self._fanout.on_event,
             phase_stats=self._phase_stats, check=self._detect.check, last_batch=self._last_batch,
@@ -116,21 +117,20 @@ class Watcher:
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._life.last_batch()),
                                           self._steps.backward_done, self._hook_failed)
-        quiet = QuietBatches(model)  # the hooks an unsampled batch takes off (core/quiet.py)
-        # each thread's batch: begun, recorded, ended (core/batch_lifecycle.py)
+        quiet = QuietBatches(model)  # the hooks an unsampled batch takes off (core/frames/quiet.py)
+        # each thread's batch: begun, recorded, ended (core/batch/lifecycle.py)
         self._life = BatchLifecycle(model, config, self.behaviour, recorder=self._recorder, sampling=self._sampling,
                                     fanout=self._fanout, fleet=self._fleet, detect=self._detect, steps=self._steps,
                                     backward=self._backward, quiet=quiet, live=lambda: self._attached,
                                     params_current=self._params_current, hooked=lambda: self._hooks.hooked,
                                     failed=self._hook_failed)
-        # every hook and handle, the model's parameters and their owners (core/attach.py)
+        # every hook and handle, the model's parameters and their owners (core/frames/attach.py)
         self._hooks = HookSet(model, config, slot_owner=self, quiet=quiet, pre_hook=self._life.pre_hook,
                               make_hook=self._life.make_hook,
                               capture_hook=self._life.capture_hook if self._detect.capture is not None else None,
                               param_hook=self._backward.param_hook, params_current=self._params_current,
-                              before_step=self._timed(self._steps.before_step),
-                              after_step=self._timed(self._steps.after_step),
                               batch_number=lambda: self.batch_number)
+        self._step_hooks: Optional[StepTracker] = None  # the optimizer step hooks (core/steps/tracker.py)
         self._rescan_failed = False
         self._failed_hooks = 0
         self._hook_error_logged = False
@@ -140,6 +140,8 @@ class Watcher:
     def _attach(self) -> None:
         hooks = self._hooks
         hooks.place()
+        self._step_hooks = StepTracker(hooks.index, self._params_current, self._timed(self._steps.before_step),
+                                       self._timed(self._steps.after_step))
         cfg = self.config
         # gradients=True localizes bad gradients in the backward of a recorded batch: the step guard
         # adds the batches every_n_batches or max_overhead do not record, and on_detect="skip", whose verdict is
@@ -158,6 +160,8 @@ class Watcher:
                 return
             self._attached = False
         self._hooks.remove()
+        if self._step_hooks is not None:
+            self._step_hooks.remove()
         ACTIVE.discard(self)
         self._steps.at_detach()
         self._detect.release_inputs()  # the last batch's inputs (held for a replay) are not kept alive

@@ -13,15 +13,16 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from .._watch import env_sinks
-from ..core import naming, offload, transforms
-from ..core.behaviour import Behaviour
+from ..core import naming
+from ..core.frames import offload, transforms
+from ..core.batch.behaviour import Behaviour
 from ..core.config import WatchConfig
-from ..core.copies import Copies, Hook
+from ..core.frames.copies import Copies, Hook
 from ..core.events import NOTE_NONE, NOTE_NOT_TENSOR, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent, TensorStat
 from ..core.rank import current_rank
 from ..core.record import FrameDraft, ModuleInfo, Record
-from ..core.recorder import FrameRecorder
-from ..core.stats import dtype_name, measure
+from ..core.frames.recorder import FrameRecorder
+from ..core.measure.stats import dtype_name, measure
 from ..core.watcher import ACTIVE, Watcher
 from ..report.text import print_overflow_check, render_trace
 from ..sinks.text import TextReport
@@ -128,7 +129,7 @@ class _TraceFlags:
         self.watcher: Optional[Watcher] = None
         self.batches: Dict[int, List[Optional[list]]] = {}
         self._handles = []
-        self._copies = Copies()  # a copy of the model holds no-ops in their place (core/copies.py)
+        self._copies = Copies()  # a copy of the model holds no-ops in their place (core/frames/copies.py)
         seen = set()
         for _, module in model.named_modules():
             if id(module) not in seen:
@@ -160,7 +161,7 @@ class _TraceFlags:
 
     @staticmethod
     def _frame(module, args, output) -> list:
-        # (under accelerate's offload, the weights the module held in this call: core/offload.py)
+        # (under accelerate's offload, the weights the module held in this call: core/frames/offload.py)
         named = [(n, p) for n, p in offload.lent_params(module).items() if p is not None]
         named += [(f"input[{i}]", a) for i, a in enumerate(args)]
         if isinstance(output, tuple):

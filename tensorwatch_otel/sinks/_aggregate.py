@@ -25,7 +25,7 @@ import torch
 
 from ..core import env as _env
 from ..core.events import BatchStats, RecordColumns, label_for_module
-from ..core.stats import DTYPE_MAX, dtype_name
+from ..core.measure.stats import DTYPE_MAX, dtype_name
 from ._magnitude import MagnitudeTotals
 from ._options import number_option
 

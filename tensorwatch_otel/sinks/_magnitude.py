@@ -4,7 +4,7 @@ exact zeros in the zero bucket), summed over the batches sampled at each collect
 
 Reading a batch's counts costs Python work per tensor (``Record.magnitude(k)``), too much for
 every batch of a big model (and the watcher counts it only on a cadence of batches, see
-core/magnitude.HISTOGRAM_EVERY). So the training thread only keeps a reference to the latest
+core/measure/magnitude.HISTOGRAM_EVERY). So the training thread only keeps a reference to the latest
 batch that has one, and each collection (every export interval) adds that batch's exact counts once: the histogram
 is the run's distribution sampled one batch per collection, which is what a heatmap of its
 increase needs, at one batch's cost per export interval.

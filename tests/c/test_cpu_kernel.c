@@ -5,7 +5,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
-#include "../../tensorwatch_otel/core/cpu_kernel.c"
+#include "../../tensorwatch_otel/core/measure/cpu_kernel.c"
 
 static int failures = 0, checks = 0;
 
