@@ -367,7 +367,7 @@ def attribute(trainer: CompiledTrainer, steps: int, op_calls: int) -> dict:
     they run, and rebuilding the hooked values) plus the optimizer step hooks, over the step.
     Leaves out the custom ops' dispatch (measured apart: an op call with an empty body, times
     `op_calls`, the op calls in the step's generated code) and indirect costs."""
-    from tensorwatch_otel.core.frames import compiled as front
+    from tensorwatch_otel.core.frames import compiled as front, op_slots
 
     spent = [0.0]
     clock = CompiledTrainer.clock
@@ -382,7 +382,7 @@ def attribute(trainer: CompiledTrainer, steps: int, op_calls: int) -> dict:
         return run
 
     w = trainer.watcher
-    slots = front.SLOTS.of_watcher(w)
+    slots = op_slots.SLOTS.of_watcher(w)
     saved = [(s, s.pre, s.post) for s in slots]
     real_rebuild = front.rebuild
     keep = []  # the slots hold their hooks weakly

@@ -21,7 +21,7 @@ from typing import Hashable, Mapping, Set
 #: "module.NAME" (a module of tensorwatch_otel/core, dotted from there: "measure.stats") -> why the
 #: process holds it
 PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
-    "frames.compiled.SLOTS": "slot number -> the hooks an op call site in a compiled graph runs; graphs hold the "
+    "frames.op_slots.SLOTS": "slot number -> the hooks an op call site in a compiled graph runs; graphs hold the "
                              "numbers and may outlive the watcher that placed them",
     "frames.compiled.OPEN": "per thread, the module calls whose pre op ran inside a compiled graph and whose post "
                             "op has not run yet (an exception inside the graph leaves them open)",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import compiled, offload
+from . import compiled, offload, op_slots
 from .. import naming
 from ..config import WatchConfig
 from .copies import Copies, Hook, ModuleHook
@@ -33,7 +33,7 @@ from .param_index import ParamIndex, SlotEntry
 from ..record import ModuleInfo
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .compiled import EagerPreHook, SlotOwner
+    from .op_slots import EagerPreHook, SlotOwner
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class _Hooked:
         self.lent: Optional[offload.LentWeights] = None
 
 
-_Handle = Any  # a RemovableHandle or a compiled.SlotHandle: has .remove()
+_Handle = Any  # a RemovableHandle or an op_slots.SlotHandle: has .remove()
 # id(param) -> (the parameter, its watched module, its gradient hook's handle)
 _ParamHook = Tuple["weakref.ref[torch.Tensor]", ModuleInfo, RemovableHandle]
 
@@ -309,15 +309,15 @@ class HookSet:
             capture = Hook(self._capture_hook).place(module, copies)
             h.handles.append(module.register_forward_pre_hook(capture, with_kwargs=True))
         # traced into a compiled graph, each hook becomes an op that runs it at run time (core/frames/compiled.py)
-        slot = compiled.new_slot(self._slot_owner, module, self._pre_hook)
+        slot = op_slots.new_slot(self._slot_owner, module, self._pre_hook)
         hook = self._make_hook(info, slot).place(module, copies)
-        compiled.set_post(slot, hook)
+        op_slots.set_post(slot, hook)
         pre_hook = compiled.PreHook(slot, self._pre_hook, is_root, getattr(hook, "row_id", None)).place(module, copies)
         if hasattr(hook, "pair"):
             hook.pair(pre_hook)  # (batch_lifecycle.ForwardHook: its row id moves with its module)
         pre = _register_pre(module, pre_hook)
         post = _register_post(module, hook)
-        h.handles += [pre, post, compiled.SlotHandle(slot)]
+        h.handles += [pre, post, op_slots.SlotHandle(slot)]
         if not is_root:
             h.places = [(module._forward_pre_hooks, pre.id), (module._forward_hooks, post.id)]
         self._handles.extend(h.handles)

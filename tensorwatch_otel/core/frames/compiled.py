@@ -14,160 +14,29 @@ opaque to inductor, they run between the fused kernels, on the values those prod
 
 from __future__ import annotations
 
-import functools
 import importlib
-import itertools
 import logging
 import threading
 import types
-import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..measure import graph_stats
 from .copies import Hook, ModuleHook, Unwatched
+from .op_slots import SLOTS, EagerPreHook, Slot
+from .op_spec import rebuild, spec_of
 from ..measure.device_stats import immediate
 from ..errors import AbortAfterBatch, NonFiniteDetected
 from ..process import said_once
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from typing import Protocol
-
-    class SlotOwner(Protocol):
-        """What the ops read of a watcher (core/watcher.py's Watcher)."""
-
-        @property
-        def attached(self) -> bool: ...
-
-# The watcher's eager hooks, as the ops call them: the module is None once it was freed.
-EagerPreHook = Callable[[Optional[torch.nn.Module], Tuple[Any, ...]], object]
-EagerPostHook = Callable[[Optional[torch.nn.Module], Tuple[Any, ...], Dict[str, Any], Any], object]
-_F = TypeVar("_F", bound=Callable[..., object])
-
-_MAX_ITEMS = 256  # as recorder.MAX_ITEMS: values looked at per container
-_MAX_DEPTH = 6  # as recorder.MAX_DEPTH
-
 # Ordering token: every op reads and writes it, so the ops keep the order the hooks ran in.
 _TOKEN = torch.zeros(1)
 
 
-class _Other:
-    """Stands, at run time, for a value that is not a tensor, None or a container (noted as such)."""
-
-    __slots__ = ()
-
-
-_OTHER = _Other()
-
-
-def _nothing() -> None:
-    return None
-
-
-def _weak(fn: Optional[_F]) -> Callable[[], Optional[_F]]:
-    """A weak reference to a hook (held by its module while registered): the global slot table
-    must not keep a watcher, its model and its sinks alive."""
-    if fn is None:
-        return _nothing
-    return weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
-
-
-class _Slot:
-    """What one op call site runs: the watcher's eager pre-hook and hook for one module, each
-    held weakly (`s.pre()` is the pre-hook, or None once it is gone)."""
-
-    __slots__ = ("watcher", "module", "pre", "post")
-
-    def __init__(self, watcher: SlotOwner, module: torch.nn.Module, pre: EagerPreHook, post: Optional[EagerPostHook]):
-        self.watcher = weakref.ref(watcher)
-        self.module = weakref.ref(module)
-        self.pre = _weak(pre)
-        self.post = _weak(post)
-
-
-class SlotTable:
-    """Slot number -> its _Slot, for every watcher of the process. A number taken by a graph
-    stays meaningful after its slot is released: it still names its module, so a graph traced
-    for a watcher since detached, and reused for a new watcher of the same module, reaches the
-    new watcher's slot."""
-
-    def __init__(self) -> None:
-        self._slots: Dict[int, _Slot] = {}
-        self._module_of: Dict[int, "weakref.ref[torch.nn.Module]"] = {}
-        self._by_module: "weakref.WeakKeyDictionary[torch.nn.Module, List[int]]" = weakref.WeakKeyDictionary()
-        self._ids = itertools.count(1)
-
-    def new(self, watcher: SlotOwner, module: torch.nn.Module, pre: EagerPreHook, post: Optional[EagerPostHook]) -> int:
-        slot = next(self._ids)
-        if slot % 1024 == 0:
-            self._forget_freed()
-        self._slots[slot] = _Slot(watcher, module, pre, post)
-        self._module_of[slot] = weakref.ref(module)
-        self._by_module.setdefault(module, []).append(slot)
-        return slot
-
-    def _forget_freed(self) -> None:
-        """Drops the slots of modules freed since (a model dropped without detach(): its slots
-        would keep its watcher and sinks alive)."""
-        for k in [k for k, ref in self._module_of.items() if ref() is None]:
-            del self._module_of[k]
-            self._slots.pop(k, None)
-
-    def release(self, slot: int) -> None:
-        s = self._slots.pop(slot, None)
-        if s is not None:
-            m = s.module()
-            live = self._by_module.get(m) if m is not None else None
-            if live is not None and slot in live:
-                live.remove(slot)
-
-    def set_post(self, slot: int, post: EagerPostHook) -> None:
-        self._slots[slot].post = _weak(post)
-
-    def of_watcher(self, watcher: object) -> List[_Slot]:
-        """The live slots whose hooks are `watcher`'s (benchmarks time them)."""
-        return [s for s in self._slots.values() if s.watcher() is watcher]
-
-    def live(self, slot: int) -> List[_Slot]:
-        """The slots an op of number `slot` runs: its own, or, released, its module's live ones."""
-        s = self._slots.get(slot)
-        if s is not None:
-            return [s]
-        ref = self._module_of.get(slot)
-        m = ref() if ref is not None else None
-        if m is None:
-            return []
-        return [self._slots[i] for i in self._by_module.get(m, ()) if i in self._slots]
-
-
-SLOTS = SlotTable()
-
-
-class SlotHandle:
-    """Releases a slot when the watcher removes its hooks (a RemovableHandle's shape)."""
-
-    __slots__ = ("slot",)
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-
-    def remove(self) -> None:
-        SLOTS.release(self.slot)
-
-
-def new_slot(watcher: SlotOwner, module: torch.nn.Module, pre: EagerPreHook,
-             post: Optional[EagerPostHook] = None) -> int:
-    return SLOTS.new(watcher, module, pre, post)
-
-
-def set_post(slot: int, post: EagerPostHook) -> None:
-    SLOTS.set_post(slot, post)
-
-
-_live = SLOTS.live
+_live = SLOTS.live  # (a module-level alias: one lookup fewer per op call)
 
 
 # ------------------------------------------------------------------------------ the ops
@@ -182,13 +51,13 @@ class _Open(threading.local):
     """The calling thread's module calls whose pre op ran and whose post op has not yet."""
 
     def __init__(self) -> None:
-        self.stack: List[_Slot] = []
+        self.stack: List[Slot] = []
 
 
 OPEN = _Open()
 
 
-def _unwind(stack: List[_Slot], lo: int) -> None:
+def _unwind(stack: List[Slot], lo: int) -> None:
     """Calls left open by an exception inside a compiled graph (no hook runs there when a
     forward raises, unlike eager's always_call hooks): their hooks run now, innermost first,
     with no values, so the batch ends as it would have in eager mode."""
@@ -319,7 +188,7 @@ def traced_row(module: torch.nn.Module, row_id: torch.Tensor, params: str, args:
     if _exporting():
         return
     tensors: List[torch.Tensor] = []
-    spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
+    spec = spec_of(args, tensors, 0) + spec_of(kwargs, tensors, 0) + spec_of(output, tensors, 0)
     names = tuple(params.split(",")) if params else ()
     # each parameter read by name from the module (as its forward reads it): no guard on the
     # dict's keys
@@ -484,121 +353,8 @@ def traced_post(slot_t: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, A
     if _exporting():
         return
     tensors: List[torch.Tensor] = []
-    spec = _spec(args, tensors, 0) + _spec(kwargs, tensors, 0) + _spec(output, tensors, 0)
+    spec = spec_of(args, tensors, 0) + spec_of(kwargs, tensors, 0) + spec_of(output, tensors, 0)
     torch.ops.tensorwatch.post(_TOKEN, slot_t, spec, tensors)
-
-
-def _spec(v: object, tensors: List[torch.Tensor], depth: int) -> str:
-    """The structure of `v` as a string; its tensors appended to `tensors` in walk order. Kept
-    to what dynamo folds into constants: isinstance, string concatenation, len."""
-    if isinstance(v, torch.Tensor):
-        tensors.append(v)
-        return "T"
-    if v is None:
-        return "N"
-    if depth >= _MAX_DEPTH:
-        return "X"
-    if isinstance(v, (tuple, list)):
-        s = "("
-        for x in v[:_MAX_ITEMS]:
-            s = s + _spec(x, tensors, depth + 1)
-        return s + ")"
-    if isinstance(v, dict):
-        s = "{"
-        n = 0
-        for k, x in v.items():
-            if n >= _MAX_ITEMS:
-                break
-            n += 1
-            key = k if isinstance(k, str) else str(k)
-            s = s + str(len(key)) + ":" + key + _spec(x, tensors, depth + 1)
-        return s + "}"
-    return "X"
-
-
-# ------------------------------------------------------------------------------ run-time side
-# One parsed value: ("T",), ("N",), ("X",), ("(", [node, ...]) or ("{", [(key, node), ...]).
-_Node = Tuple[Any, ...]
-
-
-def rebuild(spec: str, tensors: List[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any], object]:
-    """(args, kwargs, output) of the hooked call, the real tensors in place as fresh aliases."""
-    parsed = parsed_spec(spec)
-    it = iter(_fresh(tensors))
-    args, kwargs, output = (_fill(p, it) for p in parsed)
-    return args, kwargs, output
-
-
-@functools.lru_cache(maxsize=4096)
-def parsed_spec(spec: str) -> Tuple[_Node, ...]:
-    """`spec`'s parsed form (one spec per call site)."""
-    return _parse(spec, 0)[0]
-
-
-def _fresh(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """A new alias (same storage, same values) of each distinct tensor of one op call.
-
-    Inductor reuses a buffer whose value is dead for a later value, keeping the Python tensor
-    object and writing it from its kernels without moving `_version`: the graph's tensor of one
-    module call can be the very object, at the very version, of an earlier call's different
-    value. The recorder's caches know a tensor by identity and version, so handed the graph's
-    own objects they would serve the earlier value's statistics. An alias lives for one op call
-    only: a tensor seen twice in one call (a module returning its input) is still measured once,
-    and nothing is carried from one call to the next."""
-    out: List[torch.Tensor] = []
-    seen: Dict[int, torch.Tensor] = {}
-    for t in tensors:
-        a = seen.get(id(t))
-        if a is None:
-            a = seen[id(t)] = t.detach()
-        out.append(a)
-    return out
-
-
-def _parse(spec: str, i: int) -> Tuple[Tuple[_Node, ...], int]:
-    """Parses the three values at spec[i:]: ("T",), ("N",), ("X",), ("(", items), ("{", [(k, v)])."""
-    out: List[_Node] = []
-    for _ in range(3):
-        v, i = _parse_one(spec, i)
-        out.append(v)
-    return tuple(out), i
-
-
-def _parse_one(spec: str, i: int) -> Tuple[_Node, int]:
-    c = spec[i]
-    if c in "TNX":
-        return (c,), i + 1
-    if c == "(":
-        i += 1
-        items: List[_Node] = []
-        while spec[i] != ")":
-            v, i = _parse_one(spec, i)
-            items.append(v)
-        return ("(", items), i + 1
-    if c == "{":
-        i += 1
-        pairs: List[Tuple[str, _Node]] = []
-        while spec[i] != "}":
-            colon = spec.index(":", i)
-            n = int(spec[i:colon])
-            key = spec[colon + 1:colon + 1 + n]
-            v, i = _parse_one(spec, colon + 1 + n)
-            pairs.append((key, v))
-        return ("{", pairs), i + 1
-    raise ValueError(f"tensorwatch_otel: bad traced structure at {i}: {spec!r}")
-
-
-def _fill(p: _Node, it: Iterator[torch.Tensor]) -> Any:  # a tensor, None, _OTHER, tuple or dict
-    c = p[0]
-    if c == "T":
-        return next(it)
-    if c == "N":
-        return None
-    if c == "X":
-        return _OTHER
-    if c == "(":
-        return tuple(_fill(x, it) for x in p[1])
-    return {k: _fill(x, it) for k, x in p[1]}
 
 
 # ------------------------------------------------------------------------------ dynamo's settings

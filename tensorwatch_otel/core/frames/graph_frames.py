@@ -17,7 +17,7 @@ import torch
 
 from ..measure import graph_stats
 from . import transforms
-from .compiled import parsed_spec
+from .op_spec import parsed_spec
 from ..events import NOTE_EMPTY, NOTE_NO_DATA
 from ..record import FrameDraft, Item, ModuleInfo, Record
 
