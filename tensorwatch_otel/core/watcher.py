@@ -26,7 +26,8 @@ import torch
 
 from .frames.attach import HookSet
 from .frames.backward import BackwardRecorder
-from .batch.lifecycle import BatchLifecycle, ThreadBatch
+from .batch.lifecycle import BatchLifecycle
+from .batch.thread_batch import ThreadBatch
 from .batch.behaviour import Behaviour
 from .batch.sampling import FixedSampling, OverheadBudget
 from .config import WatchConfig
