@@ -42,7 +42,8 @@ from .frames.quiet import QuietBatches
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
 from .frames.recorder import FrameRecorder
-from .steps.monitor import StepHost, StepMonitor
+from .steps.host import StepHost
+from .steps.monitor import StepMonitor
 from .steps.guard import StepGuard
 from .steps.tracker import StepTracker
 
