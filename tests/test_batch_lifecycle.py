@@ -1,6 +1,6 @@
-"""The batch lifecycle's state machine (core/batch/lifecycle.py): each thread's batch is IDLE,
-RECORDING, UNSAMPLED or QUIET, read here from inside real models' forwards as they run, and the
-phase changes only through ThreadBatch.open / close (IDLE <-> an open phase)."""
+"""The batch lifecycle's state machine (core/batch/lifecycle.py, core/batch/thread_batch.py): each
+thread's batch is IDLE, RECORDING, UNSAMPLED or QUIET, read here from inside real models' forwards
+as they run, and the phase changes only through ThreadBatch.open / close (IDLE <-> an open phase)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from _collect import Collect
 from tensorwatch_otel import DebugUnderflowOverflow, NonFiniteDetected, watch
-from tensorwatch_otel.core.batch.lifecycle import Phase, ThreadBatch
+from tensorwatch_otel.core.batch.thread_batch import Phase, ThreadBatch
 from tensorwatch_otel.core.record import Record
 
 CORE = pathlib.Path(__file__).resolve().parent.parent / "tensorwatch_otel" / "core"
@@ -291,7 +291,7 @@ def _attribute_writes(tree):
 def test_only_the_thread_batch_changes_its_phase_and_record():
     """The phase, its flags and the record are written by ThreadBatch's own methods (the flags
     only where the phase changes): no hook or lifecycle method sets them past the transitions."""
-    tree = ast.parse((CORE / "batch" / "lifecycle.py").read_text())
+    tree = ast.parse((CORE / "batch" / "thread_batch.py").read_text())
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ThreadBatch"]
     inside = _attribute_writes(cls)
     assert {(f, a) for f, a, o in inside if a in _WRITERS} == \

@@ -14,7 +14,7 @@ from torch import nn
 import pytest
 from _collect import Collect
 from tensorwatch_otel import DebugUnderflowOverflow, NonFiniteDetected, NonFiniteEvent, watch
-from tensorwatch_otel.core.batch.lifecycle import Phase
+from tensorwatch_otel.core.batch.thread_batch import Phase
 
 
 class EncDec(nn.Module):

@@ -14,7 +14,7 @@ import torch.utils.checkpoint
 
 import tensorwatch_otel
 import tensorwatch_otel.core.frames.recorder as watcher_mod
-from tensorwatch_otel.core.batch.lifecycle import Phase
+from tensorwatch_otel.core.batch.thread_batch import Phase
 from tensorwatch_otel.core.measure.weights import WeightTable
 import tensorwatch_otel.core.watcher as watcher_core
 from tensorwatch_otel import (

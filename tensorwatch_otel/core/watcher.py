@@ -26,7 +26,8 @@ import torch
 
 from .frames.attach import HookSet
 from .frames.backward import BackwardRecorder
-from .batch.lifecycle import BatchLifecycle, ThreadBatch
+from .batch.lifecycle import BatchLifecycle
+from .batch.thread_batch import ThreadBatch
 from .batch.behaviour import Behaviour
 from .batch.sampling import FixedSampling, OverheadBudget
 from .config import WatchConfig
@@ -41,7 +42,8 @@ from .frames.quiet import QuietBatches
 from .rank import current_rank
 from .record import History, ModuleInfo, Record
 from .frames.recorder import FrameRecorder
-from .steps.monitor import StepHost, StepMonitor
+from .steps.host import StepHost
+from .steps.monitor import StepMonitor
 from .steps.guard import StepGuard
 from .steps.tracker import StepTracker
 

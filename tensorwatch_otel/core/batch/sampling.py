@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import AbstractSet, Callable, Deque, Optional
+from typing import AbstractSet, Callable, Deque, Optional, Tuple
 
 from ..events import SamplingRateEvent
 
@@ -55,6 +55,47 @@ class FixedSampling:
 
     def spend(self, t0: float) -> None:
         pass
+
+
+class BatchCosts:
+    """The budget's figures: the last samples of a measured batch's cost, an unmeasured one's and
+    a step's length (without the watcher's seconds), and the watcher's and the step's seconds
+    since the last measured batch began (the current interval)."""
+
+    def __init__(self) -> None:
+        self._measured_costs: Deque[float] = deque(maxlen=_SAMPLES)
+        self._unmeasured_costs: Deque[float] = deque(maxlen=_SAMPLES)
+        self._steps: Deque[float] = deque(maxlen=_SAMPLES)  # batch lengths less the watcher's seconds
+        self._interval_spent = 0.0  # since the last measured batch began
+        self._interval_step = 0.0
+
+    def add(self, spent: float, step: float) -> None:
+        """A batch ended: the watcher's seconds in it and the rest of its length."""
+        self._steps.append(step)
+        self._interval_spent += spent
+        self._interval_step += step
+
+    def add_unmeasured(self, spent: float) -> None:
+        self._unmeasured_costs.append(spent)
+
+    def add_measured(self, spent: float) -> None:
+        self._measured_costs.append(spent)
+
+    def new_interval(self) -> Optional[float]:
+        """A measured batch begins a new interval: the watcher's share of the step over the one
+        that ends (None: it holds no step)."""
+        share = self._interval_spent / self._interval_step if self._interval_step > 0 else None
+        self._interval_spent = self._interval_step = 0.0
+        return share
+
+    def medians(self) -> Optional[Tuple[float, float, float]]:
+        """(measured, unmeasured, step) over the last samples; None until two measured batches and
+        two batch lengths are known."""
+        if len(self._measured_costs) < 2 or len(self._steps) < 2:
+            return None
+        measured = statistics.median(self._measured_costs)
+        unmeasured = statistics.median(self._unmeasured_costs) if self._unmeasured_costs else 0.0
+        return measured, unmeasured, statistics.median(self._steps)
 
 
 class OverheadBudget:
@@ -94,11 +135,7 @@ class OverheadBudget:
         self._start = 0.0
         self._spent = 0.0  # the watcher's seconds in it so far
         self._last_measured = -1
-        self._measured_costs: Deque[float] = deque(maxlen=_SAMPLES)
-        self._unmeasured_costs: Deque[float] = deque(maxlen=_SAMPLES)
-        self._steps: Deque[float] = deque(maxlen=_SAMPLES)  # batch lengths less the watcher's seconds
-        self._interval_spent = 0.0  # since the last measured batch began
-        self._interval_step = 0.0
+        self._costs = BatchCosts()
         self._warned = False
 
     def watches(self, batch: int) -> bool:
@@ -124,9 +161,9 @@ class OverheadBudget:
         self._sampled = self._measured and not forced
         if self._measured:
             self._last_measured = batch
-            if self._interval_step > 0:
-                self.overhead = self._interval_spent / self._interval_step
-            self._interval_spent = self._interval_step = 0.0
+            share = self._costs.new_interval()
+            if share is not None:
+                self.overhead = share
 
     def _end(self, now: float) -> None:
         """The batch begun last ends at `now`."""
@@ -134,21 +171,18 @@ class OverheadBudget:
             return
         spent = self._spent
         step = max(now - self._start - spent, 1e-9)
-        self._steps.append(step)
-        self._interval_spent += spent
-        self._interval_step += step
+        self._costs.add(spent, step)
         if not self._measured:
-            self._unmeasured_costs.append(spent)
+            self._costs.add_unmeasured(spent)
         elif self._sampled:
-            self._measured_costs.append(spent)
+            self._costs.add_measured(spent)
             self._choose()
 
     def _choose(self) -> None:
-        if len(self._measured_costs) < 2 or len(self._steps) < 2:
+        medians = self._costs.medians()
+        if medians is None:
             return
-        measured = statistics.median(self._measured_costs)
-        unmeasured = statistics.median(self._unmeasured_costs) if self._unmeasured_costs else 0.0
-        step = statistics.median(self._steps)
+        measured, unmeasured, step = medians
         need = self._need(measured, unmeasured, step, self.max_overhead)
         n = self.every_n_batches
         if n < need or (n > self._floor and n >= _SHORTEN_AT * need):

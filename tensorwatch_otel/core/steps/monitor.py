@@ -2,18 +2,18 @@
 
 It owns the optimizer-step state of a watcher: non-finite gradients no step has consumed yet
 (`gradients=True`), the loss scale read with each batch (a GradScaler's skips), the skip count
-and streak, the step guard (the gradients a step is about to consume, in one read) and the
-optimizer-state reader. The watcher calls it at an outermost call, at a batch end, at the end of
-a gradient backward, before and after every optimizer step that concerns its model, and at
-detach; it calls the watcher back (`StepHost`) to raise a detection, hand events and phase
-records to the sinks, and drop the weight cache when a step changed the weights.
+and streak, the step guard (the gradients a step is about to consume, in one read:
+core/steps/step_check.py) and the optimizer-state reader. The watcher calls it at an outermost
+call, at a batch end, at the end of a gradient backward, before and after every optimizer step
+that concerns its model, and at detach; it calls the watcher back (`StepHost`,
+core/steps/host.py) to raise a detection, hand events and phase records to the sinks, and drop
+the weight cache when a step changed the weights.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -22,81 +22,25 @@ from ..frames.backward import producer_frame
 from ..errors import NonFiniteDetected
 from ..events import NonFiniteEvent
 from ..fleet import FleetStop
+from .bad_step import BadStep
 from .on_detect import OnDetect
 from .poison import ForwardPoison
 from ..rank import current_rank
 from ..record import Record
 from .skip import SkipStep, StepArgs, stand_in, with_stand_in
-from .guard import LaunchedCheck, PendingGradients, StepGuard
+from .guard import PendingGradients, StepGuard
+from .host import StepHost
 from .scaler import ScalerSkips, ScaleReader, SkipCounter
+from .step_check import StepCheck
 from .tracker import outside_graphs
 
 log = logging.getLogger(__name__)
-
-
-def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """A torch optimizer whose fused step reads `found_inf` and writes nothing when it is 1.0."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and \
-        all(g.get("fused") for g in optimizer.param_groups)
-
-
-class StepHost:
-    """What the monitor needs of its watcher, as plain callables (no back reference)."""
-
-    __slots__ = ("detect", "escalate", "emit", "phase_stats", "check", "last_batch", "watches", "live",
-                 "weights_changed", "generation", "localize")
-
-    def __init__(self, *, detect: Callable[..., None], escalate: Callable[..., None], emit: Callable[[Any], None],
-                 phase_stats: Callable[[Record], None], check: Callable[[Record, int], None],
-                 last_batch: Callable[[], int], watches: Callable[[int], bool], live: Callable[[], bool],
-                 weights_changed: Callable[[], None], generation: Callable[[], int],
-                 localize: Callable[[Record], Optional[NonFiniteEvent]] = lambda rec: None):
-        self.detect = detect  # (record, frame index, replicated=False, force=None): a detection
-        self.escalate = escalate  # (event, note, recorded=True): raise a detection on_detect="skip" made
-        self.emit = emit  # an event to the sinks
-        self.phase_stats = phase_stats  # a gradient / optimizer-state record to the metric sinks
-        self.check = check  # (record, first frame): detect in a record already read back
-        self.last_batch = last_batch  # the batch begun last (the one a step belongs to)
-        self.watches = watches  # batch number -> recorded (every_n_batches, trace_batches)
-        self.live = live  # attached, and not replaying a captured batch
-        self.weights_changed = weights_changed  # a step wrote the weights: measure them again
-        self.generation = generation  # bumped when the model's parameters were replaced
-        # (bad gradients' record) -> the forward detection a replay of their unsampled batch found and
-        # recorded, or None (on_detect="skip": the skip then names where the inf/nan was born)
-        self.localize = localize
-
-
-class _Bad:
-    """What makes a step one to skip (on_detect="skip"): the place, and what a raise would carry
-    (the record and frame of a gradient check, or the forward's detection event)."""
-
-    __slots__ = ("batch", "module", "module_class", "tensor", "kind", "phase", "rec", "frame", "event")
-
-    def __init__(self, batch: int, module: str = "", module_class: str = "", tensor: str = "", kind: str = "",
-                 phase: str = "backward", rec: Optional[Record] = None, frame: int = 0,
-                 event: Optional[NonFiniteEvent] = None) -> None:
-        self.batch, self.module, self.module_class, self.tensor, self.kind = batch, module, module_class, tensor, kind
-        self.phase, self.rec, self.frame, self.event = phase, rec, frame, event
-
-    @classmethod
-    def of_record(cls, rec: Record, fi: int) -> "_Bad":
-        frame = rec.materialize(fi, fi + 1)[0]
-        first = frame.first_nonfinite()
-        return cls(rec.batch_number, frame.module, frame.module_class, first.name if first else "",
-                   first.kind if first else frame.kind, rec.phase, rec, fi)
-
-    @classmethod
-    def of_event(cls, event: NonFiniteEvent) -> "_Bad":
-        return cls(event.batch_number, event.module, event.module_class, event.tensor, event.kind, "forward",
-                   event=event)
 
 
 class StepMonitor:
     def __init__(self, host: StepHost, fleet: FleetStop, grad_scaler: Any = None, max_skipped_steps: int = 20,
                  gradients: bool = False, *, on_detect: OnDetect, captures: bool = False) -> None:
         self._host = host
-        self._on_detect = on_detect
-        self._captures = captures  # capture_dir: a detection writes its batch's inputs, held until the next batch
         self._fleet = fleet
         self._gradients = gradients
         self._scale = ScaleReader(grad_scaler) if grad_scaler is not None else None
@@ -106,18 +50,14 @@ class StepMonitor:
         self._pending: Optional[PendingGradients] = None  # non-finite gradients no step consumed yet
         self._skipping_step = False  # a fused optimizer's step that skips itself (GradScaler's found_inf)
         self._skips = SkipCounter(max_skipped_steps)
-        self._guard: Optional[StepGuard] = None
+        self._check = StepCheck(host, fleet, on_detect=on_detect, captures=captures)  # the step guard, run
         self._optim_state: Any = None  # OptimizerStateReader with optimizer_state=True
-        self._skipper = self._on_detect.skipper()  # on_detect="skip": steps made not to happen
+        self._skipper = on_detect.skipper()  # on_detect="skip": steps made not to happen
         self._poison: Optional[ForwardPoison] = None  # a training forward's detection and the gradients it spoilt
-        # the step guard's check launched without a read, and replicated: read with the next batch
-        self._deferred: Optional[Tuple[LaunchedCheck, bool]] = None
-        # its flag, set as an optimizer's found_inf for its step (and that optimizer)
-        self._handed: Optional[Tuple["weakref.ref[torch.optim.Optimizer]", torch.Tensor]] = None
 
     def use(self, guard: Optional[StepGuard], optim_state: Any) -> None:
         """The step guard and the optimizer-state reader (made where the hooks are placed)."""
-        self._guard = guard
+        self._check.use(guard)
         self._optim_state = optim_state
 
     @property
@@ -207,8 +147,7 @@ class StepMonitor:
         optimization) the closure is wrapped so its gradients are checked when it returns; the
         step's (args, kwargs) come back. on_detect="skip": see _skippable_step."""
         self._steps_begun += 1
-        if self._handed is not None:  # a step that raised before its post-hook: our flag is not its verdict
-            self._take_back()
+        self._check.take_back()  # a step that raised before its post-hook: our flag is not its verdict
         if self._skipper is not None and self._host.live():
             return self._skippable_step(optimizer, closure, args, kwargs)
         if closure is not None:
@@ -224,7 +163,7 @@ class StepMonitor:
             return tuple(args), dict(kwargs or {}, closure=run)
         found_inf = getattr(optimizer, "found_inf", None)
         if found_inf.__class__ is torch.Tensor and (
-                self._guard is not None or self._pending is not None or self._scale is not None):
+                self._check.on or self._pending is not None or self._scale is not None):
             # A GradScaler hands its verdict to a fused optimizer (AdamW(fused=True)): step()
             # runs on the still-scaled gradients and writes nothing when found_inf is set. The
             # scaler checked every gradient of this optimizer: one read of its verdict instead of
@@ -244,105 +183,25 @@ class StepMonitor:
             self._host.detect(pending.record, pending.frame)
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
         batch = self._host.last_batch()
-        if pending is None and self._guard is not None and self._host.live() \
+        if pending is None and self._check.on and self._host.live() \
                 and not (self._gradients and self._host.watches(batch)):  # (gradients=True read that batch's)
             # after the stop point: a stop already under way (another rank's, or this rank's
             # forward detection) is raised there, not named again at the gradients it spoilt
             # every batch's step, sampled or not: every_n_batches thins the statistics, never
             # the detection (an unchecked step would spread an inf into every weight)
-            if not self._defer_guard(optimizer, batch):
-                self._guard_step(optimizer, batch)
+            if not self._check.defer(optimizer, batch):
+                self._check.check_now(optimizer, batch)
         return None
 
-    def _defer_guard(self, optimizer: torch.optim.Optimizer, batch: int) -> bool:
-        """The step guard without a host read, where its verdict can wait for the next batch's
-        read-back (`settle`): on the device path (StepGuard.launch), when the step may run
-        before the verdict is known, because on_detect="report" lets it run whatever its
-        gradients hold, or because the optimizer is fused and takes the guard's device flag as
-        its `found_inf` (as from a GradScaler): it then writes nothing when a gradient holds
-        inf/nan, and on_detect="raise" raises with the next read-back, the weights untouched.
-        False where the guard reads now: another optimizer, a sharded model (the ranks agree at
-        the step), gradients the device path does not take, and where a detection needs the
-        batch's inputs, which the next batch lets go: an unrecorded batch (its detection is
-        localized by a replay of them) or `capture_dir` (they are written to a file)."""
-        hand = self._on_detect.step_waits_for_verdict  # (report lets the step run whatever its gradients hold)
-        if hand and not _takes_found_inf(optimizer):
-            return False
-        if self._captures or not self._host.watches(batch):
-            return False
-        if self._fleet.gradients_sharded(self._host.generation()):
-            return False
-        self.settle()  # a check still pending (a second optimizer in the batch): its read now
-        guard = self._guard
-        if guard is None:  # (settle's failure turned it off)
-            return False
-        try:
-            launched = guard.launch(optimizer, batch)
-        except Exception as exc:  # the guard must not stop training: the read below instead
-            log.warning("tensorwatch_otel: the optimizer-step check on the device failed (%s: %s); it reads "
-                        "the gradients instead", type(exc).__name__, exc)
-            return False
-        if launched is None:
-            return False
-        if hand:
-            optimizer.found_inf = launched.flag  # type: ignore[attr-defined]  # read by the fused step, as a GradScaler sets it
-            self._handed = (weakref.ref(optimizer), launched.flag)
-        self._deferred = (launched, self._fleet.gradients_replicated())
-        return True
-
-    def _take_back(self) -> None:
-        """The guard's flag off the optimizer it was handed to (after its step; before the next
-        step when that one raised; at detach), unless it holds another's now."""
-        handed, self._handed = self._handed, None
-        if handed is None:
-            return
-        optimizer = handed[0]()
-        if optimizer is not None and getattr(optimizer, "found_inf", None) is handed[1]:
-            delattr(optimizer, "found_inf")
-
     def settle(self) -> None:
-        """The deferred step check's verdict (see _defer_guard), read with the batch just read
-        back (its gradients' slots came to the host in that one copy; else this is the read):
-        a detection at the first bad gradient, in that step's batch. Called at every batch end
-        and at detach."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is None:
-            return
-        check, replicated = deferred
-        try:
-            found = check.verdict()
-        except Exception as exc:  # the guard must not stop training: it goes off, said once
-            self._guard = None
-            log.error("tensorwatch_otel: the optimizer-step gradient check failed (%s: %s); training goes on "
-                      "without it", type(exc).__name__, exc)
-            return
-        if found is not None:
-            self._host.detect(found[0], found[1], replicated=replicated)
+        """The deferred step check's verdict, read with the batch just read back (StepCheck.settle):
+        called at every batch end and at detach."""
+        self._check.settle()
 
-    def _guard_step(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
-        """The step guard: one read; a detection named at the first bad gradient."""
-        found = self._guard_read(optimizer, batch)
-        if found is not None:
-            self._host.detect(found[0], found[1], replicated=self._fleet.gradients_replicated())
-
-    def _guard_verdict(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[_Bad]:
+    def _guard_verdict(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[BadStep]:
         """on_detect="skip": why the step guard says this step must not run, or None."""
-        found = self._guard_read(optimizer, batch)
-        return _Bad.of_record(*found) if found is not None else None
-
-    def _guard_read(self, optimizer: torch.optim.Optimizer, batch: int) -> Optional[Tuple[Record, int]]:
-        """The step guard's one read: the record and frame of the first bad gradient, or None."""
-        guard = self._guard
-        assert guard is not None
-        try:
-            rec = guard.check(optimizer, batch)
-            fi = rec.first_nonfinite_frame(0) if rec is not None else None
-        except Exception as exc:  # the guard must not stop training: it goes off, said once
-            self._guard = None
-            log.error("tensorwatch_otel: the optimizer-step gradient check failed (%s: %s); training goes on "
-                      "without it", type(exc).__name__, exc)
-            return None
-        return (rec, fi) if rec is not None and fi is not None else None
+        found = self._check.read(optimizer, batch)
+        return BadStep.of_record(*found) if found is not None else None
 
     # ---------------------------------------------------------------- on_detect="skip"
     def _skippable_step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[..., Any]],
@@ -391,7 +250,7 @@ class StepMonitor:
         self._skipping_step = True
         return with_stand_in(args, kwargs, inst)
 
-    def _verdict(self, optimizer: torch.optim.Optimizer, scaler_checked: bool = False) -> Optional[_Bad]:
+    def _verdict(self, optimizer: torch.optim.Optimizer, scaler_checked: bool = False) -> Optional[BadStep]:
         """Why this step must not run, or None. The batch's forward detection, else bad
         gradients (gradients=True's pending ones, else one read by the step guard, unless a
         GradScaler checked them). Under DDP the all-reduced gradients, the same on every rank,
@@ -404,33 +263,31 @@ class StepMonitor:
             self._drop_poison()  # its batch's steps were skipped; this is a later batch's
             poison = None
         poisoned = poison.event if poison is not None and poison.spoils_step() else None
-        replicated = self._guard is not None and self._fleet.gradients_replicated()
-        bad: Optional[_Bad] = None
+        replicated = self._check.on and self._fleet.gradients_replicated()
+        bad: Optional[BadStep] = None
         if not replicated:
             if poisoned is not None:
-                bad = _Bad.of_event(poisoned)
+                bad = BadStep.of_event(poisoned)
             elif pending is not None:
-                bad = _Bad.of_record(pending.record, pending.frame)
-        if bad is None and self._guard is not None and not scaler_checked:  # every batch, sampled or not
+                bad = BadStep.of_record(pending.record, pending.frame)
+        if bad is None and self._check.on and not scaler_checked:  # every batch, sampled or not
             bad = self._guard_verdict(optimizer, batch)
             if bad is not None and poisoned is not None:
-                bad = _Bad.of_event(poisoned)  # the place it began
+                bad = BadStep.of_event(poisoned)  # the place it began
             elif bad is not None and bad.rec is not None:
                 born = self._host.localize(bad.rec)  # an unsampled batch's forward, replayed
                 if born is not None:
-                    bad = _Bad.of_event(born)
+                    bad = BadStep.of_event(born)
         if self._fleet.gradients_sharded(self._host.generation()) \
                 and self._fleet.any_rank(bad is not None) and bad is None:
-            bad = _Bad(batch)  # another rank's shard: every rank skips the same step
+            bad = BadStep(batch)  # another rank's shard: every rank skips the same step
         if bad is None:
             self._drop_poison()  # this step consumes gradients no verdict holds for
         elif bad.event is not None and poison is not None and not poison.gone:
             poison.skipped_in = batch
         return bad
 
-
-
-    def _skip(self, bad: _Bad, cannot: Optional[str]) -> None:
+    def _skip(self, bad: BadStep, cannot: Optional[str]) -> None:
         """Record the skip of this step; raise instead, as on_detect="raise" would, when it
         `cannot` be skipped (why) or max_skipped_steps steps in a row were skipped already."""
         limit = self._skips.max_streak
@@ -452,8 +309,7 @@ class StepMonitor:
                                                phase="backward"), note + " (found on another rank)", recorded=False)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._handed is not None:
-            self._take_back()
+        self._check.take_back()
         if self._skipping_step:  # the step skipped itself, or ran on a stand-in: no weight changed
             self._skipping_step = False
             return
@@ -501,7 +357,7 @@ class StepMonitor:
         if self._scaler_skips is not None:
             self._scaler_skips.remove()
         self._drop_poison()
-        self._take_back()  # (a step that raised after the flag was handed: it would skip every later step)
+        self._check.take_back()  # (a step that raised after the flag was handed: it would skip every later step)
         try:
             self.settle()  # the last step's check: no batch came after it to read it
         except NonFiniteDetected as exc:  # recorded in the sinks; detach does not raise
