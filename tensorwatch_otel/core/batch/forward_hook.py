@@ -29,7 +29,6 @@ _MAX_PENDING = 2_000_000  # stat slots held before an early read-back (no root f
 Take = Callable[[Record, ModuleInfo, Tuple[Any, ...], Dict[str, Any], Any], None]
 
 
-
 class HookLifecycle(Protocol):
     """What a forward hook asks of the lifecycle that made it (core/batch/lifecycle.py's
     BatchLifecycle): the batch's in-graph rows, the unsampled call's check, the frames it cannot

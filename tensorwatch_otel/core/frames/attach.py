@@ -314,7 +314,7 @@ class HookSet:
         op_slots.set_post(slot, hook)
         pre_hook = compiled.PreHook(slot, self._pre_hook, is_root, getattr(hook, "row_id", None)).place(module, copies)
         if hasattr(hook, "pair"):
-            hook.pair(pre_hook)  # (batch_lifecycle.ForwardHook: its row id moves with its module)
+            hook.pair(pre_hook)  # (core/batch/forward_hook.py's ForwardHook: its row id moves with its module)
         pre = _register_pre(module, pre_hook)
         post = _register_post(module, hook)
         h.handles += [pre, post, op_slots.SlotHandle(slot)]

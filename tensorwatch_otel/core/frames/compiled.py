@@ -319,7 +319,7 @@ class PreHook(ModuleHook):
         self._slot = slot_tensor(slot)
         self._eager = eager
         self._is_root = is_root
-        self._row_id = row_id  # its forward hook's (batch_lifecycle.ForwardHook)
+        self._row_id = row_id  # its forward hook's (core/batch/forward_hook.py's ForwardHook)
 
     def rehome(self, row_id: Optional[torch.Tensor]) -> None:
         """The row id its forward hook now has (its module moved to another device)."""
@@ -343,7 +343,7 @@ class PreHook(ModuleHook):
 
 
 _compiling = torch.compiler.is_compiling
-for _hook in (PreHook, Hook, Unwatched):  # (batch_lifecycle.ForwardHook is marked where it is defined)
+for _hook in (PreHook, Hook, Unwatched):  # (core/batch/forward_hook.py's ForwardHook is marked where it is defined)
     run_eagerly_when_called_eagerly(_hook.__call__.__code__)
 
 
