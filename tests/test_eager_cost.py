@@ -193,7 +193,7 @@ def test_a_frame_the_kernel_fails_on_leaves_no_unread_places(kernel, monkeypatch
         model(torch.randn(2, 4))
         monkeypatch.undo()
         model(torch.randn(2, 4))
-    assert w._failed_hooks == 3 and w.detections == 0
+    assert w.hook_failures == 3 and w.detections == 0
     assert [len(b.frames) for b in sink.batches] == [0, 3] or [len(b.frames) for b in sink.batches] == [3]
     assert all(t.abs_max is not None for f in sink.batches[-1].frames for t in f.tensors)
 

@@ -70,6 +70,25 @@ class BatchScope:
         return False
 
 
+class HookFailures:
+    """The hooks' failures to record a module call or a gradient: counted, the first said at
+    ERROR with its module and exception; training goes on."""
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def failed(self, info: ModuleInfo, exc: Exception) -> None:
+        self._count += 1
+        if self._count == 1:
+            log.error("tensorwatch_otel: could not record %s (%s): %s: %s; training goes on, "
+                      "further failures are counted", info.path or "(root)", info.cls,
+                      type(exc).__name__, exc)
+
+
 # Watchers alive in this process, for detect_overflow(); weak so a dropped watcher goes away.
 ACTIVE: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
 
@@ -96,6 +115,7 @@ class Watcher:
         self._lock = threading.Lock()
         self._attached = False
         self._recorder = FrameRecorder(model)
+        self._failures = HookFailures()  # a hook that could not record: counted, said once
         self.grad_scaler = grad_scaler
         # (the collaborators built before the batch lifecycle reach it when called, not before)
         self._on_detect = choose_on_detect(config.on_detect)  # what a detection does to training
@@ -118,14 +138,14 @@ class Watcher:
             captures=bool(config.capture_dir))
         self._backward = BackwardRecorder(self._last_batch,
                                           lambda: self._attached and self._watches(self._life.last_batch()),
-                                          self._steps.backward_done, self._hook_failed)
+                                          self._steps.backward_done, self._failures.failed)
         quiet = QuietBatches(model)  # the hooks an unsampled batch takes off (core/frames/quiet.py)
         # each thread's batch: begun, recorded, ended (core/batch/lifecycle.py)
         self._life = BatchLifecycle(model, config, self.behaviour, recorder=self._recorder, sampling=self._sampling,
                                     fanout=self._fanout, fleet=self._fleet, detect=self._detect, steps=self._steps,
                                     backward=self._backward, quiet=quiet, live=lambda: self._attached,
                                     params_current=self._params_current, hooked=lambda: self._hooks.hooked,
-                                    failed=self._hook_failed)
+                                    failed=self._failures.failed)
         # every hook and handle, the model's parameters and their owners (core/frames/attach.py)
         self._hooks = HookSet(model, config, slot_owner=self, quiet=quiet, pre_hook=self._life.pre_hook,
                               make_hook=self._life.make_hook,
@@ -134,8 +154,6 @@ class Watcher:
                               batch_number=lambda: self.batch_number)
         self._step_hooks: Optional[StepTracker] = None  # the optimizer step hooks (core/steps/tracker.py)
         self._rescan_failed = False
-        self._failed_hooks = 0
-        self._hook_error_logged = False
         self._attach()
 
     # ---------------------------------------------------------------- lifetime
@@ -191,6 +209,12 @@ class Watcher:
     def attached(self) -> bool:
         """Its hooks are on the model (between watch() and detach())."""
         return self._attached
+
+    @property
+    def hook_failures(self) -> int:
+        """Module calls and gradients the hooks could not record so far (the first said at ERROR;
+        training goes on)."""
+        return self._failures.count
 
     @property
     def sinks(self) -> List[Sink]:
@@ -289,14 +313,6 @@ class Watcher:
                                      optimizer_state=False, capture_dir=None, rerun_on_detect=False,
                                      guard_steps=False, strict=False, max_overhead=None)
         return Watcher(model, [sink], config, local=True)
-
-    def _hook_failed(self, info: ModuleInfo, exc: Exception) -> None:
-        self._failed_hooks += 1
-        if not self._hook_error_logged:
-            self._hook_error_logged = True
-            log.error("tensorwatch_otel: could not record %s (%s): %s: %s; training goes on, "
-                      "further failures are counted", info.path or "(root)", info.cls,
-                      type(exc).__name__, exc)
 
     # ---------------------------------------------------------------- gradients and steps
     def _phase_stats(self, rec: Record) -> None:
