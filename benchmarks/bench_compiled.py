@@ -262,7 +262,7 @@ class CompiledTrainer:
         """Frames in the watcher's last finished batch (0 without a watcher)."""
         if self.watcher is None:
             return 0
-        records = self.watcher._history.records
+        records = self.watcher._session.history().records
         return records[-1].frame_count if records else 0
 
     #: wall time, or the process' CPU time (time.process_time, CPU only): immune to the
@@ -352,7 +352,7 @@ def eager_frames(base, x, autocast) -> int:
     with tw.watch(model, sinks=[], on_detect="report") as w, torch.no_grad(), \
             torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
         model(x)
-        return w._history.records[-1].frame_count
+        return w._session.history().records[-1].frame_count
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None) -> float:

@@ -54,12 +54,12 @@ def main() -> None:
 
     steps(5)
     times = {"on": [], "off": []}
-    polls = w._fleet.polls
+    polls = w._session.fleet.polls
     for rnd in range(args.rounds):
         for v in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
-            w._fleet._stops = v == "on"  # off: no store check at all
+            w._session.fleet._stops = v == "on"  # off: no store check at all
             times[v].append(steps(args.steps))
-    polls = w._fleet.polls - polls
+    polls = w._session.fleet.polls - polls
     if dist.get_rank() == 0:
         on, off = statistics.median(times["on"]), statistics.median(times["off"])
         print(json.dumps({"store_check_us_median": round(statistics.median(check_us), 1),

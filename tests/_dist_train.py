@@ -152,7 +152,7 @@ def main() -> int:
                     step()
                 result["batches_done"] = b + 1
                 if watcher is not None:
-                    result["polls_by_batch"].append(watcher._fleet.polls)  # store checks after each batch
+                    result["polls_by_batch"].append(watcher._session.fleet.polls)  # store checks after each batch
     except NonFiniteDetected as exc:
         ev = exc.event
         result.update(stopped=True, time=time.time(), event=ev.event, first_rank=ev.first_rank,
@@ -167,12 +167,12 @@ def main() -> int:
         result["weights"] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
                              for p in net.parameters()]
     if watcher is not None:
-        fleet = watcher._fleet
+        fleet = watcher._session.fleet
         result.update(polls=fleet.polls, requests=fleet.requests, node_reads=fleet.node_reads,
                       node_file=fleet._node.path if fleet._node else None,
                       local_rank=int(os.environ.get("LOCAL_RANK", "0")), node=int(os.environ.get("GROUP_RANK", "0")))
         # walks of the model: at watch(), then when parameters were replaced
-        result["param_scans"] = watcher._hooks.index.scans
+        result["param_scans"] = watcher._session.hooks.index.scans
     result["param_names"] = [n for n, _ in net.named_parameters()]
     result["module_classes"] = sorted({type(m).__name__ for m in net.modules()})
     write_observed(args.out, rank, result)

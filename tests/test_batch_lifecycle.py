@@ -61,7 +61,7 @@ class Net(nn.Module):
 def _watched(model, **kw):
     sink = Collect()
     w = watch(model, sinks=[sink], **kw)
-    model.probe.life = w._life
+    model.probe.life = w._session.life
     return w, sink
 
 
@@ -73,11 +73,11 @@ def test_idle_between_batches_recording_inside_a_sampled_one():
     torch.manual_seed(0)
     model = Net()
     w, sink = _watched(model)
-    assert w._life.phase is IDLE and w._life.state().rec is None
+    assert w._session.life.phase is IDLE and w._session.life.state().rec is None
     x = torch.randn(3, 4)
     for b in range(3):
         model(x)
-        assert w._life.phase is IDLE and w._life.state().depth == 0  # the root's return ended it
+        assert w._session.life.phase is IDLE and w._session.life.state().depth == 0  # the root's return ended it
         assert w.batch_number == b + 1
     # inside: the probe's call is the root's child (depth 2: root and probe pre-hooks counted)
     assert model.probe.seen == [(RECORDING, 0, 2), (RECORDING, 1, 2), (RECORDING, 2, 2)]
@@ -92,7 +92,7 @@ def test_unsampled_batches_are_quiet_and_unsampled_once_quiet_is_off():
     x = torch.randn(3, 4)
     for _ in range(4):
         model(x)
-        assert w._life.phase is IDLE
+        assert w._session.life.phase is IDLE
     # batches 1 and 2: hooks off (the probe's pre-hook did not count: depth 1, the root's)
     assert model.probe.seen == [(RECORDING, 0, 2), (QUIET, 1, 1), (QUIET, 2, 1), (RECORDING, 3, 2)]
     # a second thread turns quiet batches off: an unsampled batch keeps every hook (UNSAMPLED)
@@ -103,7 +103,7 @@ def test_unsampled_batches_are_quiet_and_unsampled_once_quiet_is_off():
     for _ in range(3):
         model(x)  # batches 5 (unsampled), 6 (recorded: one in 3), 7 (unsampled)
     assert model.probe.seen == [(UNSAMPLED, 5, 2), (RECORDING, 6, 2), (UNSAMPLED, 7, 2)]
-    assert w._life.phase is IDLE
+    assert w._session.life.phase is IDLE
     assert [b.batch_number for b in sink.batches] == [0, 3, 6]
     w.detach()
 
@@ -114,14 +114,14 @@ def test_a_batch_block_holds_the_batch_open_across_calls_and_ends_at_release():
     w, sink = _watched(model)
     x = torch.randn(3, 4)
     with w.batch():
-        assert w._life.phase is IDLE  # a block in which nothing ran has begun no batch
+        assert w._session.life.phase is IDLE  # a block in which nothing ran has begun no batch
         model(x)
-        assert w._life.phase is RECORDING and w.batch_number == 0  # the root returned: still open
+        assert w._session.life.phase is RECORDING and w.batch_number == 0  # the root returned: still open
         with w.batch():  # nested: the same batch
             model.probe(x)
-        assert w._life.phase is RECORDING
+        assert w._session.life.phase is RECORDING
         model(x)
-    assert w._life.phase is IDLE and w.batch_number == 1
+    assert w._session.life.phase is IDLE and w.batch_number == 1
     assert model.probe.seen == [(RECORDING, 0, 2), (RECORDING, 0, 1), (RECORDING, 0, 2)]
     assert [b.batch_number for b in sink.batches] == [0]
     assert [f.module for f in sink.batches[0].frames] == ["inp", "probe.lin", "probe", "out", "",
@@ -138,13 +138,13 @@ def test_an_unsampled_batch_block_stays_quiet_until_release():
     model(x)  # batch 0, recorded
     with w.batch():
         model(x)
-        assert w._life.phase is QUIET
+        assert w._session.life.phase is QUIET
         model(x)
-        assert w._life.phase is QUIET
-    assert w._life.phase is IDLE
+        assert w._session.life.phase is QUIET
+    assert w._session.life.phase is IDLE
     assert _phases(model) == [RECORDING, QUIET, QUIET]
     model(x)  # batch 2: the hooks are back
-    assert _phases(model)[-1] is RECORDING and w._life.phase is IDLE
+    assert _phases(model)[-1] is RECORDING and w._session.life.phase is IDLE
     assert [b.batch_number for b in sink.batches] == [0, 2]
     w.detach()
 
@@ -156,7 +156,7 @@ def test_checkpoint_recomputation_in_backward_opens_no_batch():
     x = torch.randn(3, 4)
     for _ in range(2):
         model(x).sum().backward()
-        assert w._life.phase is IDLE
+        assert w._session.life.phase is IDLE
     # each forward: RECORDING; each backward recomputes the probe: IDLE, no batch number
     assert [(p, b) for p, b, _ in model.probe.seen] == [(RECORDING, 0), (IDLE, None), (RECORDING, 1), (IDLE, None)]
     assert w.batch_number == 2 and [b.batch_number for b in sink.batches] == [0, 1]
@@ -182,11 +182,11 @@ def test_an_exception_in_forward_returns_the_thread_to_idle(every):
     model.probe.fail = True
     with pytest.raises(RuntimeError, match="boom"):
         model(x)  # batch 1: recorded (every=1) or quiet (every=2)
-    assert w._life.phase is IDLE and w._life.state().depth == 0
+    assert w._session.life.phase is IDLE and w._session.life.state().depth == 0
     model.probe.fail = False
     model(x)  # batch 2: recorded either way
     assert _phases(model) == [RECORDING, RECORDING if every == 1 else QUIET, RECORDING]
-    assert w._life.phase is IDLE and w.batch_number == 3
+    assert w._session.life.phase is IDLE and w.batch_number == 3
     w.detach()
 
 
@@ -199,7 +199,7 @@ def test_a_detection_raised_in_the_outermost_frame_still_ends_the_batch():
         model.out.bias[0] = float("inf")
     with pytest.raises(NonFiniteDetected):
         model(x)
-    assert w._life.phase is IDLE and w._life.state().depth == 0 and w.batch_number == 1
+    assert w._session.life.phase is IDLE and w._session.life.state().depth == 0 and w.batch_number == 1
     w.detach()
 
 
@@ -207,7 +207,7 @@ def test_the_peers_submodule_calls_keep_one_batch_open_until_the_root_returns():
     torch.manual_seed(0)
     model = Net()
     o = DebugUnderflowOverflow(model)
-    life = o._watcher._life
+    life = o._watcher._session.life
     model.probe.life = life
     x = torch.randn(3, 4)
     model.probe(x)  # an outermost call of a submodule: the batch goes on
@@ -229,14 +229,14 @@ def test_each_thread_has_its_own_phase():
     def other():
         with w.batch():
             model(torch.randn(3, 4))
-            seen.append(w._life.phase)
+            seen.append(w._session.life.phase)
             inside.set()
             go.wait(10)
 
     t = threading.Thread(target=other)
     t.start()
     inside.wait(10)
-    assert seen == [RECORDING] and w._life.phase is IDLE  # that thread's batch is open, not this one's
+    assert seen == [RECORDING] and w._session.life.phase is IDLE  # that thread's batch is open, not this one's
     go.set()
     t.join()
     w.detach()

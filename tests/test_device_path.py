@@ -228,7 +228,7 @@ def test_cpu_tensors_keep_the_cpu_kernel_on_a_device_path_recorder(monkeypatch):
     sink = Collect()
     opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     with watch(twin, sinks=[sink], on_detect="report", trace_batches=(0, 1)) as w:
-        assert w._recorder._device is not None and type(w._recorder.weights) is recorder.WeightTable
+        assert w._session.recorder._device is not None and type(w._session.recorder.weights) is recorder.WeightTable
         for x in xs:
             twin(x).float().square().mean().backward()
             opt.step()
@@ -342,7 +342,7 @@ def test_a_tensor_written_in_place_before_its_deferred_launch_is_said_and_never_
         with watch(model, sinks=[sink], on_detect="report") as w:
             for _ in range(4):
                 model(x)
-        buf = w._recorder.device_stats.buffers[-1]
+        buf = w._session.recorder.device_stats.buffers[-1]
     finally:
         device_stats.force_on_cpu(False)
     lin = [[t for t in b.frames[0].tensors if t.name == "output"][0] for b in sink.batches]

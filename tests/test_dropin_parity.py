@@ -346,7 +346,7 @@ def test_defect_frame_buffer_bounded_after_trace():
     assert ours[0][:trace_end] == peer[0][:trace_end]
     tail = ours[0][ours[0].index("metadata\n", trace_end) + len("metadata\n"):]
     assert peer[0].endswith(tail)
-    assert len(o._watcher._history.records) <= 2
+    assert len(o._watcher._session.history().records) <= 2
 
 
 def _restore_after(batch):

@@ -223,7 +223,7 @@ def test_single_process_raises_at_once(tmp_path):
         with pytest.raises(NonFiniteDetected) as info:
             model(x)
         assert info.value.event.first_rank == 0 and info.value.event.rank == 0
-        assert w._fleet.polls == 0
+        assert w._session.fleet.polls == 0
 
 
 def test_report_command_renders_a_stopped_rank(tmp_path, capsys):

@@ -70,7 +70,7 @@ def test_the_hook_set_follows_a_swap_and_detach_removes_every_hook():
     model = Net()
     old_b = model.b
     w = watch(model, sinks=[Collect()], gradients=True)
-    hooks = w._hooks
+    hooks = w._session.hooks
     assert (hooks.hooked, hooks.gradient_hooks) == (3, 4)  # root, a, b; a's and b's weight and bias
     assert hooks.index.scans == 1 and not hooks.compiled
     model.b = nn.Linear(16, 4)  # swapped in after watch(): hooked at the next call

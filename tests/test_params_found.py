@@ -123,12 +123,12 @@ def test_steady_state_finds_nothing_to_rescan():
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
-        scans = w._hooks.index.scans
+        scans = w._session.hooks.index.scans
         for _ in range(3):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
-        assert w._hooks.index.scans == scans
+        assert w._session.hooks.index.scans == scans
 
 
 @pytest.mark.parametrize("gradients", [False, True])
@@ -177,13 +177,13 @@ def test_functional_call_lends_tensors_without_a_rescan():
     model = Net()
     sink = Collect()
     with watch(model, sinks=[sink]) as w:
-        scans = w._hooks.index.scans
+        scans = w._session.hooks.index.scans
         for _ in range(3):
             lent = {n: p * 2 for n, p in model.named_parameters()}  # plain tensors, not Parameters
             torch.func.functional_call(model, lent, (torch.randn(4, 8),)).sum().backward()
-        assert w._hooks.index.scans == scans and w.batch_number == 3
+        assert w._session.hooks.index.scans == scans and w.batch_number == 3
         model(torch.randn(4, 8)).sum().backward()
-        assert w._hooks.index.scans == scans
+        assert w._session.hooks.index.scans == scans
 
 
 def test_a_rescan_that_fails_logs_once_and_training_goes_on(monkeypatch, caplog):

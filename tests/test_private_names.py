@@ -72,8 +72,8 @@ def test_the_check_sees_each_kind_of_reach():
     trees[fake] = ast.parse("from .stats import abs_minmax_torch_cpu, _wrapper_values\n"
                             "from . import stats\n"
                             "def f(w):\n"
-                            "    return stats._wrapper_values, w._attached, w.attached\n")
+                            "    return stats._wrapper_values, w._session, w.attached\n")
     found = [line.split(": ", 1)[1] for line in reaches(trees) if "made_up_for_the_test" in line]
     assert found == ["from .stats import _wrapper_values",
                      "stats._wrapper_values (a private name of another module)",
-                     "w._attached (another object's private state)"]
+                     "w._session (another object's private state)"]

@@ -40,8 +40,8 @@ def test_calls_without_the_root_forward_end_batches_and_stay_bounded():
     for _ in range(3000):
         model.decode(model.encode(x))
     assert w.batch_number == 6000  # each outermost call (encode, then decode) is a batch
-    assert w._life.phase is Phase.IDLE  # nothing left pending (no batch open in this thread)
-    assert sum(r.frame_count for r in w._history.records) <= 21 + 3  # the ring's history only
+    assert w._session.life.phase is Phase.IDLE  # nothing left pending (no batch open in this thread)
+    assert sum(r.frame_count for r in w._session.history().records) <= 21 + 3  # the ring's history only
     with torch.no_grad():
         model.decoder.weight[0, 0] = float("inf")
     with pytest.raises(NonFiniteDetected) as ei:

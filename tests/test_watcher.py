@@ -603,7 +603,7 @@ def test_activation_checkpointing_recompute_adds_no_frames():
         model(x).sum().backward()
     assert model.block[0].weight.grad is not None
     assert [[f.module for f in b.frames] for b in sink.batches] == [names, names]
-    assert w._life.phase is Phase.IDLE  # no batch begun (nothing recorded) during backward
+    assert w._session.life.phase is Phase.IDLE  # no batch begun (nothing recorded) during backward
     w.detach()
 
 
@@ -840,13 +840,13 @@ def test_replaced_parameters_are_not_kept_alive():
         model(torch.ones(1, 8))
         assert stats_of(sink.batches[-1].frames[0])["weight"] == amm(model.weight)
     gc.collect()
-    assert sum(r() is not None for r in old) <= w._recorder.params_cap + 1  # bounded, not 200
+    assert sum(r() is not None for r in old) <= w._session.recorder.params_cap + 1  # bounded, not 200
     params = {"weight": torch.randn(8, 8), "bias": torch.randn(8)}
     for _ in range(40):
         params = {k: v * 1.01 for k, v in params.items()}
         torch.func.functional_call(model, params, (torch.ones(1, 8),))
         assert stats_of(sink.batches[-1].frames[0])["weight"] == amm(params["weight"])
-    assert len(w._recorder.params_seen) <= w._recorder.params_cap + 2
+    assert len(w._session.recorder.params_seen) <= w._session.recorder.params_cap + 2
     w.detach()
 
 

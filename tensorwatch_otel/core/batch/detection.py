@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -37,30 +37,40 @@ from .rerun import Localized, host, localize, replay_would_block, rerun
 
 log = logging.getLogger(__name__)
 
-#: (record, frame index, the frame's first non-finite tensor) -> the tensor's own kind
-KindOf = Callable[[Record, int, Optional[TensorStat]], str]
+class DetectionHost(Protocol):
+    """What the pipeline asks of the rest of its watch (the watch's session, core/session.py)."""
+
+    def kind_of(self, rec: Record, fi: int, stat: Optional[TensorStat]) -> str:
+        """The own kind of frame `fi`'s first non-finite tensor `stat`."""
+
+    def forget_batch(self) -> None:
+        """Drop what an aborted batch left behind."""
+
+    def history(self) -> History:
+        """The calling thread's finished records."""
+
+    def forward_poisoned(self, event: NonFiniteEvent, params: List[torch.Tensor]) -> None:
+        """on_detect="skip": that forward's step is to be skipped."""
+
+    def watches(self, batch: int) -> bool:
+        """Batch `batch` is recorded (a detection in another is localized by a replay)."""
+
+
 #: a silent watcher on a model that checks every module as it returns (for the replay)
 MakeProbe = Callable[[torch.nn.Module, Sink], Any]
 
 
 class DetectionPipeline:
     def __init__(self, model: torch.nn.Module, config: WatchConfig, behaviour: Behaviour, on_detect: OnDetect,
-                 fanout: SinkFanout, fleet: FleetStop, kind_of: KindOf, forget_batch: Callable[[], None],
-                 history: Callable[[], History], make_probe: MakeProbe,
-                 forward_poisoned: Callable[[NonFiniteEvent, List[torch.Tensor]], None] = lambda event, params: None,
-                 sampled: Callable[[int], bool] = lambda batch: True):
+                 fanout: SinkFanout, fleet: FleetStop, host: DetectionHost, make_probe: MakeProbe):
         self._model = model
         self._config = config
         self._behaviour = behaviour
         self._on_detect = on_detect
         self._fanout = fanout
         self._fleet = fleet
-        self._kind_of = kind_of
-        self._forget_batch = forget_batch  # drop what an aborted batch left behind
-        self._history = history  # the calling thread's finished records
+        self._host = host
         self._make_probe = make_probe
-        self._forward_poisoned = forward_poisoned  # on_detect="skip": that batch's step is to be skipped
-        self._sampled = sampled  # batch number -> recorded (a detection in another is localized by a replay)
         # the batch's inputs, held by reference until the next batch (capture_dir / rerun_on_detect /
         # the replay of an unsampled batch)
         self.capture = BatchCapture(config.capture_dir or "", current_rank()) \
@@ -79,7 +89,7 @@ class DetectionPipeline:
     def _ring(self, rec: Record, fi: int) -> Tuple[Frame, ...]:
         traced = self._config.trace_batches
         stops_at = self._behaviour.ring_stops_at
-        return self._history().ring(rec, fi, lambda prev: stops_at(prev, traced))
+        return self._host.history().ring(rec, fi, lambda prev: stops_at(prev, traced))
 
     def detected(self, rec: Record, fi: int, replicated: bool = False, force: Optional[str] = None) -> None:
         """Frame `fi` of `rec` holds the first inf/nan. `replicated`: the values are the same on
@@ -95,7 +105,7 @@ class DetectionPipeline:
             event = NonFiniteEvent(
                 batch_number=rec.batch_number, rank=current_rank(), module=last.module,
                 module_class=last.module_class, tensor=first.name if first else "",
-                kind=self._kind_of(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase,
+                kind=self._host.kind_of(rec, fi, first), frames=frames, time=time.time(), phase=rec.phase,
                 uncertain=uncertain)
         self._publish(event, replicated, force)
 
@@ -112,7 +122,7 @@ class DetectionPipeline:
     def _localized(self, batch: int) -> Localized:
         """The forward's first inf/nan in a replay of unsampled batch `batch`, or why the event
         may not name where it was born (core/batch/rerun.py)."""
-        if self._sampled(batch) or self.capture is None or self.replaying:
+        if self._host.watches(batch) or self.capture is None or self.replaying:
             return Localized(None)
         if replay_would_block(self._model):
             return Localized(None, "not replayed: the model is sharded over several ranks")
@@ -145,14 +155,14 @@ class DetectionPipeline:
 
         def raise_it() -> None:
             self._fanout.flush(cfg.flush_timeout_s)
-            self._forget_batch()  # a caught exception leaves a clean state
+            self._host.forget_batch()  # a caught exception leaves a clean state
             self.release_inputs()
             exc = NonFiniteDetected(self._behaviour.detection_message(event) + (force or ""), event)
             if not self._fleet.defer(exc, replicated):  # multi-rank: raised at the ranks' common stop point
                 raise exc
 
         def spoil_step() -> None:
-            self._forward_poisoned(event, [p for p in self._model.parameters() if p.requires_grad])
+            self._host.forward_poisoned(event, [p for p in self._model.parameters() if p.requires_grad])
 
         if force is not None:  # raised whatever on_detect says
             raise_it()
@@ -166,7 +176,7 @@ class DetectionPipeline:
             self.detections += 1
             self._fanout.on_event(event)
         self._fanout.flush(self._config.flush_timeout_s)
-        self._forget_batch()
+        self._host.forget_batch()
         self.release_inputs()
         raise NonFiniteDetected(self._behaviour.detection_message(event) + note, event)
 

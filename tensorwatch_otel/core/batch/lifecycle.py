@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
 
 import torch
 
@@ -65,32 +65,33 @@ _tracing = transforms.tracing
 _transforms = transforms.active
 
 
-class LifecycleHost:
-    """What the lifecycle needs of its watcher, as plain callables (no back reference)."""
+class LifecycleHost(Protocol):
+    """What the lifecycle asks of the rest of its watch (the watch's session, core/session.py)."""
 
-    __slots__ = ("live", "params_current", "failed")
+    def live(self) -> bool:
+        """The watcher is attached."""
 
-    def __init__(self, *, live: Callable[[], bool], params_current: Callable[[], None],
-                 failed: Callable[[ModuleInfo, Exception], None]) -> None:
-        self.live = live  # the watcher is attached
-        self.params_current = params_current  # replaced parameters found again
-        self.failed = failed  # (module, exception): a hook that failed, counted
+    def params_current(self) -> None:
+        """Parameters or submodules replaced since the last look are found again."""
+
+    def hooked(self) -> int:
+        """Modules with hooks."""
+
+    def failed(self, info: ModuleInfo, exc: Exception) -> None:
+        """A hook that could not record: counted, the first said."""
 
 
 class BatchLifecycle:
     """Every thread's batch of one watcher: numbers them (one counter for every thread), runs the
     hooks' per-call work through the phases, and ends each batch (read-back, sinks, check).
 
-    Built by the watcher with its collaborators; `pre_hook`, `make_hook` and `capture_hook` are
-    what its HookSet places. `live()` says whether the watcher is attached, `params_current()`
-    finds replaced parameters again, `hooked()` counts the watched modules, `failed(info, exc)`
-    counts a hook that failed."""
+    Built by the watch's session with its collaborators and itself as the `host`; `pre_hook`,
+    `make_hook` and `capture_hook` are what its HookSet places."""
 
     def __init__(self, model: torch.nn.Module, config: WatchConfig, behaviour: Behaviour, *,
                  recorder: FrameRecorder, sampling: "FixedSampling | OverheadBudget", fanout: SinkFanout,
                  fleet: FleetStop, detect: DetectionPipeline, steps: StepMonitor, backward: BackwardRecorder,
-                 quiet: QuietBatches, live: Callable[[], bool], params_current: Callable[[], None],
-                 hooked: Callable[[], int], failed: Callable[[ModuleInfo, Exception], None]) -> None:
+                 quiet: QuietBatches, host: LifecycleHost) -> None:
         self._model = model
         self._config = config
         self._behaviour = behaviour
@@ -101,9 +102,9 @@ class BatchLifecycle:
         self._steps = steps
         self._backward = backward
         self._quiet = quiet
-        self._host = LifecycleHost(live=live, params_current=params_current, failed=failed)
+        self._host = host
         self._end = BatchEnd(config, behaviour, recorder=recorder, sampling=sampling, fanout=fanout, detect=detect,
-                             steps=steps, quiet=quiet, hooked=hooked)
+                             steps=steps, quiet=quiet, hooked=host.hooked)
         self._tls = PerThread(config.max_frames)  # each thread's batch in progress
         self._numbers = BatchNumbers(self._second_thread)  # one counter for every thread
         self._graph = GraphFrames(model)  # its submodules' rows of in-graph statistics (core/frames/graph_frames.py)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -21,17 +21,33 @@ log = logging.getLogger(__name__)
 MAX_OUTPUTS = 16  # tensors hooked per module output (a tuple / ModelOutput)
 
 
-class BackwardRecorder:
-    """Builds one backward Record per backward pass; `on_end(rec, owners)` gets it when the
-    autograd engine finishes (owners[i] is the parameter of frame i, None for activations)."""
+class BackwardHost(Protocol):
+    """What the backward recorder asks of the rest of its watch (the watch's session,
+    core/session.py)."""
 
-    def __init__(self, batch_of_backward: Callable[[], int], watches: Callable[[], bool],
-                 on_end: Callable[[Record, List[Optional[torch.Tensor]], List[int]], None],
-                 failed: Callable[[ModuleInfo, Exception], None]):
-        self._batch = batch_of_backward
-        self._watches = watches
-        self._on_end = on_end
-        self._failed = failed
+    def last_batch(self) -> int:
+        """The batch a backward belongs to: the one begun last."""
+
+    def backward_watched(self) -> bool:
+        """The watcher is attached and records the batch of the backward running now."""
+
+    def backward_done(self, rec: Record, owners: List[Optional[torch.Tensor]], gids: List[int]) -> None:
+        """A backward's record, when the autograd engine finishes (owners[i] is the parameter of
+        frame i, None for activations; gids[i] the id of its gradient tensor)."""
+
+    def failed(self, info: ModuleInfo, exc: Exception) -> None:
+        """A hook that could not record: counted, the first said."""
+
+
+class BackwardRecorder:
+    """Builds one backward Record per backward pass and hands it to `host.backward_done` when
+    the autograd engine finishes."""
+
+    def __init__(self, host: BackwardHost) -> None:
+        self._batch = host.last_batch
+        self._watches = host.backward_watched
+        self._on_end = host.backward_done
+        self._failed = host.failed
         self._rec: Optional[Record] = None
         self._owners: List[Optional[torch.Tensor]] = []
         self._gids: List[int] = []  # id of the gradient tensor behind each frame

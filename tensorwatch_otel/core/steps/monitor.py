@@ -148,12 +148,12 @@ class StepMonitor:
         step's (args, kwargs) come back. on_detect="skip": see _skippable_step."""
         self._steps_begun += 1
         self._check.take_back()  # a step that raised before its post-hook: our flag is not its verdict
-        if self._skipper is not None and self._host.live():
+        if self._skipper is not None and self._host.steps_live():
             return self._skippable_step(optimizer, closure, args, kwargs)
         if closure is not None:
             def checked(*a: Any, **k: Any) -> Any:
                 loss = closure(*a, **k)
-                if self._host.live():
+                if self._host.steps_live():
                     self.before_step(optimizer)
                 return loss
 
@@ -183,7 +183,7 @@ class StepMonitor:
             self._host.detect(pending.record, pending.frame)
         self._fleet.at_optimizer_step()  # multi-rank: the ranks' common stop point
         batch = self._host.last_batch()
-        if pending is None and self._check.on and self._host.live() \
+        if pending is None and self._check.on and self._host.steps_live() \
                 and not (self._gradients and self._host.watches(batch)):  # (gradients=True read that batch's)
             # after the stop point: a stop already under way (another rank's, or this rank's
             # forward detection) is raised there, not named again at the gradients it spoilt
@@ -221,7 +221,7 @@ class StepMonitor:
 
             def checked(*a: Any, **k: Any) -> Any:
                 loss = closure(*a, **k)
-                if first[0] and self._host.live():
+                if first[0] and self._host.steps_live():
                     first[0] = False
                     bad = self._verdict(optimizer)
                     if bad is not None:
@@ -317,7 +317,7 @@ class StepMonitor:
         self._host.weights_changed()  # any optimizer, fused ones included
         self._skips.step_taken()
         batch = self._host.last_batch()
-        if self._optim_state is not None and self._host.live() and self._host.watches(batch):
+        if self._optim_state is not None and self._host.steps_live() and self._host.watches(batch):
             rec = self._optim_state.record(optimizer, batch)
             if rec.frame_count:
                 rec.readback()  # one transfer per step
@@ -331,7 +331,7 @@ class StepMonitor:
         overflow there is then named as a recorded batch names it: a detection; the skip is
         counted as ever, at the scale's drop, when the replay finds nothing)."""
         batch = self._host.last_batch()
-        if not self._host.live() or self._host.watches(batch):
+        if not self._host.steps_live() or self._host.watches(batch):
             return
         self._host.localize(Record(batch))
 
