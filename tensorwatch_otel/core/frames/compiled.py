@@ -27,7 +27,7 @@ import torch
 
 from ..measure import graph_stats
 from .copies import Hook, ModuleHook, Unwatched
-from ..measure.device_stats import immediate
+from ..measure.device_path import immediate
 from ..errors import AbortAfterBatch, NonFiniteDetected
 from ..process import said_once
 
