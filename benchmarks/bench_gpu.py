@@ -93,7 +93,7 @@ class Trainer:
     def __init__(self, name: str, base: torch.nn.Module, x: torch.Tensor, autocast: Optional[torch.dtype],
                  fused: bool = False, on_detect: str = "report"):
         import tensorwatch_otel as tw
-        from tensorwatch_otel.core.measure import device_stats
+        from tensorwatch_otel.core.measure import device_path
 
         self.name, self.x, self.autocast = name, x, autocast
         self.model = copy.deepcopy(base)
@@ -101,11 +101,11 @@ class Trainer:
         self.watcher = None
         watched = name.endswith(("_watched", "watched_torch_ops", "watched_device")) or name == "watched"
         if watched:
-            device_stats.set_mode({"watched_torch_ops": "off", "watched_device": "force"}.get(name, "auto"))
+            device_path.set_mode({"watched_torch_ops": "off", "watched_device": "force"}.get(name, "auto"))
             try:
                 self.watcher = tw.watch(self.model, sinks=[], on_detect=on_detect)
             finally:
-                device_stats.set_mode("auto")
+                device_path.set_mode("auto")
         self.call: Callable[[torch.Tensor], torch.Tensor] = self.model
         if name.startswith("compiled"):
             mode = "reduce-overhead" if name.startswith("compiled_ro") else None
@@ -132,11 +132,11 @@ def counts(trainer: Trainer) -> Dict[str, int]:
     copies, and the device path's slot-buffer reads."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tensorwatch_otel.core.measure import device_stats
+    from tensorwatch_otel.core.measure import slot_buffer
 
     reads = []
     readers = set()
-    real_read = device_stats.SlotBuffer.read
+    real_read = slot_buffer.SlotBuffer.read
 
     def read(buf, extra=None):
         if buf.used:
@@ -148,14 +148,14 @@ def counts(trainer: Trainer) -> Dict[str, int]:
 
     cuda = trainer.x.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    device_stats.SlotBuffer.read = read  # type: ignore[method-assign]
+    slot_buffer.SlotBuffer.read = read  # type: ignore[method-assign]
     try:
         with profile(activities=activities) as prof:
             trainer.step()
         with SyncCounter() as sc:
             trainer.step()
     finally:
-        device_stats.SlotBuffer.read = real_read  # type: ignore[method-assign]
+        slot_buffer.SlotBuffer.read = real_read  # type: ignore[method-assign]
     events = prof.events()
     if cuda:
         seen = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -65,7 +65,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import tensorwatch_otel as tw
-    from tensorwatch_otel.core.measure import device_stats
+    from tensorwatch_otel.core.measure import device_path
 
     from tensorwatch_otel.core.measure.cpu_kernel import KERNEL
 
@@ -80,18 +80,18 @@ def main(argv: Optional[List[str]] = None) -> dict:
     launches = [0]
     stub = (_Stub(launches), _Stub(launches), _Stub(launches))
     # the device path on CPU tensors, its kernels stubbed: no Triton needed, no kernel run
-    device_stats.DEVICE_PATH.kernels[True] = stub
+    device_path.DEVICE_PATH.kernels[True] = stub
     os.environ["TRITON_INTERPRET"] = "1"  # (read by the device path's choice; Triton is never imported)
 
     def make(name: str) -> Callable[[], None]:
         m = copy.deepcopy(base)
         watcher = None
         if name != "unwatched":
-            device_stats.set_mode("force" if name == "watched_device" else "off")
+            device_path.set_mode("force" if name == "watched_device" else "off")
             try:
                 watcher = tw.watch(m, sinks=[])
             finally:
-                device_stats.set_mode("auto")
+                device_path.set_mode("auto")
 
         def step() -> None:
             m(x).square().mean().backward()

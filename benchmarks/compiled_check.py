@@ -29,16 +29,16 @@ def one(device: str, blocks: int, d: int, mode: str, autocast: bool, steps: int 
 
     import tensorwatch_otel as tw
     from tensorwatch_otel.core.frames import compiled
-    from tensorwatch_otel.core.measure import device_stats
+    from tensorwatch_otel.core.measure import device_path
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model = Stack(blocks, d, 8).to(device)
     x = torch.randn(4, 64, d, device=device)
-    device_stats.set_mode(mode)
+    device_path.set_mode(mode)
     w = tw.watch(model, sinks=[], on_detect="report")
-    device_stats.set_mode("auto")
+    device_path.set_mode("auto")
     call = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ran0 = compiled.ran.calls

@@ -4,8 +4,8 @@ launches (the fused Triton launches, and every aten op that is not a view) and t
 syncs (`_local_scalar_dense`: .item(), bool(), .tolist() of a device tensor), the copies to the
 CPU (from a device, or any a record's read-back makes), and the device path's buffer reads
 (each one copy of a buffer to the host and, on CUDA, one wait on its event). With
-target_dtypes the second Triton launch of the 8-bit targets' counts (device_stats.launch_scaled)
-counts as a launch too; a table launch of deferred frames (device_stats.launch_table) is one
+target_dtypes the second Triton launch of the 8-bit targets' counts (slot_buffer.launch_scaled)
+counts as a launch too; a table launch of deferred frames (slot_buffer.launch_table) is one
 launch (its staging copies are part of it), counted per step in `tables`.
 
 Use it around a model watched after `OpCounts.install(monkeypatch)`: the per-call mode is
@@ -20,7 +20,7 @@ from typing import List
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tensorwatch_otel.core.measure import device_stats
+from tensorwatch_otel.core.measure import slot_buffer
 from tensorwatch_otel.core.record import Record
 from tensorwatch_otel.core.frames.recorder import FrameRecorder
 
@@ -93,7 +93,7 @@ class OpCounts:
         self.in_frame = False
         self.in_step = False  # inside step(): reads and launches outside it (at detach) are not a step's
         self.outside: List[int] = []  # per step: the Triton launches outside a module call (the step guard's)
-        # per step: the table launches of deferred frames (device_stats.launch_table), wherever they ran
+        # per step: the table launches of deferred frames (slot_buffer.launch_table), wherever they ran
         # (in a module call's frame, also counted there, or at the batch's read)
         self.tables: List[int] = []
 
@@ -136,9 +136,9 @@ class OpCounts:
     def install(self, monkeypatch) -> "OpCounts":
         counts = self
         real_frame = FrameRecorder.frame
-        real_launch = device_stats.launch
-        real_scaled = device_stats.launch_scaled
-        real_read = device_stats.SlotBuffer.read
+        real_launch = slot_buffer.launch
+        real_scaled = slot_buffer.launch_scaled
+        real_read = slot_buffer.SlotBuffer.read
 
         def frame(recorder, *args, **kwargs):
             counts.calls.append([0, 0, 0])
@@ -187,10 +187,10 @@ class OpCounts:
 
         monkeypatch.setattr(Record, "readback", readback)
         monkeypatch.setattr(FrameRecorder, "frame", frame)
-        monkeypatch.setattr(device_stats, "launch", counted(real_launch))
-        monkeypatch.setattr(device_stats, "launch_scaled", counted(real_scaled))
-        monkeypatch.setattr(device_stats, "launch_table", counted(device_stats.launch_table, table=True))
-        real_decode = device_stats.decode_words
+        monkeypatch.setattr(slot_buffer, "launch", counted(real_launch))
+        monkeypatch.setattr(slot_buffer, "launch_scaled", counted(real_scaled))
+        monkeypatch.setattr(slot_buffer, "launch_table", counted(slot_buffer.launch_table, table=True))
+        real_decode = slot_buffer.decode_words
 
         def decode_words(words):  # the read's decoding on the host (CPU ops on a CUDA run): not a launch
             was, counts.in_launch = counts.in_launch, True
@@ -199,8 +199,8 @@ class OpCounts:
             finally:
                 counts.in_launch = was
 
-        monkeypatch.setattr(device_stats, "decode_words", decode_words)
-        monkeypatch.setattr(device_stats.SlotBuffer, "read", read)
+        monkeypatch.setattr(slot_buffer, "decode_words", decode_words)
+        monkeypatch.setattr(slot_buffer.SlotBuffer, "read", read)
         return self
 
 

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.cuda,
 
 from _collect import Collect  # noqa: E402
 from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
-from tensorwatch_otel.core.measure import device_stats  # noqa: E402
+from tensorwatch_otel.core.measure import device_path, device_stats  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Stack  # noqa: E402
@@ -59,9 +59,9 @@ def _values(frames):
 
 @pytest.fixture(autouse=True)
 def _auto_mode():
-    device_stats.set_mode("auto")
+    device_path.set_mode("auto")
     yield
-    device_stats.set_mode("auto")
+    device_path.set_mode("auto")
 
 
 def test_the_device_path_is_taken_on_cuda():
@@ -102,7 +102,7 @@ def test_the_kernel_is_exact_on_edge_values_and_sizes(dtype):
 
 def _train(model, xs, mode, autocast=None, **options):
     sink = Collect()
-    device_stats.set_mode(mode)
+    device_path.set_mode(mode)
     try:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with watch(model, sinks=[sink], on_detect="report", trace_batches=range(len(xs)), **options):
@@ -113,7 +113,7 @@ def _train(model, xs, mode, autocast=None, **options):
                 opt.step()
                 opt.zero_grad()
     finally:
-        device_stats.set_mode("auto")
+        device_path.set_mode("auto")
     return [f for b in sink.batches for f in b.frames], sink.events
 
 
@@ -230,14 +230,14 @@ def test_deferred_frames_equal_the_torch_ops_route_with_in_place_writes(dtype):
         import copy
 
         model = copy.deepcopy(base)
-        device_stats.set_mode(mode)
+        device_path.set_mode(mode)
         sink = Collect()
         try:
             with watch(model, sinks=[sink], on_detect="report", trace_batches=range(4)):
                 for x in xs:
                     model(x).float().square().mean().backward()
         finally:
-            device_stats.set_mode("auto")
+            device_path.set_mode("auto")
         return [f for b in sink.batches for f in b.frames]
 
     ops, fused = frames("off"), frames("auto")

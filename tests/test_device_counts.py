@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 from _collect import Collect  # noqa: E402
 from _op_counts import OpCounts, counted_training, torch_ops_path  # noqa: E402
 from tensorwatch_otel import watch  # noqa: E402
-from tensorwatch_otel.core.measure import device_stats  # noqa: E402
+from tensorwatch_otel.core.measure import device_launch, device_path, slot_buffer  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _prenorm import Stack  # noqa: E402
@@ -35,9 +35,9 @@ from _prenorm import Stack  # noqa: E402
 @pytest.fixture
 def forced(monkeypatch):
     torch_ops_path(monkeypatch)
-    device_stats.force_on_cpu(True)
+    device_path.force_on_cpu(True)
     yield
-    device_stats.force_on_cpu(False)
+    device_path.force_on_cpu(False)
 
 
 def _counted_training(monkeypatch, steps=4, **options):
@@ -71,17 +71,17 @@ def test_a_warm_step_reads_each_distinct_tensor_once(forced, monkeypatch):
     next module's input, and a weight used twice, are read once. Fewer tensors are read than the
     frames show, because the frames share them."""
     launched = []  # per table launch: its tensors' (address, elements, dtype code)
-    real = device_stats.launch_table
+    real = slot_buffer.launch_table
 
     def spy(buf, entries, count, programs, block):
         launched.append([tuple(entries[4 * i:4 * i + 3]) for i in range(count)])
         return real(buf, entries, count, programs, block)
 
-    monkeypatch.setattr(device_stats, "launch_table", spy)
+    monkeypatch.setattr(slot_buffer, "launch_table", spy)
     counts, sink = _counted_training(monkeypatch)
     assert counts.tables[-1] == 1  # a warm step: one table launch, at the batch's read
     rows = launched[-1]
-    size = {code: 1 << shift for code, shift in enumerate(device_stats._SIZE_SHIFT)}
+    size = {code: 1 << shift for code, shift in enumerate(slot_buffer._SIZE_SHIFT)}
     read = sum(n * size[code] for _, n, code in rows)
     distinct = sum(n * size[code] for _, n, code in set(rows))
     assert read <= 1.2 * distinct, (read, distinct)
@@ -115,7 +115,7 @@ def test_a_step_the_guard_need_not_stop_first_costs_no_sync(forced, monkeypatch,
         assert read_ops == 2  # the gradients' slots travel in the batch's copy: still one copy and one reset
     # the guard's launches: its gradients (2 blocks' and the stack's own parameters), 16 to a launch
     n_grads = sum(1 for _ in Stack(n_blocks=2, d=16, heads=2).parameters())
-    assert counts.outside[1:] == [-(-n_grads // device_stats.MAX_TENSORS)] * 3
+    assert counts.outside[1:] == [-(-n_grads // device_launch.MAX_TENSORS)] * 3
 
 
 @pytest.mark.parametrize("targets,most", [(("float16", "bfloat16"), 1), (("float16", "float8_e4m3fn"), 2)],

@@ -26,7 +26,7 @@ from _collect import Collect  # noqa: E402
 from _models import TwoLinear as Net  # noqa: E402
 from _op_counts import torch_ops_path  # noqa: E402
 from tensorwatch_otel import NonFiniteDetected, NonFiniteEvent, watch  # noqa: E402
-from tensorwatch_otel.core.measure import device_stats  # noqa: E402
+from tensorwatch_otel.core.measure import device_path  # noqa: E402
 
 INF, NAN = float("inf"), float("nan")
 
@@ -38,9 +38,9 @@ def no_cpu_kernel(monkeypatch):
 
 @pytest.fixture
 def forced(no_cpu_kernel):
-    device_stats.force_on_cpu(True)
+    device_path.force_on_cpu(True)
     yield
-    device_stats.force_on_cpu(False)
+    device_path.force_on_cpu(False)
 
 
 def _state(model, opt):
@@ -109,7 +109,7 @@ def test_fused_optimizer_skips_itself_and_the_raise_comes_with_the_next_read(for
 def test_the_deferred_verdict_names_what_the_read_path_names(forced, no_cpu_kernel):
     deferred, raised_at, _, _ = _fused_run(INF)
     assert raised_at == ("forward", 3)
-    device_stats.force_on_cpu(False)  # the guard's read before the step, with torch ops
+    device_path.force_on_cpu(False)  # the guard's read before the step, with torch ops
     read, raised_at, unchanged, _ = _fused_run(INF)
     assert raised_at == ("step", 2) and unchanged
     assert (deferred.module, deferred.tensor, deferred.kind, deferred.batch_number) == \

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
 from _collect import Collect  # noqa: E402
 from tensorwatch_otel import NonFiniteEvent, watch  # noqa: E402
-from tensorwatch_otel.core.measure import device_stats  # noqa: E402
+from tensorwatch_otel.core.measure import slot_buffer  # noqa: E402
+from tensorwatch_otel.core.measure.device_path import force_on_cpu  # noqa: E402
 from tensorwatch_otel.core.steps.guard import StepGuard  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -41,7 +42,7 @@ def _rows(frames):
 def _train(model, xs, device_path, launches=None, **options):
     """Frames and events of a few watched training steps (forward, backward, SGD step)."""
     sink = Collect()
-    device_stats.force_on_cpu(device_path)
+    force_on_cpu(device_path)
     try:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with watch(model, sinks=[sink], on_detect="report", trace_batches=range(len(xs)), **options):
@@ -51,7 +52,7 @@ def _train(model, xs, device_path, launches=None, **options):
                 opt.step()
                 opt.zero_grad()
     finally:
-        device_stats.force_on_cpu(False)
+        force_on_cpu(False)
     return [f for b in sink.batches for f in b.frames], sink.events
 
 
@@ -61,7 +62,7 @@ def _counting_launches(monkeypatch, counted=None):
     target_dtypes). The step guard's launches over the
     gradients (on_detect="report" measures them into the buffer, without counts) are left out."""
     launches = []
-    real = device_stats.launch
+    real = slot_buffer.launch
     real_guard = StepGuard.launch
     in_guard = [False]
 
@@ -80,14 +81,14 @@ def _counting_launches(monkeypatch, counted=None):
             counted.append(len(ts))
         return real(buf, first, ts, *layout)
 
-    real_table = device_stats.launch_table
+    real_table = slot_buffer.launch_table
 
     def launch_table(buf, entries, count, *rest):  # deferred frames: many calls' tensors in one launch
         launches.append(count)
         return real_table(buf, entries, count, *rest)
 
-    monkeypatch.setattr(device_stats, "launch", launch)
-    monkeypatch.setattr(device_stats, "launch_table", launch_table)
+    monkeypatch.setattr(slot_buffer, "launch", launch)
+    monkeypatch.setattr(slot_buffer, "launch_table", launch_table)
     monkeypatch.setattr(StepGuard, "launch", guard_launch)
     return launches
 
@@ -116,13 +117,13 @@ def test_a_gpt2_in_bf16_records_the_default_paths_frames(monkeypatch):
 
     def frames(model, forced):
         sink = Collect()
-        device_stats.force_on_cpu(forced)
+        force_on_cpu(forced)
         try:
             with watch(model, sinks=[sink], on_detect="report", trace_batches=(0, 1)), torch.no_grad():
                 for k in kw:
                     model(**k)
         finally:
-            device_stats.force_on_cpu(False)
+            force_on_cpu(False)
         return [f for bt in sink.batches for f in bt.frames]
 
     default = frames(a, False)
@@ -198,12 +199,12 @@ def test_float64_and_odd_tensors_take_the_measure_route():
 
 def _train_forward(model, x, forced):
     sink = Collect()
-    device_stats.force_on_cpu(forced)
+    force_on_cpu(forced)
     try:
         with watch(model, sinks=[sink], on_detect="report", trace_batches=(0,)):
             model(x)
     finally:
-        device_stats.force_on_cpu(False)
+        force_on_cpu(False)
     return [f for b in sink.batches for f in b.frames], sink.events
 
 
@@ -303,8 +304,8 @@ def test_deferred_frames_keep_values_written_in_place_later_and_launch_per_many_
 
     default, _ = run(False)
     tables = []
-    real = device_stats.launch_table
-    monkeypatch.setattr(device_stats, "launch_table", lambda buf, e, count, *rest: (tables.append(count),
+    real = slot_buffer.launch_table
+    monkeypatch.setattr(slot_buffer, "launch_table", lambda buf, e, count, *rest: (tables.append(count),
                                                                                     real(buf, e, count, *rest))[1])
     forced, events = run(True)
     assert _rows(forced) == _rows(default) and len(default) == 4 * (1 + 6 * 4)
@@ -336,7 +337,7 @@ def test_a_tensor_written_in_place_before_its_deferred_launch_is_said_and_never_
     torch.manual_seed(0)
     model = _SometimesInPlace(at=2)
     x = torch.randn(3, 8)
-    device_stats.force_on_cpu(True)
+    force_on_cpu(True)
     sink = Collect()
     try:
         with watch(model, sinks=[sink], on_detect="report") as w:
@@ -344,7 +345,7 @@ def test_a_tensor_written_in_place_before_its_deferred_launch_is_said_and_never_
                 model(x)
         buf = w._session.recorder.device_stats.buffers[-1]
     finally:
-        device_stats.force_on_cpu(False)
+        force_on_cpu(False)
     lin = [[t for t in b.frames[0].tensors if t.name == "output"][0] for b in sink.batches]
     assert lin[0].abs_max < 1e30 and lin[1].abs_max < 1e30 and not lin[0].note
     # batch 2: lin's output was written after lin returned, before its launch: said, not shown
@@ -388,13 +389,13 @@ def test_a_tensor_whose_storage_is_freed_after_its_module_returned_is_measured_a
 
 def _train_forward_n(model, xs, forced):
     sink = Collect()
-    device_stats.force_on_cpu(forced)
+    force_on_cpu(forced)
     try:
         with watch(model, sinks=[sink], on_detect="report", trace_batches=range(len(xs))):
             for x in xs:
                 model(x)
     finally:
-        device_stats.force_on_cpu(False)
+        force_on_cpu(False)
     return [f for b in sink.batches for f in b.frames]
 
 
@@ -419,7 +420,7 @@ def test_slot_codes_cached_by_one_frame_are_read_by_a_frame_of_the_general_path(
         model = _Scaled()
         x = torch.randn(3, 8)
         sink = Collect()
-        device_stats.force_on_cpu(forced)
+        force_on_cpu(forced)
         try:
             with watch(model, sinks=[sink], on_detect="report"):
                 model(x)
@@ -427,7 +428,7 @@ def test_slot_codes_cached_by_one_frame_are_read_by_a_frame_of_the_general_path(
                 with torch.no_grad():
                     model(x, scale=2.0)  # the general path, the weight from the cache
         finally:
-            device_stats.force_on_cpu(False)
+            force_on_cpu(False)
         return [f for b in sink.batches for f in b.frames]
 
     assert _rows(run(True)) == _rows(run(False))
@@ -441,13 +442,13 @@ def test_cached_weights_outlive_many_reads_of_check_module():
         model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(70)])
         x = torch.randn(2, 4)
         sink = Collect()
-        device_stats.force_on_cpu(forced)
+        force_on_cpu(forced)
         try:
             with watch(model, sinks=[sink], on_detect="report", check="module"), torch.no_grad():
                 for _ in range(3):
                     model(x)
         finally:
-            device_stats.force_on_cpu(False)
+            force_on_cpu(False)
         return [f for b in sink.batches for f in b.frames]
 
     forced = run(True)
@@ -470,14 +471,14 @@ def test_frames_inside_an_inductor_graph_are_measured_at_once(monkeypatch):
     x = torch.randn(2, 8, 16)
     eager, _ = _train_forward(model, x, False)
     sink = Collect()
-    device_stats.force_on_cpu(True)
+    force_on_cpu(True)
     try:
         with watch(model, sinks=[sink], on_detect="report", trace_batches=(0, 1, 2)):
             compiled = torch.compile(model)
             for _ in range(3):
                 compiled(x)
     finally:
-        device_stats.force_on_cpu(False)
+        force_on_cpu(False)
         torch._dynamo.reset()
     got = {(f.module, t.name): (t.abs_min, t.abs_max) for f in sink.batches[-1].frames for t in f.tensors}
     want = {(f.module, t.name): (t.abs_min, t.abs_max) for f in eager for t in f.tensors}
@@ -497,13 +498,13 @@ def test_a_compiled_model_on_the_device_path_records_the_eager_frames(monkeypatc
     eager, _ = _train_forward(model, x, False)
     launches = _counting_launches(monkeypatch)
     sink = Collect()
-    device_stats.force_on_cpu(True)
+    force_on_cpu(True)
     try:
         with watch(model, sinks=[sink], on_detect="report", trace_batches=(0, 1)):
             compiled = torch.compile(model, backend="aot_eager")
             compiled(x)
             compiled(x)
     finally:
-        device_stats.force_on_cpu(False)
+        force_on_cpu(False)
     assert _rows(sink.batches[-1].frames) == _rows(eager) and len(eager) == 23
     assert launches

@@ -1,5 +1,5 @@
-"""The device path's fused kernel and slot buffer (core/measure/device_stats.py), run on CPU tensors
-with Triton's interpreter: exact abs min/max against torch on every dtype it reads and on the
+"""The device path's fused kernel and slot buffer (core/measure/device_stats.py, slot_buffer.py), run on CPU
+tensors with Triton's interpreter: exact abs min/max against torch on every dtype it reads and on the
 edge values, one launch per call, the buffer reused batch to batch.
 
 TRITON_INTERPRET=1 as tests/_interpreted.py sets it (before Triton is imported); skipped where
@@ -17,20 +17,20 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed: the fused device kernel cannot be tested")
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason=REASON)
 
-from tensorwatch_otel.core.measure import device_stats  # noqa: E402
+from tensorwatch_otel.core.measure import device_launch, device_path, device_stats, slot_buffer  # noqa: E402
 
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BLOCK = device_stats._BLOCK_INTERPRETED
+BLOCK = device_launch.BLOCK_INTERPRETED
 
 
 @pytest.fixture
 def stats():
-    device_stats.force_on_cpu(True)
+    device_path.force_on_cpu(True)
     try:
         yield device_stats.DeviceStats()
     finally:
-        device_stats.force_on_cpu(False)
+        device_path.force_on_cpu(False)
 
 
 def _expected(t):
@@ -97,13 +97,13 @@ def test_sizes_offsets_and_mixed_launches_exact(stats, dtype):
 
 def test_many_dtypes_and_more_tensors_than_one_launch(stats, monkeypatch):
     launches = []
-    real = device_stats.launch
-    monkeypatch.setattr(device_stats, "launch", lambda *a: (launches.append(len(a[2])), real(*a))[1])
+    real = slot_buffer.launch
+    monkeypatch.setattr(slot_buffer, "launch", lambda *a: (launches.append(len(a[2])), real(*a))[1])
     g = torch.Generator().manual_seed(3)
-    ts = [torch.randn(50 + i, generator=g).to(DTYPES[i % 3]) * (i + 1) for i in range(device_stats.MAX_TENSORS + 3)]
+    ts = [torch.randn(50 + i, generator=g).to(DTYPES[i % 3]) * (i + 1) for i in range(device_launch.MAX_TENSORS + 3)]
     got = _measure(stats, ts)
     assert got == [_expected(t) for t in ts]
-    assert launches == [device_stats.MAX_TENSORS, 3]
+    assert launches == [device_launch.MAX_TENSORS, 3]
 
 
 def test_odd_tensors_are_not_taken(stats):
@@ -118,7 +118,7 @@ def test_odd_tensors_are_not_taken(stats):
 
 
 def test_the_slot_buffer_is_reused_and_grows_geometrically(stats):
-    xs = [torch.full((3,), float(i + 1)) for i in range(device_stats.INITIAL_SLOTS + 5)]
+    xs = [torch.full((3,), float(i + 1)) for i in range(slot_buffer.INITIAL_SLOTS + 5)]
     frame = stats.frame()
     first = []
     for x in xs[:10]:
@@ -129,7 +129,7 @@ def test_the_slot_buffer_is_reused_and_grows_geometrically(stats):
     for x in xs[10:]:  # past the capacity in the same batch: one growth, earlier slots kept
         frame.add(x)
         first += frame.launch()
-    assert buf.capacity == 2 * device_stats.INITIAL_SLOTS and buf.slots is not slots_before
+    assert buf.capacity == 2 * slot_buffer.INITIAL_SLOTS and buf.slots is not slots_before
     buf.read()
     assert [(s.lo, s.hi) for s in first] == [(float(i + 1), float(i + 1)) for i in range(len(xs))]
     assert buf.used == 0 and not buf.slots.any()  # reset at the read
@@ -146,8 +146,8 @@ def test_a_record_reads_each_device_buffer_once_per_batch(stats, monkeypatch):
     from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
 
     reads = []
-    real = device_stats.SlotBuffer.read
-    monkeypatch.setattr(device_stats.SlotBuffer, "read",
+    real = slot_buffer.SlotBuffer.read
+    monkeypatch.setattr(slot_buffer.SlotBuffer, "read",
                         lambda self, extra=None: (reads.append((self.used, extra)), real(self, extra))[1])
     frame = stats.frame()
     rec = Record(0)
@@ -235,16 +235,16 @@ def test_the_kernel_compiles_for_cuda_without_a_gpu():
 
 def test_the_mode_is_checked_and_force_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="auto, force, off"):
-        device_stats.set_mode("on")
+        device_path.set_mode("on")
     try:
-        device_stats.set_mode("off")
-        assert not device_stats.wanted() and not device_stats.DeviceStats().cpu
-        device_stats.set_mode("force")
-        assert device_stats.wanted() and device_stats.DeviceStats().cpu
+        device_path.set_mode("off")
+        assert not device_path.wanted() and not device_stats.DeviceStats().cpu
+        device_path.set_mode("force")
+        assert device_path.wanted() and device_stats.DeviceStats().cpu
         monkeypatch.setenv("TRITON_INTERPRET", "0")  # forced, but Triton would compile for a GPU
-        assert not device_stats.wanted() and not device_stats.DeviceStats().cpu
+        assert not device_path.wanted() and not device_stats.DeviceStats().cpu
     finally:
-        device_stats.set_mode("auto")
+        device_path.set_mode("auto")
 
 
 # ---------------------------------------------------------------------------- target_dtypes
@@ -351,18 +351,18 @@ def test_counts_of_many_mixed_tensors_in_one_frame(stats, monkeypatch):
     from tensorwatch_otel.core.measure import magnitude
 
     launches = []
-    real, real_scaled = device_stats.launch, device_stats.launch_scaled
-    monkeypatch.setattr(device_stats, "launch", lambda *a: (launches.append(("minmax", len(a[2]))), real(*a))[1])
-    monkeypatch.setattr(device_stats, "launch_scaled",
+    real, real_scaled = slot_buffer.launch, slot_buffer.launch_scaled
+    monkeypatch.setattr(slot_buffer, "launch", lambda *a: (launches.append(("minmax", len(a[2]))), real(*a))[1])
+    monkeypatch.setattr(slot_buffer, "launch_scaled",
                         lambda *a: (launches.append(("scaled", len(a[2]))), real_scaled(*a))[1])
     plan = magnitude.plan_for(("float16", "float8_e4m3fn", "bfloat16"))
     g = torch.Generator().manual_seed(11)
     ts = [(torch.randn(40 + 3 * i, generator=g) * 10.0 ** (i % 9 - 4)).to(DTYPES[i % 3])
-          for i in range(device_stats.MAX_TENSORS + 3)]
+          for i in range(device_launch.MAX_TENSORS + 3)]
     want = [_torch_counted(plan, t) for t in ts]
     for _ in range(2):  # two batches on the same buffer
         assert _same_counted(_counted(stats, plan, ts), want)
-    n = device_stats.MAX_TENSORS
+    n = device_launch.MAX_TENSORS
     assert launches == [("minmax", n), ("scaled", n), ("minmax", 3), ("scaled", 3)] * 2
 
 

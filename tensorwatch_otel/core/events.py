@@ -17,7 +17,7 @@ NOTE_NOT_TENSOR = "not a tensor"
 NOTE_EMPTY = "empty"
 NOTE_NO_DATA = "no data"  # meta/fake tensors, wrapper subclasses without storage
 # a tensor written in place after its module returned, before its deferred measurement read it
-# (core/measure/device_stats.py): its value at the return is lost
+# (core/measure/slot_buffer.py): its value at the return is lost
 NOTE_CHANGED = "changed in place"
 
 ROOT_LABEL = "(root)"  # the root module's path is "" in the report and "(root)" in labels

@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
 import torch
 
 from .measure import magnitude as _mag
-from .measure.device_stats import SlotBuffer, SlotStat
+from .measure.slot_buffer import SlotBuffer, SlotStat
 from .measure.histogram_layout import ROW_DTYPE
 from .process import said_once
 from .events import NOTE_CHANGED, Frame, Magnitude, TensorStat
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 SHARES_FAILED = "underflow/overflow shares failed"  # said_once's key: logged once per process
 
 # a statistic (FrameDraft.stats): a 0-d device tensor, a float on the host already (the CPU
-# kernel), or a device buffer's slot until the batch's read-back (core/measure/device_stats.py): a
+# kernel), or a device buffer's slot until the batch's read-back (core/measure/slot_buffer.py): a
 # SlotStat, or a slot code (an int, SlotBuffer.take_one) of the record's one code buffer
 Stat = Union[torch.Tensor, float, SlotStat, int]
 # a frame item (FrameDraft.items): a measured tensor's name, or (name, note) for a value without statistics
@@ -135,7 +135,7 @@ class Record:
         self._rows: List[Optional[Row]] = []  # per k: (host matrix, its row, dtype) or None
         self._floats: List[bool] = []  # per k: the tensor had float values (shares apply)
         # measured tensors whose values were lost (a deferred measurement read the tensor after an
-        # in-place write, core/measure/device_stats.py): their host values are 0.0 placeholders, never
+        # in-place write, core/measure/slot_buffer.py): their host values are 0.0 placeholders, never
         # shown, exported or checked
         self._lost: Optional[set[int]] = None
         self._code_buf: Optional[SlotBuffer] = None  # the buffer its slot codes (ints) are of
@@ -251,7 +251,7 @@ class Record:
         # CPU statistics read by the compiled kernel are Python floats already (stats.measure_host)
         others: List[Stat] = [s for s in pending if s.__class__ is not float]
         if others and any(s.__class__ is SlotStat for s in others):
-            # the device path's slots: each device buffer copied to the host once (device_stats)
+            # the device path's slots: each device buffer copied to the host once (SlotBuffer.read)
             pending = self._slot_values(pending, have)
             if any(isinstance(s, SlotStat) and s.changed for s in others):
                 self._lose(pending, have)

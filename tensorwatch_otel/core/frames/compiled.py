@@ -26,7 +26,7 @@ from ..measure import graph_stats
 from .copies import Hook, ModuleHook, Unwatched
 from .op_slots import SLOTS, EagerPreHook, Slot
 from .op_spec import rebuild, spec_of
-from ..measure.device_stats import immediate
+from ..measure.device_path import immediate
 from ..errors import AbortAfterBatch, NonFiniteDetected
 from ..process import said_once
 

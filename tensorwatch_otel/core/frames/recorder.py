@@ -23,8 +23,10 @@ from .. import naming
 from ..events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from ..record import FrameDraft, Item, ModuleInfo, Record, Stat
 from ..measure.cpu_kernel import CODES, KERNEL
-from ..measure.device_stats import FRESH_READS, CountLayout, DeviceFrame, DeviceStats, SlotStat
-from ..measure.device_stats import wanted as device_path_wanted
+from ..measure.device_path import wanted as device_path_wanted
+from ..measure.device_stats import DeviceFrame, DeviceStats
+from ..measure.slot_buffer import SlotStat
+from ..measure.slot_words import FRESH_READS, CountLayout
 from ..measure.magnitude import HISTOGRAM_EVERY, measure_counts
 from ..measure.stats import HostBatch, host_readable, measure_host as measure, nonfinite_kind_of
 from ..measure.weights import WeightTable, takes
@@ -41,7 +43,7 @@ _INPUT0 = naming.input_name(0)
 _UNREAD: Tuple[float, float] = (math.nan, math.nan)  # placeholders, never read
 
 # a measurement: two 0-d device tensors, two floats on the host (the CPU kernel), or a device
-# buffer's slot at both places until the batch's read-back (core/measure/device_stats.py)
+# buffer's slot at both places until the batch's read-back (core/measure/slot_buffer.py)
 StatPair = Union[Tuple[torch.Tensor, torch.Tensor], Tuple[float, float], Tuple[SlotStat, SlotStat], Tuple[int, int]]
 
 

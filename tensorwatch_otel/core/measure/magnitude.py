@@ -39,7 +39,8 @@ import torch
 
 from . import stats
 from .cpu_kernel import KERNEL, MAX_RANGES
-from .device_stats import KERNEL_DTYPES, CountLayout
+from .device_path import KERNEL_DTYPES
+from .slot_words import CountLayout
 from ..env import ConfigError
 from .histogram_layout import FLOATS as _FLOATS, GEOMETRY as _GEOMETRY
 from .histogram_layout import row_width as row_width  # a measured row's width, for callers

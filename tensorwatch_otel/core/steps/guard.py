@@ -26,7 +26,8 @@ from ..frames.finite import all_finite
 from ..measure.stats import measure
 
 if TYPE_CHECKING:
-    from ..measure.device_stats import DeviceStats, SlotStat
+    from ..measure.device_stats import DeviceStats
+    from ..measure.slot_buffer import SlotStat
     from ..frames.param_index import ParamIndex
 
 
