@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from _otel_fixtures import parse_prom, sample
 from tensorwatch_otel.core.events import BatchStats
-from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
+from tensorwatch_otel.core.frame_draft import FrameDraft, ModuleInfo
+from tensorwatch_otel.core.record import Record
 from tensorwatch_otel.sinks import catalogue
 from tensorwatch_otel.sinks.otel import OtelTelemetry
 from tensorwatch_otel.sinks.prometheus import PrometheusMetrics

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
+from tensorwatch_otel.core.frame_draft import FrameDraft, ModuleInfo
+from tensorwatch_otel.core.record import Record
 from tensorwatch_otel.core.frames.recorder import FrameRecorder
 
 

@@ -39,7 +39,9 @@ from .steps.optim_state import OptimizerStateReader
 from .ports import Sink, SinkFanout
 from .frames.quiet import QuietBatches
 from .rank import current_rank
-from .record import History, ModuleInfo, Record
+from .frame_draft import ModuleInfo
+from .history import History
+from .record import Record
 from .frames.recorder import FrameRecorder
 from .steps.monitor import StepHost, StepMonitor
 from .steps.guard import StepGuard

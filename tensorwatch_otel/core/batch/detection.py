@@ -32,7 +32,8 @@ from ..events import AbortAfterBatchEvent, Frame, NonFiniteEvent, TensorStat
 from ..fleet import FleetStop
 from ..ports import Sink, SinkFanout
 from ..rank import current_rank
-from ..record import History, Record
+from ..history import History
+from ..record import Record
 from .rerun import Localized, host, localize, replay_would_block, rerun
 
 log = logging.getLogger(__name__)

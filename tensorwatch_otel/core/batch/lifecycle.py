@@ -45,7 +45,9 @@ from ..events import BatchStats, BatchTraceEvent
 from ..frames.finite import all_finite, output_tensors
 from ..frames.graph_frames import GraphFrames
 from ..rank import current_rank
-from ..record import History, ModuleInfo, Record
+from ..frame_draft import ModuleInfo
+from ..history import History
+from ..record import Record
 from ..steps.guard import FUSED_DEVICES
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -21,7 +21,8 @@ import torch
 
 from .. import naming
 from ..events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
-from ..record import FrameDraft, Item, ModuleInfo, Record, Stat
+from ..frame_draft import FrameDraft, Item, ModuleInfo, Stat
+from ..record import Record
 from ..measure.cpu_kernel import CODES, KERNEL
 from ..measure.device_stats import FRESH_READS, CountLayout, DeviceFrame, DeviceStats, SlotStat
 from ..measure.device_stats import wanted as device_path_wanted

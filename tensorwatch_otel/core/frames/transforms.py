@@ -21,7 +21,8 @@ import torch
 
 from ..events import NOTE_NO_DATA
 from .finite import all_finite
-from ..record import FrameDraft, ModuleInfo, Record
+from ..frame_draft import FrameDraft, ModuleInfo
+from ..record import Record
 from .recorder import FrameRecorder
 from ..measure.stats import measure_host
 
