@@ -75,7 +75,7 @@ def test_a_frame_that_fails_leaves_nothing_in_the_record(monkeypatch):
 
 
 def test_sinks_read_a_record_through_batch_stats_columns():
-    from tensorwatch_otel.core.events import BatchStats
+    from tensorwatch_otel.core.frame_stats import BatchStats
 
     info = ModuleInfo("lin", torch.nn.Linear(2, 2), False, True)
     rec = Record(3)

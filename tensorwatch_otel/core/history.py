@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Tuple
 
-from .events import Frame
+from .frame_stats import Frame
 from .record import Record
 
 

@@ -11,7 +11,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 
-from .events import NOTE_CHANGED, Frame, Magnitude, TensorStat
+from .frame_stats import NOTE_CHANGED, Frame, Magnitude, TensorStat
 from .frame_draft import FrameDraft, Item, ModuleInfo, Stat
 from .measure import magnitude as _mag
 from .measure.device_stats import SlotBuffer, SlotStat

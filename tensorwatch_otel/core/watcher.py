@@ -32,7 +32,7 @@ from .batch.sampling import FixedSampling, OverheadBudget
 from .config import WatchConfig
 from .batch.detection import DetectionPipeline
 from .frames.compiled import compiling_here
-from .events import BatchStats
+from .frame_stats import BatchStats
 from .fleet import FleetStop
 from .steps.on_detect import choose as choose_on_detect
 from .steps.optim_state import OptimizerStateReader

@@ -28,7 +28,8 @@ from .capture import BatchCapture
 from ..config import WatchConfig
 from ..errors import AbortAfterBatch, NonFiniteDetected
 from ..steps.on_detect import OnDetect
-from ..events import AbortAfterBatchEvent, Frame, NonFiniteEvent, TensorStat
+from ..events import AbortAfterBatchEvent, NonFiniteEvent
+from ..frame_stats import Frame, TensorStat
 from ..fleet import FleetStop
 from ..ports import Sink, SinkFanout
 from ..rank import current_rank

@@ -41,7 +41,8 @@ from ..frames.compiled import (compiling_here, run_eagerly_when_called_eagerly, 
                        traced_row, writes_rows)
 from ..frames.copies import ModuleHook
 from ..errors import AbortAfterBatch, NonFiniteDetected
-from ..events import BatchStats, BatchTraceEvent
+from ..events import BatchTraceEvent
+from ..frame_stats import BatchStats
 from ..frames.finite import all_finite, output_tensors
 from ..frames.graph_frames import GraphFrames
 from ..rank import current_rank

@@ -18,7 +18,7 @@ import torch
 from ..measure import graph_stats
 from . import transforms
 from .compiled import parsed_spec
-from ..events import NOTE_EMPTY, NOTE_NO_DATA
+from ..frame_stats import NOTE_EMPTY, NOTE_NO_DATA
 from ..frame_draft import FrameDraft, Item, ModuleInfo
 from ..record import Record
 

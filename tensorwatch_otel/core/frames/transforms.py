@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from ..events import NOTE_NO_DATA
+from ..frame_stats import NOTE_NO_DATA
 from .finite import all_finite
 from ..frame_draft import FrameDraft, ModuleInfo
 from ..record import Record

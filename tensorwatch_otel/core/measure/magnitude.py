@@ -43,7 +43,7 @@ from .device_stats import KERNEL_DTYPES, CountLayout
 from ..env import ConfigError
 from .histogram_layout import FLOATS as _FLOATS, GEOMETRY as _GEOMETRY
 from .histogram_layout import row_width as row_width  # a measured row's width, for callers
-from ..events import Magnitude
+from ..frame_stats import Magnitude
 
 
 def histogram_torch(v: torch.Tensor) -> torch.Tensor:
