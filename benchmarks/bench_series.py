@@ -88,7 +88,7 @@ def values(pairs: Sequence[Pair], rank: int, n_ranks: int, blocks: int, seed: in
 
 
 def frames_for(pairs: Sequence[Pair], used: Sequence[float], batch: int):
-    from tensorwatch_otel.core.events import Frame, TensorStat
+    from tensorwatch_otel.core.frame_stats import Frame, TensorStat
 
     frames, cur, mod, cls = [], [], None, None
     for (m, c, t), ru in zip(list(pairs) + [(None, None, None)], list(used) + [0.0]):
@@ -107,7 +107,7 @@ def worker(args) -> None:
     import torch
     from prometheus_client import CollectorRegistry
 
-    from tensorwatch_otel.core.events import BatchStats
+    from tensorwatch_otel.core.frame_stats import BatchStats
     from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
 
     torch.set_num_threads(1)

@@ -319,7 +319,7 @@ TENSOR_FIELDS: Dict[str, str] = {
 
 def _sample(tp: Any) -> Any:
     """A value of type `tp` with every optional part present, so the codec writes every field."""
-    from tensorwatch_otel.core import events as ev
+    from tensorwatch_otel.core import frame_stats as fs
 
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:
@@ -329,11 +329,11 @@ def _sample(tp: Any) -> Any:
     if origin in (dict, typing.Dict):
         return {"float16": 0.25}
     if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp, vars(ev))
+        hints = typing.get_type_hints(tp)  # in its module's names
         kw = {f.name: _sample(hints[f.name]) for f in dataclasses.fields(tp) if f.init}
-        if tp is ev.TensorStat:
+        if tp is fs.TensorStat:
             kw.update(abs_min=0.5, abs_max=2.0, note="")
-        if tp is ev.Frame:
+        if tp is fs.Frame:
             kw.update(phase="backward")
         return tp(**kw)
     return {int: 1, float: 0.5, str: "x", bool: True}[tp]

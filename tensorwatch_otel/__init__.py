@@ -8,12 +8,14 @@ from __future__ import annotations
 from .integrations.debug_utils import DebugUnderflowOverflow, detect_overflow
 from .core.events import (
     AbortAfterBatchEvent,
-    BatchStats,
     BatchTraceEvent,
-    Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
     StoppedByRankEvent,
+)
+from .core.frame_stats import (
+    BatchStats,
+    Frame,
     TensorStat,
 )
 from ._version import __version__

@@ -10,7 +10,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-from tensorwatch_otel.core.events import BatchStats, Frame, NonFiniteEvent, TensorStat
+from tensorwatch_otel.core.events import NonFiniteEvent
+from tensorwatch_otel.core.frame_stats import BatchStats, Frame, TensorStat
 
 FP16_MAX = 65504.0
 

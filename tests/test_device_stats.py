@@ -143,7 +143,8 @@ def test_the_slot_buffer_is_reused_and_grows_geometrically(stats):
 
 
 def test_a_record_reads_each_device_buffer_once_per_batch(stats, monkeypatch):
-    from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
+    from tensorwatch_otel.core.frame_draft import FrameDraft, ModuleInfo
+    from tensorwatch_otel.core.record import Record
 
     reads = []
     real = slot_buffer.SlotBuffer.read

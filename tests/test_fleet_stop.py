@@ -325,10 +325,11 @@ def _node(monkeypatch, port):
 
     import torch.distributed as dist
 
-    from tensorwatch_otel.core import fleet
+    from tensorwatch_otel.core import fleet, fleet_node
 
     monkeypatch.setattr(fleet, "_dist", lambda: dist)
-    monkeypatch.setattr(fleet, "NODE_WAIT_S", 1.0)
+    monkeypatch.setattr(fleet, "NODE_WAIT_S", 1.0)  # a wait for the leader's answer
+    monkeypatch.setattr(fleet_node, "NODE_WAIT_S", 1.0)  # a wait for the leader's file
     stores = {}
 
     def store():  # one client per simulated rank, as each process has its own
@@ -343,7 +344,7 @@ def _node(monkeypatch, port):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         monkeypatch.setenv("GROUP_RANK", "0")
         stores[local] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
-        monkeypatch.setattr(fleet, "NODE_FILES", itertools.count())  # each process counts its own
+        monkeypatch.setattr(fleet_node, "NODE_FILES", itertools.count())  # each process counts its own
         fs = fleet.FleetStop(emitted.append, lambda: batch["n"])
         fs.at_batch_start()  # opens the node's file (the leader first: the other waits for its name)
         ranks.append(fs)

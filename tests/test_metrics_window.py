@@ -23,7 +23,7 @@ from _collect import Collect
 from _otel_fixtures import batch, frame, parse_prom, stat
 from conftest import free_port
 from tensorwatch_otel import watch
-from tensorwatch_otel.core.events import BatchStats
+from tensorwatch_otel.core.frame_stats import BatchStats
 from tensorwatch_otel.sinks.otel import OtelTelemetry
 from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
 

@@ -371,11 +371,12 @@ def test_every_span_name_and_attribute_comes_from_the_catalogue(otel):
     import time as _time
 
     from tensorwatch_otel.core import events as ev
+    from tensorwatch_otel.core.frame_stats import TensorStat
     from tensorwatch_otel.sinks import catalogue as cat
 
     frames = linear_frames(3, bad_at=2)
-    shares = frame("s", "Linear", ev.TensorStat("w", 0.1, 1.0, "float32", "", 0.1, {"float16": 0.5},
-                                                 {"float16": 0.0}))
+    shares = frame("s", "Linear", TensorStat("w", 0.1, 1.0, "float32", "", 0.1, {"float16": 0.5},
+                                              {"float16": 0.0}))
     now = _time.time()
     events = [
         ev.NonFiniteEvent(0, 0, "layers.2", "Linear", "output", "inf", frames + (shares,), now, capture="c",

@@ -17,9 +17,10 @@ from _collect import Collect
 from tensorwatch_otel import NonFiniteDetected, watch
 from tensorwatch_otel.core.env import ConfigError
 from tensorwatch_otel.core.errors import AbortAfterBatch
-from tensorwatch_otel.core.events import (AbortAfterBatchEvent, BatchTraceEvent, Frame, NonFiniteEvent,
-                                          OverflowCheckEvent, SamplingRateEvent, SkippedNonFiniteStepEvent,
-                                          SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent, TensorStat)
+from tensorwatch_otel.core.events import (AbortAfterBatchEvent, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent,
+                                          SamplingRateEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
+                                          SkipStreakEvent, StoppedByRankEvent)
+from tensorwatch_otel.core.frame_stats import Frame, TensorStat
 
 INF = float("inf")
 NAN = float("nan")

@@ -16,8 +16,9 @@ from tensorwatch_otel.core.measure import magnitude as M
 from tensorwatch_otel.core.config import WatchConfig
 from tensorwatch_otel.core.measure.cpu_kernel import KERNEL
 from tensorwatch_otel.core.env import ENV_TARGET_DTYPES, ConfigError
-from tensorwatch_otel.core.events import Magnitude
-from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
+from tensorwatch_otel.core.frame_stats import Magnitude
+from tensorwatch_otel.core.frame_draft import FrameDraft, ModuleInfo
+from tensorwatch_otel.core.record import Record
 
 TARGETS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 INPUTS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -22,8 +22,9 @@ from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest
 
 from _otel_fixtures import parse_prom, sample
-from tensorwatch_otel.core.events import BatchStats
-from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
+from tensorwatch_otel.core.frame_stats import BatchStats
+from tensorwatch_otel.core.frame_draft import FrameDraft, ModuleInfo
+from tensorwatch_otel.core.record import Record
 from tensorwatch_otel.sinks import catalogue
 from tensorwatch_otel.sinks.otel import OtelTelemetry
 from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
@@ -389,10 +390,10 @@ def test_frames_with_precision_fields_export_like_records(otel):
     dicts and magnitude travel the same way."""
     from dataclasses import dataclass as dc
 
-    from tensorwatch_otel.core.events import Frame, TensorStat
+    from tensorwatch_otel.core.frame_stats import Frame, TensorStat
 
     @dc(frozen=True)
-    class Stat(TensorStat):  # the agreed fields, until core/events.py has them
+    class Stat(TensorStat):  # the agreed fields, until core/frame_stats.py has them
         underflow: Optional[Dict[str, float]] = None
         overflow: Optional[Dict[str, float]] = None
         magnitude: Optional[Mag] = None

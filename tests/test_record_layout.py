@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorwatch_otel.core.record import FrameDraft, ModuleInfo, Record
+from tensorwatch_otel.core.frame_draft import FrameDraft, ModuleInfo
+from tensorwatch_otel.core.record import Record
 from tensorwatch_otel.core.frames.recorder import FrameRecorder
 
 
@@ -74,7 +75,7 @@ def test_a_frame_that_fails_leaves_nothing_in_the_record(monkeypatch):
 
 
 def test_sinks_read_a_record_through_batch_stats_columns():
-    from tensorwatch_otel.core.events import BatchStats
+    from tensorwatch_otel.core.frame_stats import BatchStats
 
     info = ModuleInfo("lin", torch.nn.Linear(2, 2), False, True)
     rec = Record(3)

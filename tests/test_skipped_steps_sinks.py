@@ -12,7 +12,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 
 from _otel_fixtures import batch, linear_frames, parse_prom, sample
-from tensorwatch_otel.core.events import BatchStats, SkippedStepEvent, SkipStreakEvent
+from tensorwatch_otel.core.events import SkippedStepEvent, SkipStreakEvent
+from tensorwatch_otel.core.frame_stats import BatchStats
 from tensorwatch_otel.sinks import TextReport
 from tensorwatch_otel.sinks.otel import OtelTelemetry
 from tensorwatch_otel.sinks.prometheus import PrometheusMetrics

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tensorwatch_otel.core.measure import cpu_kernel, stats
-from tensorwatch_otel.core.events import NOTE_EMPTY, NOTE_NO_DATA
+from tensorwatch_otel.core.frame_stats import NOTE_EMPTY, NOTE_NO_DATA
 from tensorwatch_otel.core.measure.stats import measure
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

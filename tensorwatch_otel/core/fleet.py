@@ -25,8 +25,8 @@ Who asks the store. At a safe point a rank needs to know whether anything was pu
 the collective it just left. Under torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK set, more
 than one rank per node) only each node's local rank 0 (the node's *leader*) asks the store; it
 writes its answer for that safe point, keyed by the safe point (2 * batch, + 1 for an optimizer
-step), into a small shared-memory file of the node, and the node's other ranks wait for the
-leader's answer for the same safe point (the leader left the same collective, so its answer
+step), into a small shared-memory file of the node (core/fleet_node.py), and the node's other
+ranks wait for the leader's answer for the same safe point (the leader left the same collective, so its answer
 covers everything published before it). The store's load per step is then one `check` per
 node, not per rank. A leader that stops answering (left its loop, store failure, 30 s without
 an answer) sends its node's ranks back to asking the store themselves. Without torchrun's
@@ -40,23 +40,17 @@ read a few bytes of shared memory; no collective.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import itertools
 import json
 import logging
-import mmap
-import os
-import struct
-import tempfile
 import time
-import weakref
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Dict, Literal, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Tuple, Union
 
 import torch
 
 from .errors import NonFiniteDetected
 from .events import NonFiniteEvent, StoppedByRankEvent
+from .fleet_node import NODE_WAIT_S, NodeShare, Published
 from .rank import current_rank
 
 if TYPE_CHECKING:
@@ -66,12 +60,6 @@ log = logging.getLogger(__name__)
 
 #: the store key a detection is published under (one per process group: the run is over once set)
 STORE_KEY = "tensorwatch_otel/fleet_stop"
-#: the store key prefix under which a node's leader names its shared-memory file
-NODE_KEY = "tensorwatch_otel/fleet_node"
-#: how long a rank waits for its node's leader (the file at first, then each answer)
-NODE_WAIT_S = 30.0
-
-Published = Dict[str, Any]  # a published detection: rank, batch_number, phase, module, ...
 
 
 def _dist() -> Optional[ModuleType]:
@@ -319,7 +307,7 @@ class FleetStop:
         if self._node is None:
             self._node = False
             try:
-                self._node = NodeShare.open(self) or False
+                self._node = NodeShare.open(self, _store) or False
             except Exception as exc:  # no shared file: every rank asks the store, as before
                 log.warning("tensorwatch_otel: no node-local stop signal (%s: %s); this rank asks the "
                             "process group's store at every safe point", type(exc).__name__, exc)
@@ -337,127 +325,6 @@ class FleetStop:
         log.error("tensorwatch_otel: the process group's store failed (%s: %s); ranks are no longer "
                   "stopped together, a detection raises on its own rank at once", type(exc).__name__, exc)
 
-
-# The node's shared file: the leader's answers, read by the node's other ranks.
-#   [0:8)   int64  point: the last safe point the leader answered (-1: none yet)
-#   [8:16)  int64  state: 0 nothing published, 1 published (the record follows), 2 leader gone
-#   [16:24) int64  length of the record; [24:) the record (JSON)
-# The leader writes the record, then the state, then the point; a reader reads the point, then
-# the state, so an answered point's stop is never missed.
-_SIZE = 4096
-_CLEAR, _STOP, _GONE = 0, 1, 2
-NODE_FILES = itertools.count()  # node files this process opened: the same sequence on every local rank
-
-
-class NodeShare:
-    """A node-local channel from the node's leader (local rank 0) to its other ranks."""
-
-    def __init__(self, mm: mmap.mmap, leader: bool, path: str) -> None:
-        self._mm = mm
-        self.leader = leader
-        self.path = path
-        if leader:  # a leader dropped without leaving (its loop raised): its ranks ask the store
-            self._unlink = weakref.finalize(self, _leave_and_unlink, mm, path)
-
-    @classmethod
-    def open(cls, fleet: FleetStop) -> Optional["NodeShare"]:
-        """The node's channel under torchrun with several local ranks; None otherwise."""
-        try:
-            local, local_size, group = (int(os.environ[k]) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"))
-        except (KeyError, ValueError):
-            return None
-        if local_size <= 1:
-            return None
-        key = f"{NODE_KEY}/{group}/{next(NODE_FILES)}"
-        store = _store()
-        if local == 0:
-            folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            fd, path = tempfile.mkstemp(prefix="tensorwatch_otel-fleet-", dir=folder)
-            try:
-                os.ftruncate(fd, _SIZE)
-                mm = mmap.mmap(fd, _SIZE)
-            finally:
-                os.close(fd)
-            struct.pack_into("<qq", mm, 0, -1, _CLEAR)
-            share = cls(mm, True, path)
-            fleet.requests += 1
-            store.set(key, path)
-            return share
-        fleet.requests += 2
-        store.wait([key], datetime.timedelta(seconds=NODE_WAIT_S))
-        path = store.get(key).decode()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            mm = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        fleet.requests += 1
-        if store.add(f"{key}/opened", 1) == local_size - 1:  # the node's last rank to open it
-            _unlink(path)  # the mappings stay: nothing is left behind, even if torchrun kills the ranks
-        return cls(mm, False, path)
-
-    # the leader
-    def answer(self, point: int) -> None:
-        """Nothing was published before `point`."""
-        struct.pack_into("<q", self._mm, 0, point)
-
-    def stop(self, first: Published) -> None:
-        data = json.dumps(first, separators=(",", ":")).encode()[:_SIZE - 24]
-        self._mm[24:24 + len(data)] = data
-        struct.pack_into("<q", self._mm, 16, len(data))
-        struct.pack_into("<q", self._mm, 8, _STOP)
-
-    def leave(self) -> None:
-        """The leader answers no more (its loop ended, its store failed): unless it published a
-        stop, the node's ranks ask the store themselves."""
-        if self.leader:
-            _leave(self._mm)
-
-    # the other ranks
-    def read(self, point: int, timeout: float) -> Optional[Tuple[int, Optional[Published]]]:
-        """(point, record or None) once the leader answered `point` or published a stop; None when
-        the leader is gone or did not answer within `timeout` seconds."""
-        mm = self._mm
-        nap, deadline = 0.0, None
-        while True:
-            answered = struct.unpack_from("<q", mm, 0)[0]
-            state = struct.unpack_from("<q", mm, 8)[0]
-            if state == _STOP:
-                size = struct.unpack_from("<q", mm, 16)[0]
-                return point, json.loads(bytes(mm[24:24 + size]))
-            if answered >= point:  # (a leader gone after answering `point` answered it)
-                return point, None
-            if state == _GONE:
-                return None
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + timeout
-            elif now > deadline:
-                log.warning("tensorwatch_otel: the node's leader (local rank 0) gave no stop signal for "
-                            "%.0f s; this rank asks the process group's store itself from now on", timeout)
-                return None
-            time.sleep(nap)
-            nap = min(nap * 2 or 2e-5, 2e-4)
-
-
-def _leave(mm: mmap.mmap) -> None:
-    if not mm.closed and struct.unpack_from("<q", mm, 8)[0] == _CLEAR:
-        struct.pack_into("<q", mm, 8, _GONE)
-
-
-def _leave_and_unlink(mm: mmap.mmap, path: str) -> None:
-    try:
-        _leave(mm)
-    except ValueError:
-        pass
-    _unlink(path)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def sharded(model: torch.nn.Module) -> bool:

@@ -7,7 +7,8 @@ import logging
 import threading
 from typing import Any, Dict, List, Sequence, Set
 
-from .events import BatchStats, Event
+from .events import Event
+from .frame_stats import BatchStats
 
 log = logging.getLogger(__name__)
 

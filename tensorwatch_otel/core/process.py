@@ -44,7 +44,7 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
     "measure.graph_stats.ON": "whether submodules of compiled graphs are measured inside the graph (the environment "
                               "at import; dynamo guards on it)",
     "events.TRACE_IDS": "where events take the current trace id from (the OpenTelemetry sink sets it)",
-    "fleet.NODE_FILES": "node files this process opened, numbered in the same sequence on every local rank",
+    "fleet_node.NODE_FILES": "node files this process opened, numbered in the same sequence on every local rank",
     "frames.quiet._instances": "every quiet-batch switch alive: a sentry pre-hook registered globally consults them",
     "steps.skip._CLASSES": "optimizer class -> its stand-in class for a skipped step, made once per class",
     "measure.stats._scratch": "per thread, the reused chunk buffers of the torch-ops CPU path",

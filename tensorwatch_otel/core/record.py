@@ -1,5 +1,5 @@
-"""Batch records and the ring: one record per batch (device statistics in call order, read
-back in one transfer), and the history of finished records the detection ring reaches into."""
+"""The batch record: one record per batch (device statistics in call order, read back in one
+transfer to the host), the frames it holds and the frames built from it."""
 
 from __future__ import annotations
 
@@ -7,90 +7,20 @@ import array
 import bisect
 import logging
 import math
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
+from typing import Dict, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 
+from .frame_stats import NOTE_CHANGED, Frame, Magnitude, TensorStat
+from .frame_draft import FrameDraft, Item, ModuleInfo, Stat
 from .measure import magnitude as _mag
 from .measure.slot_buffer import SlotBuffer, SlotStat
-from .measure.histogram_layout import ROW_DTYPE
-from .process import said_once
-from .events import NOTE_CHANGED, Frame, Magnitude, TensorStat
-from .naming import module_class_name
 from .measure.stats import DTYPE_MAX, dtype_name
-
+from .process import said_once
+from .readback import Row, code_values, lose_changed, shares_and_rows, slot_values
 
 log = logging.getLogger(__name__)
 SHARES_FAILED = "underflow/overflow shares failed"  # said_once's key: logged once per process
-
-# a statistic (FrameDraft.stats): a 0-d device tensor, a float on the host already (the CPU
-# kernel), or a device buffer's slot until the batch's read-back (core/measure/slot_buffer.py): a
-# SlotStat, or a slot code (an int, SlotBuffer.take_one) of the record's one code buffer
-Stat = Union[torch.Tensor, float, SlotStat, int]
-# a frame item (FrameDraft.items): a measured tensor's name, or (name, note) for a value without statistics
-Item = Union[str, Tuple[str, str]]
-# Record._rows: (host matrix, its row, dtype) of a measured tensor's histogram
-Row = Tuple[torch.Tensor, int, torch.dtype]
-
-
-class ModuleInfo:
-    """What a hook knows of its module: path, class name, the live parameter dict."""
-
-    __slots__ = ("path", "cls", "params", "kw_names", "is_root", "recorded", "lent")
-
-    def __init__(self, path: str, module: torch.nn.Module, is_root: bool, recorded: bool,
-                 cls: Optional[str] = None, params: Optional[Dict[str, Optional[torch.nn.Parameter]]] = None):
-        self.path = path
-        self.cls = cls or module_class_name(module)
-        # live dict: a replaced parameter is seen at once
-        self.params = module._parameters if params is None else params
-        self.kw_names: Dict[str, str] = {}
-        self.is_root = is_root
-        self.recorded = recorded
-        self.lent = False  # accelerate lends the parameters per call (lend())
-
-    def lend(self, params: Optional[Dict[str, Optional[torch.nn.Parameter]]] = None) -> None:
-        """accelerate's offload lends this module its parameters for each call, new tensors each
-        time (core/frames/offload.py): read them from `params` (what the module held during its call),
-        else from the module as before, and measure them without caching (a cached one would
-        keep the lent copy alive)."""
-        if params is not None:
-            self.params = params
-        self.lent = True
-
-
-class FrameDraft:
-    """One frame being built: the record's write side. Whoever builds a frame (the recorder's
-    hot path, the backward and optimizer recorders, the compiled sites) fills a draft and hands
-    it to the record in one call, `Record.add_frame(info, draft)`; a frame that fails half-built
-    is dropped with its draft and leaves nothing in the record.
-
-    `items`: a tensor name (str) per measured tensor, or a (name, note) pair for a value
-    without statistics; `stats`: two entries per measured tensor (abs min, abs max: 0-d device
-    tensors, floats on the host, or a device buffer's SlotStat at both places); `dtypes`: one
-    per measured tensor; with target_dtypes `counts` and `mags`: one per measured tensor (its
-    counts row, its histogram row or None). `add` writes one tensor; the recorder's hot path
-    writes the lists inline (a call per tensor is a cost there, docs/performance.md)."""
-
-    __slots__ = ("items", "stats", "dtypes", "counts", "mags")
-
-    def __init__(self) -> None:
-        self.items: List[Item] = []
-        self.stats: List[Stat] = []
-        self.dtypes: List[torch.dtype] = []
-        self.counts: List[Union[torch.Tensor, SlotStat, None]] = []
-        self.mags: List[Optional[torch.Tensor]] = []
-
-    def add(self, name: str, result: Union[str, Tuple[Stat, ...]], dtype: torch.dtype) -> bool:
-        """One tensor: `result` is its (abs min, abs max) pair, or the note (a str) of a value
-        without statistics. True when it was a pair."""
-        if isinstance(result, str):
-            self.items.append((name, result))
-            return False
-        self.stats += result
-        self.dtypes.append(dtype)
-        self.items.append(name)
-        return True
 
 
 class Record:
@@ -105,7 +35,7 @@ class Record:
 
     __slots__ = ("batch_number", "_stats", "_dtypes", "_frames", "_host", "phase", "detected", "header",
                  "targets", "_mags", "_counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats",
-                 "_lost", "_code_buf", "_n_others", "_others_read")
+                 "_lost", "_code_buf", "_n_others")
 
     def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
                  targets: Tuple[str, ...] = ()):
@@ -139,10 +69,10 @@ class Record:
         # shown, exported or checked
         self._lost: Optional[set[int]] = None
         self._code_buf: Optional[SlotBuffer] = None  # the buffer its slot codes (ints) are of
-        # statistics that are not slot codes, added so far and read back so far (while every
-        # pending one is a code, readback takes them in a few tensor ops: _readback_codes)
+        # statistics that are not slot codes added since readback last read them with the codes
+        # (while none is, every pending one is a code: readback takes them in a few tensor ops,
+        # _readback_codes)
         self._n_others = 0
-        self._others_read = 0
 
     # ------------------------------------------------------------------ the layout
     def add_frame(self, info: ModuleInfo, draft: FrameDraft) -> None:
@@ -244,17 +174,22 @@ class Record:
         if not pending:
             return None
         if self._code_buf is not None:
-            if self._n_others == self._others_read:  # every pending statistic is a slot code
+            if self._n_others == 0:  # every pending statistic is a slot code
                 return self._readback_codes(pending, have, extra)
-            self._others_read = self._n_others
-            pending = self._code_values(pending, have)
+            self._n_others = 0
+            lost = self._lost if self._lost is not None else set()
+            pending = code_values(self._code_buf, pending, have, lost)
+            if lost:
+                self._lost = lost
         # CPU statistics read by the compiled kernel are Python floats already (stats.measure_host)
         others: List[Stat] = [s for s in pending if s.__class__ is not float]
         if others and any(s.__class__ is SlotStat for s in others):
             # the device path's slots: each device buffer copied to the host once (SlotBuffer.read)
-            pending = self._slot_values(pending, have)
+            pending = slot_values(pending, have)
             if any(isinstance(s, SlotStat) and s.changed for s in others):
-                self._lose(pending, have)
+                lost = self._lost if self._lost is not None else set()
+                lose_changed(self._stats, pending, have, lost)
+                self._lost = lost
             others = [s for s in pending if s.__class__ is not float]
         values: List[float]
         if not others:
@@ -315,77 +250,6 @@ class Record:
             self._lost = lost_set
         self._host += values.tolist()
         return result
-
-    def _code_values(self, pending: List[Stat], first: int) -> List[Stat]:
-        """`pending` (statistics from place `first` on) with each slot code replaced by its value
-        (the abs min at a tensor's even place, the abs max at its odd one; a lost one, 0.0, its
-        tensor in _lost). Codes of the buffer's current read read it first (one copy), with the
-        0-d tensors among `pending` on its device (integer tensors, float64, odd ones) in it."""
-        buf = self._code_buf
-        assert buf is not None
-        out = list(pending)
-        current = buf.epoch
-        if any(s.__class__ is int and s >> 32 == current for s in out):
-            zero_d = [i for i, s in enumerate(out) if s.__class__ is torch.Tensor]
-            tensors = cast(List[torch.Tensor], [out[i] for i in zero_d])
-            if zero_d and all(t.device == buf.device for t in tensors):
-                for i, v in zip(zero_d, buf.read(torch.stack(tensors).reshape(-1).to(torch.float64))):
-                    out[i] = v
-            else:
-                buf.read()
-        reads: Dict[int, Optional[Tuple[List[float], set[int]]]] = {}
-        lost = self._lost if self._lost is not None else set()
-        for i, code in enumerate(out):
-            if not isinstance(code, int) or isinstance(code, bool):
-                continue
-            epoch, slot = code >> 32, code & 0xFFFFFFFF
-            if epoch not in reads:
-                d = buf.decoded(epoch)
-                reads[epoch] = None if d is None else (d[0].tolist(), d[1])
-            got = reads[epoch]
-            if got is None or slot in got[1]:  # too old a read (never expected), or written in place
-                out[i] = 0.0
-                lost.add((first + i) // 2)
-            else:
-                out[i] = got[0][2 * slot + ((first + i) & 1)]
-        if lost:
-            self._lost = lost
-        return out
-
-    def _lose(self, pending: List[Stat], first: int) -> None:
-        """The tensors among `pending` (statistics from place `first` on) whose SlotStat says
-        `changed`: their values are lost (0.0 placeholders, see _lost)."""
-        lost = self._lost if self._lost is not None else set()
-        stats = self._stats
-        for i in range(0, len(pending) - (len(pending) & 1), 2):
-            s = stats[first + i] if first + i < len(stats) else None
-            if isinstance(s, SlotStat) and s.changed:
-                lost.add((first + i) // 2)
-                pending[i] = pending[i + 1] = 0.0
-        self._lost = lost
-
-    @staticmethod
-    def _slot_values(pending: List[Stat], first: int) -> List[Stat]:
-        """`pending` (the statistics from place `first` on) with each SlotStat replaced by its
-        value: the abs min at a tensor's even place, the abs max at its odd one. A device buffer
-        holding a slot not read yet is read (one copy for all its slots); when it is the only
-        one and the 0-d tensors among `pending` are on its device (integer tensors, float64,
-        odd ones) they travel in that copy too."""
-        out = list(pending)
-        unread = {s.buffer for s in out if isinstance(s, SlotStat) and not s.read}
-        others = [i for i, s in enumerate(out) if isinstance(s, torch.Tensor)]
-        if len(unread) == 1 and others:
-            buf = next(iter(unread))
-            zero_d = cast(List[torch.Tensor], [out[i] for i in others])
-            if all(t.device == buf.device for t in zero_d):
-                for i, v in zip(others, buf.read(torch.stack(zero_d).to(torch.float64))):
-                    out[i] = v
-        for i, s in enumerate(out):
-            if isinstance(s, SlotStat):
-                if not s.read:
-                    s.buffer.read()
-                out[i] = s.hi if (first + i) & 1 else s.lo
-        return out
 
     def _readback_magnitudes(self, extra: Optional[torch.Tensor]) -> Optional[float]:
         """readback() with target_dtypes: the counts rows (and histogram rows) travel in the
@@ -459,7 +323,8 @@ class Record:
     def _shares_or_nan(self, k0: int, counts: List[Union[torch.Tensor, SlotStat, None]],
                        mags: List[Optional[torch.Tensor]], flat: torch.Tensor, values: List[float]) -> None:
         try:
-            self._shares(k0, counts, mags, flat, values)
+            plan = cast(_mag.Plan, self.plan)  # set whenever targets are
+            rows, under, over = shares_and_rows(plan, len(self.targets), counts, mags, flat, values)
         except Exception as exc:  # the shares must not stop training: NaN, said once
             if said_once(SHARES_FAILED):
                 log.error("tensorwatch_otel: could not derive the underflow/overflow shares (%s: %s); "
@@ -469,54 +334,7 @@ class Record:
             nan = [math.nan] * (len(counts) * len(self.targets))
             self.underflow[k0 * len(self.targets):] = nan
             self.overflow[k0 * len(self.targets):] = list(nan)
-
-    def _shares(self, k0: int, counts: List[Union[torch.Tensor, SlotStat, None]], mags: List[Optional[torch.Tensor]],
-                flat: torch.Tensor, values: List[float]) -> None:
-        plan = cast(_mag.Plan, self.plan)  # set whenever targets are
-        nt = len(self.targets)
-        idx = [i for i, c in enumerate(counts) if c is not None]
-        width = plan.width
-        mat = flat[:width * len(idx)].view(len(idx), width)
-        under = [math.nan] * (len(counts) * nt) if len(idx) < len(counts) else [0.0] * (len(counts) * nt)
-        over = list(under)
-        if idx:
-            amax = torch.tensor([values[2 * i + 1] for i in idx], dtype=torch.float64)
-            ut, ot = _mag.shares(mat, amax, plan)
-            u, o = ut.view(-1).tolist(), ot.view(-1).tolist()
-            if len(idx) == len(counts):  # every tensor had float values: the rows in order
-                under, over = u, o
-            else:
-                for r, i in enumerate(idx):
-                    under[i * nt:(i + 1) * nt] = u[r * nt:(r + 1) * nt]
-                    over[i * nt:(i + 1) * nt] = o[r * nt:(r + 1) * nt]
-        # the histogram rows (histogram batches): rows of one width (the usual case: one float
-        # dtype) are one matrix, no per-row slicing
-        hist = flat[width * len(idx):]
-        rows: List[Optional[Row]] = [None] * len(mags)
-        if hist.numel() == 0:  # not a histogram batch
-            self._rows += rows
-            self._floats += [c is not None for c in counts]
-            self.underflow += under
-            self.overflow += over
             return
-        widths = [None if m is None else m.shape[0] for m in mags]
-        groups: Dict[int, List[int]] = {}
-        for i, w in enumerate(widths):
-            if w is not None:
-                groups.setdefault(w, []).append(i)
-        if len(groups) == 1:
-            (w, gi), = groups.items()
-            mats = {w: hist[:w * len(gi)].view(len(gi), w)}
-        else:
-            starts, pos = [], 0
-            for w in widths:
-                starts.append(pos)
-                pos += w or 0
-            mats = {w: torch.stack([hist[starts[i]:starts[i] + w] for i in gi]) for w, gi in groups.items()}
-        for w, gi in groups.items():
-            dt = ROW_DTYPE[w]  # the measured values' dtype (an fp8 tensor is read as float32)
-            for r, i in enumerate(gi):
-                rows[i] = (mats[w], r, dt)
         self._rows += rows
         self._floats += [c is not None for c in counts]
         self.underflow += under
@@ -578,35 +396,3 @@ class Record:
             return None  # the sum overflowed; every value is finite
         starts = [f[2] for f in self._frames]
         return bisect.bisect_right(starts, bad // 2) - 1
-
-
-class History:
-    """Finished forward records, newest last, kept while the newer ones hold fewer than
-    `max_frames` frames: exactly what a ring of `max_frames` frames can reach back into."""
-
-    def __init__(self, max_frames: int):
-        self.max_frames = max_frames
-        self.records: List[Record] = []
-
-    def keep(self, rec: Record) -> None:
-        hist = self.records
-        hist.append(rec)
-        total = sum(r.frame_count for r in hist)
-        while len(hist) > 1 and total - hist[0].frame_count >= self.max_frames:
-            total -= hist.pop(0).frame_count
-
-    def ring(self, rec: Record, fi: int, stop: Callable[[Record], bool]) -> Tuple[Frame, ...]:
-        """The last max_frames frames ending with frame `fi` of `rec`, oldest first; forward
-        rings reach back across batches until `stop(record)` says the buffer started there."""
-        n = self.max_frames
-        frames = rec.materialize(max(0, fi + 1 - n), fi + 1)
-        missing = n - len(frames)
-        if rec.phase == "forward":
-            for prev in reversed(self.records):
-                if missing <= 0 or stop(prev):
-                    break
-                if prev is not rec:
-                    older = prev.materialize(max(0, prev.frame_count - missing))
-                    frames = older + frames
-                    missing -= len(older)
-        return frames

@@ -22,7 +22,8 @@ from .batch.detection import DetectionPipeline, MakeProbe
 from .batch.lifecycle import BatchLifecycle
 from .batch.sampling import FixedSampling, OverheadBudget
 from .config import WatchConfig
-from .events import BatchStats, NonFiniteEvent, TensorStat
+from .events import NonFiniteEvent
+from .frame_stats import BatchStats, TensorStat
 from .fleet import FleetStop
 from .frames.attach import HookSet
 from .frames.backward import BackwardRecorder
@@ -31,7 +32,9 @@ from .frames.quiet import QuietBatches
 from .frames.recorder import FrameRecorder
 from .ports import Sink, SinkFanout
 from .rank import current_rank
-from .record import History, ModuleInfo, Record
+from .record import Record
+from .history import History
+from .frame_draft import ModuleInfo
 from .steps.guard import StepGuard
 from .steps.monitor import StepMonitor
 from .steps.on_detect import choose as choose_on_detect

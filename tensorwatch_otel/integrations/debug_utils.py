@@ -18,9 +18,11 @@ from ..core.frames import offload, transforms
 from ..core.batch.behaviour import Behaviour
 from ..core.config import WatchConfig
 from ..core.frames.copies import Copies, Hook
-from ..core.events import NOTE_NONE, NOTE_NOT_TENSOR, BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent, TensorStat
+from ..core.events import BatchTraceEvent, NonFiniteEvent, OverflowCheckEvent
+from ..core.frame_stats import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
 from ..core.rank import current_rank
-from ..core.record import FrameDraft, ModuleInfo, Record
+from ..core.frame_draft import FrameDraft, ModuleInfo
+from ..core.record import Record
 from ..core.frames.recorder import FrameRecorder
 from ..core.measure.stats import dtype_name, measure
 from ..core.watcher import ACTIVE, Watcher

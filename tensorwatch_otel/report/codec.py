@@ -13,7 +13,6 @@ from ..core.events import (
     BatchTraceEvent,
     Event,
     Placed,
-    Frame,
     NonFiniteEvent,
     OverflowCheckEvent,
     SamplingRateEvent,
@@ -21,6 +20,9 @@ from ..core.events import (
     SkippedStepEvent,
     SkipStreakEvent,
     StoppedByRankEvent,
+)
+from ..core.frame_stats import (
+    Frame,
     TensorStat,
 )
 

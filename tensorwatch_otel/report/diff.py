@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..core.events import Frame, TensorStat
+from ..core.frame_stats import Frame, TensorStat
 
 STATS = ("max", "min", "both")
 DEFAULT_THRESHOLD = 1.0  # decades: a tenfold change

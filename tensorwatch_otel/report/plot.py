@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ..core.events import BatchTraceEvent, Frame, NonFiniteEvent, TensorStat
+from ..core.events import BatchTraceEvent, NonFiniteEvent
+from ..core.frame_stats import Frame, TensorStat
 from . import _plot_draw as d
 from ._plot_draw import DTYPE_LIMIT, INSTALL_HINT, MissingExtra, require_matplotlib
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence, Tuple
 
-from ..core.events import (BatchTraceEvent, Frame, NonFiniteEvent, SkippedNonFiniteStepEvent, StoppedByRankEvent,
-                           TensorStat)
+from ..core.events import BatchTraceEvent, NonFiniteEvent, SkippedNonFiniteStepEvent, StoppedByRankEvent
+from ..core.frame_stats import Frame, TensorStat
 
 PREFIX = " " * 17
 HEADER = f"{'abs min':8} {'abs max':8} metadata"

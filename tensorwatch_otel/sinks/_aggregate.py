@@ -24,7 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..core import env as _env
-from ..core.events import BatchStats, RecordColumns, label_for_module
+from ..core.events import label_for_module
+from ..core.frame_stats import BatchStats, RecordColumns
 from ..core.measure.stats import DTYPE_MAX, dtype_name
 from ._magnitude import MagnitudeTotals
 from ._options import number_option

@@ -10,9 +10,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
-from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, Event, Frame, NonFiniteEvent,
-                           OverflowCheckEvent, SkippedNonFiniteStepEvent, SkipStreakEvent, StoppedByRankEvent,
-                           label_for_module)
+from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, Event, NonFiniteEvent, OverflowCheckEvent,
+                           SkippedNonFiniteStepEvent, SkipStreakEvent, StoppedByRankEvent, label_for_module)
+from ..core.frame_stats import Frame
 from .catalogue import FRAME_EVENT, SPANS, place_attributes, span_attribute as _a
 
 #: The detection's span (otel_env's export backoff always lets a batch holding one through).

@@ -20,8 +20,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from ..core.events import (BatchStats, Event, NonFiniteEvent, SamplingRateEvent, SkippedNonFiniteStepEvent,
-                           SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent, set_trace_id_source)
+from ..core.events import (Event, NonFiniteEvent, SamplingRateEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
+                           SkipStreakEvent, StoppedByRankEvent, set_trace_id_source)
+from ..core.frame_stats import BatchStats
 from ..core.rank import current_rank
 from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__

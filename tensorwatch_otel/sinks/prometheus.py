@@ -23,8 +23,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
 from ..core import env as _env
-from ..core.events import (BatchStats, NonFiniteEvent, SamplingRateEvent, SkippedNonFiniteStepEvent,
-                           SkippedStepEvent, SkipStreakEvent, StoppedByRankEvent, label_for_module)
+from ..core.events import (NonFiniteEvent, SamplingRateEvent, SkippedNonFiniteStepEvent, SkippedStepEvent,
+                           SkipStreakEvent, StoppedByRankEvent, label_for_module)
+from ..core.frame_stats import BatchStats
 from ..core.rank import current_rank
 from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
 from ._base import SamplingTally, Sink, StepTally, utf8_text

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import AbstractSet, Any, Dict, Tuple
 
 from ..events import NonFiniteEvent
-from ..record import ModuleInfo, Record
+from ..frame_draft import ModuleInfo
+from ..record import Record
 from ..frames.recorder import FrameRecorder
 
 

@@ -28,11 +28,13 @@ from .capture import BatchCapture
 from ..config import WatchConfig
 from ..errors import AbortAfterBatch, NonFiniteDetected
 from ..steps.on_detect import OnDetect
-from ..events import AbortAfterBatchEvent, Frame, NonFiniteEvent, TensorStat
+from ..events import AbortAfterBatchEvent, NonFiniteEvent
+from ..frame_stats import Frame, TensorStat
 from ..fleet import FleetStop
 from ..ports import Sink, SinkFanout
 from ..rank import current_rank
-from ..record import History, Record
+from ..history import History
+from ..record import Record
 from .rerun import Localized, host, localize, replay_would_block, rerun
 
 log = logging.getLogger(__name__)

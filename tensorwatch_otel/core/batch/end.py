@@ -10,7 +10,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ..events import BatchStats, BatchTraceEvent
+from ..events import BatchTraceEvent
+from ..frame_stats import BatchStats
 from ..rank import current_rank
 from ..record import Record
 from .behaviour import Behaviour

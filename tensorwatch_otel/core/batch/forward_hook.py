@@ -15,7 +15,8 @@ from ..frames import transforms
 from ..frames.compiled import run_eagerly_when_called_eagerly, slot_tensor, traced_here, traced_post, traced_row, \
     writes_rows
 from ..frames.copies import ModuleHook
-from ..record import ModuleInfo, Record
+from ..record import Record
+from ..frame_draft import ModuleInfo
 from .thread_batch import PerThread, ThreadBatch
 
 if TYPE_CHECKING:  # pragma: no cover

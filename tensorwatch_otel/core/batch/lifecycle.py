@@ -42,7 +42,9 @@ from ..frames.compiled import compiling_here
 from ..errors import AbortAfterBatch, NonFiniteDetected
 from ..frames.finite import all_finite, output_tensors
 from ..frames.graph_frames import GraphFrames
-from ..record import History, ModuleInfo, Record
+from ..frame_draft import ModuleInfo
+from ..history import History
+from ..record import Record
 from ..steps.guard import FUSED_DEVICES
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -11,7 +11,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..record import History, Record
+from ..record import Record
+from ..history import History
 
 
 class Phase(enum.Enum):

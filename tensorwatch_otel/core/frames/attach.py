@@ -30,7 +30,7 @@ from ..config import WatchConfig
 from .copies import Copies, Hook, ModuleHook
 from .quiet import Places, QuietBatches
 from .param_index import ParamIndex, SlotEntry
-from ..record import ModuleInfo
+from ..frame_draft import ModuleInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     from .op_slots import EagerPreHook, SlotOwner

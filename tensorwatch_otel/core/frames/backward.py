@@ -13,7 +13,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tupl
 import torch
 
 from .. import naming
-from ..record import FrameDraft, ModuleInfo, Record
+from ..frame_draft import FrameDraft, ModuleInfo
+from ..record import Record
 from ..measure.stats import Pair, measure
 
 log = logging.getLogger(__name__)

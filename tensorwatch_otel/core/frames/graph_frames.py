@@ -18,8 +18,9 @@ import torch
 from ..measure import graph_stats
 from . import transforms
 from .op_spec import parsed_spec
-from ..events import NOTE_EMPTY, NOTE_NO_DATA
-from ..record import FrameDraft, Item, ModuleInfo, Record
+from ..frame_stats import NOTE_EMPTY, NOTE_NO_DATA
+from ..frame_draft import FrameDraft, Item, ModuleInfo
+from ..record import Record
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ..record import ModuleInfo
+from ..frame_draft import ModuleInfo
 
 # (module._parameters or module._modules, key, what it held)
 SlotEntry = Tuple[Dict[str, Any], str, Callable[[], object]]

@@ -20,8 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, 
 import torch
 
 from .. import naming
-from ..events import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
-from ..record import FrameDraft, Item, ModuleInfo, Record, Stat
+from ..frame_stats import NOTE_NONE, NOTE_NOT_TENSOR, TensorStat
+from ..frame_draft import FrameDraft, Item, ModuleInfo, Stat
+from ..record import Record
 from ..measure.cpu_kernel import CODES, KERNEL
 from ..measure.device_path import wanted as device_path_wanted
 from ..measure.device_stats import DeviceFrame, DeviceStats

@@ -19,9 +19,10 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from ..events import NOTE_NO_DATA
+from ..frame_stats import NOTE_NO_DATA
 from .finite import all_finite
-from ..record import FrameDraft, ModuleInfo, Record
+from ..frame_draft import FrameDraft, ModuleInfo
+from ..record import Record
 from .recorder import FrameRecorder
 from ..measure.stats import measure_host
 

@@ -36,7 +36,7 @@ import torch
 
 from .. import naming
 from ..env import GRAPH_STATS_MODES, ConfigError, graph_stats_mode
-from ..events import NOTE_NONE, NOTE_NOT_TENSOR
+from ..frame_stats import NOTE_NONE, NOTE_NOT_TENSOR
 
 _F = Any
 _TRACE_TIME: List[Any] = []  # the functions dynamo must run at trace time (configure())

@@ -44,7 +44,7 @@ from .slot_words import CountLayout
 from ..env import ConfigError
 from .histogram_layout import FLOATS as _FLOATS, GEOMETRY as _GEOMETRY
 from .histogram_layout import row_width as row_width  # a measured row's width, for callers
-from ..events import Magnitude
+from ..frame_stats import Magnitude
 
 
 def histogram_torch(v: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 
 from .cpu_kernel import CODES, KERNEL
-from ..events import NOTE_EMPTY, NOTE_NO_DATA
+from ..frame_stats import NOTE_EMPTY, NOTE_NO_DATA
 from ..process import said_once
 
 log = logging.getLogger(__name__)

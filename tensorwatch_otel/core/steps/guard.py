@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ..record import FrameDraft, ModuleInfo, Record
+from ..frame_draft import FrameDraft, ModuleInfo
+from ..record import Record
 from ..frames.finite import all_finite
 from ..measure.stats import measure
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..record import FrameDraft, Record
+from ..frame_draft import FrameDraft
+from ..record import Record
 from ..measure.stats import measure
 
 if TYPE_CHECKING:

@@ -12,7 +12,8 @@ from typing import Any, Callable, List, Optional, Union
 
 import torch
 
-from ..events import SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent, merge_kinds
+from ..events import SkippedNonFiniteStepEvent, SkippedStepEvent, SkipStreakEvent
+from ..frame_stats import merge_kinds
 from .guard import PendingGradients
 
 SkipEvent = Union[SkippedStepEvent, SkipStreakEvent]
