@@ -3,7 +3,7 @@ filters, a module called several times, the series cap, and no aliasing between 
 
 A gauge that showed only the last batch would miss a one-batch spike between two scrapes
 (15 s apart, hundreds of batches). `Window` folds every watched batch into the current of two
-rotating buckets (min of abs_min, max of abs_max, of range_used and of the underflow/overflow
+rotating buckets (_window_buckets.Buckets: min of abs_min, max of abs_max, of range_used and of the underflow/overflow
 shares of each target dtype); an exporter reads both buckets, so each value covers between half
 the window and the whole of it. Reading never resets anything: every scraper sees the same
 values. The fold runs on the training thread with three vector operations per batch, plus two
@@ -29,6 +29,7 @@ from ..core.frame_stats import BatchStats, RecordColumns
 from ..core.measure.stats import DTYPE_MAX, dtype_name
 from ._magnitude import MagnitudeTotals
 from ._options import number_option
+from ._window_buckets import UNSEEN, Buckets
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ DEFAULT_WINDOW_S = 60.0
 ENV_WINDOW = _env.ENV_METRICS_WINDOW_SECONDS
 
 _LAYOUTS = 8  # distinct batch layouts remembered (train/eval forwards, generate() steps...)
-_UNSEEN = -1.0  # abs values and ratios are >= 0: a max below 0 means "not in this bucket"
 _TRASH = 0  # bucket column for filtered or capped tensors, never exported
 
 
@@ -117,7 +117,6 @@ class Window:
                  clock: Callable[[], float] = time.monotonic, magnitudes: bool = False):
         self.wanted = wanted
         self.cap = cap
-        self.window_s = window_s
         self._name = name  # the sink, for the series cap note
         self._clock = clock
         # columns: [(module label, tensor, module_class, dtype)], column 0 is the trash
@@ -125,14 +124,11 @@ class Window:
         self._index: Dict[Key, int] = {}
         # target dtype -> j: bucket rows 3 + 2j (underflow share) and 4 + 2j (overflow share)
         self._targets: Dict[str, int] = {}
-        self._nrows = 3
         #: run-long magnitude histograms per column (None: not kept, the Prometheus sink)
         self.magnitudes: Optional[MagnitudeTotals] = MagnitudeTotals() if magnitudes else None
         self._layouts: List[_Layout] = []
         self._tuples: list = []  # (frames tuple, its values): BatchStats built from Frames
-        self._cur = self._new_bucket(64)
-        self._prev: Optional[torch.Tensor] = None
-        self._cur_start = -math.inf
+        self._buckets = Buckets(window_s)
         self._lock = threading.Lock()
         self._last: Optional[BatchStats] = None
         self._batches = 0
@@ -141,11 +137,10 @@ class Window:
         self._snapshot: Optional[Snapshot] = None
         self._cap_logged = False
 
-    def _new_bucket(self, columns: int) -> torch.Tensor:
-        b = torch.empty((self._nrows, columns), dtype=torch.float64)
-        b[0].fill_(math.inf)  # abs_min
-        b[1:].fill_(_UNSEEN)  # abs_max, range_used, shares
-        return b
+    @property
+    def window_s(self) -> float:
+        """Seconds of batches covered (0: the last batch only)."""
+        return self._buckets.window_s
 
     # -- training thread ------------------------------------------------------------------
     def add(self, stats: BatchStats) -> None:
@@ -168,20 +163,14 @@ class Window:
             mins, maxs, ratio, index, layout, shares, mags = self._rows(stats)
             if self.magnitudes is not None and mags and any(m is not None for m in mags):
                 self.magnitudes.add_values(mags, index, self._clock_ns())
-        ratio = torch.where(ratio >= 0, ratio, _UNSEEN)  # NaN (and no dtype max) take no part
+        ratio = torch.where(ratio >= 0, ratio, UNSEEN)  # NaN (and no dtype max) take no part
         with self._lock:
             now = self._clock()
-            age = now - self._cur_start
-            if self.window_s <= 0 or age >= self.window_s / 2:
-                self._prev = self._cur if 0 < self.window_s and age < self.window_s else None
-                self._cur = self._new_bucket(self._cur.shape[1])
-                self._cur_start = now
             targets, share_rows = shares
             for target in targets:
                 if target not in self._targets:
                     self._targets[target] = len(self._targets)
-            self._grow()
-            cur = self._cur
+            cur = self._buckets.current(now, len(self._keys), 3 + 2 * len(self._targets))
             if len(index):
                 cur[0].scatter_reduce_(0, index, mins, "amin")
                 cur[1].scatter_reduce_(0, index, maxs, "amax")
@@ -214,7 +203,7 @@ class Window:
     @staticmethod
     def _record_shares(rec, measured: int, n: int) -> Tuple[Tuple[str, ...], Optional[torch.Tensor]]:
         """(targets, (2T, n) rows) of a record's flat share lists (k * T + j): underflow and
-        overflow of each target in turn, NaN (not applicable) as _UNSEEN."""
+        overflow of each target in turn, NaN (not applicable) as UNSEEN."""
         targets = tuple(getattr(rec, "targets", None) or ())
         if not targets:
             return (), None
@@ -232,21 +221,7 @@ class Window:
                 if m:
                     both[i].view(-1)[:m] = torch.tensor(list(vals[:m]), dtype=torch.float64)
         rows = both[:, :n].permute(2, 0, 1).reshape(2 * t, n)  # [under_0, over_0, under_1, ...]
-        return targets, torch.where(rows >= 0, rows, _UNSEEN)
-
-    def _grow(self) -> None:
-        n = len(self._keys)
-        rows = 3 + 2 * len(self._targets)
-        if n <= self._cur.shape[1] and rows <= self._cur.shape[0]:
-            return
-        self._nrows = rows
-        size = max(n, 2 * self._cur.shape[1]) if n > self._cur.shape[1] else self._cur.shape[1]
-        for name in ("_cur", "_prev"):
-            old = getattr(self, name)
-            if old is not None:
-                new = self._new_bucket(size)
-                new[:old.shape[0], :old.shape[1]] = old
-                setattr(self, name, new)
+        return targets, torch.where(rows >= 0, rows, UNSEEN)
 
     def _column(self, label: str, tensor: str, cls: str, dtype: str, dropped: set) -> int:
         key = (label, tensor)
@@ -315,7 +290,7 @@ class Window:
                                               dropped))
                     mins.append(t.abs_min)
                     maxs.append(t.abs_max)
-                    ratio.append(_UNSEEN if t.range_used is None else t.range_used)
+                    ratio.append(UNSEEN if t.range_used is None else t.range_used)
                     for j, field in enumerate(("underflow", "overflow")):
                         for target, share in (getattr(t, field, None) or {}).items():
                             cols = shares.setdefault(target, ([], []))[j]
@@ -330,7 +305,7 @@ class Window:
         rows = None
         if targets:
             rows = torch.tensor([col + [math.nan] * (n - len(col)) for t in targets for col in shares[t]], dtype=f64)
-            rows = torch.where(rows >= 0, rows, _UNSEEN)
+            rows = torch.where(rows >= 0, rows, UNSEEN)
         return (torch.tensor(mins, dtype=f64), torch.tensor(maxs, dtype=f64), torch.tensor(ratio, dtype=f64),
                 torch.tensor(index, dtype=torch.int64), lay, (targets, rows), mags if any(mags) else [])
 
@@ -351,14 +326,7 @@ class Window:
             last = self._last
             if last is None:
                 return None
-            cur, prev = self._cur, self._prev
-            if prev is not None:
-                n = min(cur.shape[1], prev.shape[1])
-                both = cur.clone()
-                both[0, :n] = torch.minimum(cur[0, :n], prev[0, :n])
-                both[1:, :n] = torch.maximum(cur[1:, :n], prev[1:, :n])
-            else:
-                both = cur.clone()
+            both = self._buckets.both()
             keys = [tuple(k) for k in self._keys[1:]]
             targets = sorted(self._targets.items(), key=lambda kv: kv[1])
             meta = (last.batch_number, last.rank, self._batches, self._dropped, self._version)

@@ -1,10 +1,14 @@
 """The spans OtelTelemetry makes from events: detection (bounded in size, so it fits a
 collector's message), traced batches (split at the SDK's event limit), overflow checks, aborts,
-skipped-step streaks and the steps on_detect="skip" skipped. Runs on the sink's thread."""
+skipped-step streaks and the steps on_detect="skip" skipped. Runs on the sink's thread (SpanWorker)."""
 
 from __future__ import annotations
 
+import logging
+import queue
 import secrets
+import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from opentelemetry import trace
@@ -13,7 +17,14 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, Sta
 from ..core.events import (AbortAfterBatchEvent, BatchTraceEvent, Event, NonFiniteEvent, OverflowCheckEvent,
                            SkippedNonFiniteStepEvent, SkipStreakEvent, StoppedByRankEvent, label_for_module)
 from ..core.frame_stats import Frame
+from ._base import utf8_safe
 from .catalogue import FRAME_EVENT, SPANS, place_attributes, span_attribute as _a
+
+# The sink's own logger: quieting OtelTelemetry quiets its span thread too.
+log = logging.getLogger(f"{__package__}.otel")
+
+_QUEUE_SIZE = 1024
+_STOP = object()
 
 #: The detection's span (otel_env's export backoff always lets a batch holding one through).
 DETECTION_SPAN = SPANS["nonfinite_detected"][0]
@@ -274,3 +285,72 @@ class SpanBuilder:
             else:
                 span.end(end_time=t0 + len(frames))
         first.end(end_time=t0 + len(frames))
+
+
+class SpanWorker:
+    """The sink's span thread: the training thread queues events (``put``), this thread builds
+    their spans in order. A full queue drops events (said once); ``drain`` waits until the spans
+    queued before it are built, and ``draining`` says whether the last such wait outlived its
+    deadline (the span processor is stuck on a hanging collector)."""
+
+    def __init__(self, spans: SpanBuilder):
+        self._spans = spans
+        self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=_QUEUE_SIZE)
+        self._thread: Optional[threading.Thread] = None
+        self._thread_lock = threading.Lock()
+        self._dropped = 0
+        self._marker: Optional[threading.Event] = None  # the last drain's marker in the queue
+
+    def put(self, item) -> None:
+        """Queues (event, context), starting the thread on first use; never blocks."""
+        if self._thread is None:
+            with self._thread_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tensorwatch-otel-spans",
+                                                    daemon=True)
+                    self._thread.start()
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self._dropped += 1
+            if self._dropped == 1:
+                log.warning("tensorwatch_otel: OpenTelemetry span queue full (%d events); dropping "
+                            "events until it drains", _QUEUE_SIZE)
+
+    def drain(self, deadline: float) -> None:
+        """Waits, until the monotonic `deadline` at most, for the spans queued so far to be built."""
+        if self._thread is not None and self._thread.is_alive():
+            marker = threading.Event()
+            try:
+                self._queue.put((marker, None), timeout=max(0.0, deadline - time.monotonic()))
+                self._marker = marker
+                marker.wait(max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                pass
+
+    def draining(self) -> bool:
+        """True while the last drain's marker waits in the queue."""
+        return self._marker is not None and not self._marker.is_set()
+
+    def stop(self, timeout_s: float) -> None:
+        """Spans still queued are built, then the thread ends; waits at most timeout_s."""
+        if self._thread is not None:
+            try:
+                self._queue.put_nowait((_STOP, None))
+            except queue.Full:
+                pass
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item, ctx = self._queue.get()
+            if item is _STOP:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._spans.emit(utf8_safe(item), ctx)  # protobuf takes only encodable strings
+            except Exception as exc:  # never let one bad event stop the worker
+                log.warning("tensorwatch_otel: building the span for %s failed: %s: %s",
+                            getattr(item, "event", type(item).__name__), type(exc).__name__, exc)

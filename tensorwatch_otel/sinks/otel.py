@@ -1,7 +1,7 @@
 """OtelTelemetry: detections and traced batches as OpenTelemetry spans, tensor statistics as
 observable gauges, detections as a counter. Needs only the OpenTelemetry API.
 
-Spans are built on the sink's own thread (_otel_spans.py); gauges read the window of batches
+Spans are built on the sink's own thread (_otel_spans.SpanWorker); gauges read the window of batches
 (_aggregate.Window) at collection time.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
@@ -26,9 +25,9 @@ from ..core.frame_stats import BatchStats
 from ..core.rank import current_rank
 from .otel_env import close_exporters_now, shutdown_bounded
 from .._version import __version__
-from ._otel_spans import SpanBuilder, detection_context, frame_attributes  # noqa: F401 (re-export)
+from ._otel_spans import SpanBuilder, SpanWorker, detection_context, frame_attributes  # noqa: F401 (re-export)
 from ._aggregate import DEFAULT_WINDOW_S, ENV_WINDOW, ModuleFilter, Patterns, Window, window_seconds
-from ._base import SamplingTally, Sink, StepTally, utf8_safe, utf8_text
+from ._base import SamplingTally, Sink, StepTally, utf8_text
 from ._options import number_option
 from .catalogue import ATTRIBUTES, BY_KEY, place_attributes
 
@@ -48,8 +47,6 @@ SCOPE = "tensorwatch_otel"
 #: One under the metrics SDK's default cardinality limit (2000), so no statistic ends up in
 #: the SDK's anonymous overflow series; raise it together with a View's cardinality limit.
 DEFAULT_MAX_SERIES = 1999
-_QUEUE_SIZE = 1024
-_STOP = object()
 
 
 def _current_trace_id() -> Optional[str]:
@@ -139,6 +136,82 @@ def _attach_magnitudes(provider: Any, sink: "OtelTelemetry") -> list:
     return attach(provider, sink, InstrumentationScope(SCOPE, __version__))
 
 
+class _Counters:
+    """The sink's synchronous counters, made on `meter` from the catalogue; the step counters'
+    series exist from zero for `rank`."""
+
+    def __init__(self, meter: Any, rank: int):
+        def counter(key: str):
+            s = BY_KEY[key]
+            return meter.create_counter(s.otel, unit=s.unit, description=s.help)
+
+        self.nonfinite = counter("nonfinite")
+        self.stopped = counter("stopped_by_rank")
+        self.skipped = counter("steps_skipped")
+        self.skipped.add(0, {_RANK: rank})  # the series exists from zero
+        self.streaks = counter("skip_streaks")
+        self.streaks.add(0, {_RANK: rank})
+        self.nonfinite_skips = counter("skipped_nonfinite")
+        self.nonfinite_skips.add(0, {_RANK: rank})
+
+
+class _Flushes:
+    """The sink's flushes of its providers, bounded in time: the timeout the last one was given
+    (the watcher's flush_timeout_s), when it ended and what it took, the provider flushes that
+    outlived it (the collector hangs)."""
+
+    def __init__(self):
+        self._timeout_s = 5.0  # the watcher's flush_timeout_s, as the last flush() was given
+        self._last = (-1e9, 0.0)  # (monotonic end, seconds taken) of the last flush
+        self._threads: list = []  # flush threads that outlived their flush's timeout
+        self._late_logged = False
+
+    def begin(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+
+    def skipped(self) -> None:
+        """A flush that did not run (an earlier one is still stuck) ended now, taking nothing."""
+        self._last = (time.monotonic(), 0.0)
+
+    def run(self, calls: list, start: float, deadline: float) -> None:
+        """The providers' force_flush `calls` side by side, so a stalled trace export does not
+        starve the metrics flush; the SDK's force_flush ignores its timeout, hence the daemon
+        threads and the join bounded by the monotonic `deadline`."""
+        threads = [threading.Thread(target=self._flush_one, args=(fn,), name="tensorwatch-otel-flush",
+                                    daemon=True) for fn in calls]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        self._threads = [th for th in threads if th.is_alive()]
+        self._last = (time.monotonic(), time.monotonic() - start)
+
+    def running(self) -> bool:
+        """A provider flush outlived its flush's timeout and is still under way."""
+        return any(th.is_alive() for th in self._threads)
+
+    def budget(self) -> float:
+        """flush_timeout_s, less what the flush that came just before took (detach() flushes, then closes)."""
+        ended, took = self._last
+        if time.monotonic() - ended < 1.0:
+            return max(0.0, self._timeout_s - took)
+        return self._timeout_s
+
+    def first_late(self) -> bool:
+        """True the first time a flush is late (it is said once)."""
+        if self._late_logged:
+            return False
+        self._late_logged = True
+        return True
+
+    @staticmethod
+    def _flush_one(fn) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            log.warning("tensorwatch_otel: OpenTelemetry flush failed: %s: %s", type(exc).__name__, exc)
+
+
 class OtelTelemetry(Sink):
     """Exports to OpenTelemetry through the given providers, or the global ones when None.
 
@@ -182,7 +255,7 @@ class OtelTelemetry(Sink):
         self._meter_provider = meter_provider
         _warn_if_exporting_nowhere(tracer_provider, meter_provider)
         self._tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
-        self._spans = SpanBuilder(self._tracer, tracer_provider)
+        self._worker = SpanWorker(SpanBuilder(self._tracer, tracer_provider))  # the span thread
         # Detections made while the application has a span open join its trace (the event's
         # trace_id is that span's), so every sink names the trace the detection span is in.
         set_trace_id_source(_current_trace_id)
@@ -203,46 +276,26 @@ class OtelTelemetry(Sink):
         self._sampling = SamplingTally()  # the interval between measured batches, the measured overhead
         self._shares_capped = False
 
-        def counter(key: str):
-            s = BY_KEY[key]
-            return meter.create_counter(s.otel, unit=s.unit, description=s.help)
-
         def observed(key: str, callback) -> None:
             s = BY_KEY[key]
             create = meter.create_observable_counter if s.kind == "counter" else meter.create_observable_gauge
             create(s.otel, [callback], unit=s.unit, description=s.help)
 
-        self._nonfinite = counter("nonfinite")
+        self._counters = _Counters(meter, self._rank)
         observed("abs_max", self._observe_abs_max)
         observed("abs_min", self._observe_abs_min)
         observed("range_used", self._observe_range_used)
         observed("underflow", self._observe_underflow)
         observed("overflow", self._observe_overflow)
-        self._stopped = counter("stopped_by_rank")
-        self._skipped = counter("steps_skipped")
-        self._skipped.add(0, {_RANK: self._rank})  # the series exists from zero
         observed("grad_scale", self._observe_grad_scale)
-        self._streaks = counter("skip_streaks")
-        self._streaks.add(0, {_RANK: self._rank})
         observed("skip_streak", self._observe_streak)
-        self._nonfinite_skips = counter("skipped_nonfinite")
-        self._nonfinite_skips.add(0, {_RANK: self._rank})
         observed("batches", self._observe_batches)
         observed("batch_number", self._observe_batch_number)
         observed("measure_every", self._observe_measure_every)
         observed("overhead", self._observe_overhead)
         self._magnitude_hooks = _attach_magnitudes(meter_provider or metrics.get_meter_provider(), self)
-
-        self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=_QUEUE_SIZE)
-        self._worker: Optional[threading.Thread] = None
-        self._worker_lock = threading.Lock()
-        self._dropped = 0
         self._closed = False
-        self._flush_late_logged = False
-        self._marker: Optional[threading.Event] = None  # the last flush's marker in the span queue
-        self._flush_threads: list = []  # flush threads that outlived their flush's timeout
-        self._flush_timeout_s = 5.0  # the watcher's flush_timeout_s, as the last flush() was given
-        self._last_flush = (-1e9, 0.0)  # (monotonic end, seconds taken) of the last flush
+        self._flushes = _Flushes()
 
     # -- sink port (training thread: cheap) -----------------------------------------------
     @property
@@ -259,7 +312,7 @@ class OtelTelemetry(Sink):
     def _count_skips(self, rank: int) -> None:
         n = self._steps.take_new()
         if n:
-            self._skipped.add(n, {_RANK: rank})
+            self._counters.skipped.add(n, {_RANK: rank})
 
     def on_event(self, event: Event) -> None:
         if self._closed:
@@ -271,7 +324,7 @@ class OtelTelemetry(Sink):
             if ctx is None:  # no span for it
                 return
         # The caller's context makes the span a child of the training step's span, if any.
-        self._enqueue((event, ctx))
+        self._worker.put((event, ctx))
 
     def _count_optimizer_step_skipped(self, event: SkippedStepEvent, ctx: Any) -> Any:
         self._steps.on_skip(event, False)
@@ -284,16 +337,16 @@ class OtelTelemetry(Sink):
 
     def _count_skipped_steps_streak(self, event: SkipStreakEvent, ctx: Any) -> Any:
         self._steps.on_skip(event, True)
-        self._streaks.add(1, {_RANK: event.rank})
+        self._counters.streaks.add(1, {_RANK: event.rank})
         return ctx
 
     def _count_skipped_nonfinite_step(self, event: SkippedNonFiniteStepEvent, ctx: Any) -> Any:
-        self._nonfinite_skips.add(1, {_RANK: event.rank})  # and a span
+        self._counters.nonfinite_skips.add(1, {_RANK: event.rank})  # and a span
         return ctx
 
     def _count_stopped_by_rank(self, event: StoppedByRankEvent, ctx: Any) -> Any:
-        self._stopped.add(1, {**_utf8(place_attributes(event.place)), _RANK: event.rank,
-                              _FIRST_RANK: event.first_rank})
+        self._counters.stopped.add(1, {**_utf8(place_attributes(event.place)), _RANK: event.rank,
+                                       _FIRST_RANK: event.first_rank})
         return ctx
 
     def _count_nonfinite_detected(self, event: NonFiniteEvent, ctx: Any) -> Any:
@@ -303,8 +356,8 @@ class OtelTelemetry(Sink):
         current = trace.get_current_span(ctx).get_span_context()
         joined = current.is_valid and format(current.trace_id, "032x") == event.trace_id
         dctx = detection_context(event.trace_id, ctx) if event.trace_id and not joined else None
-        self._nonfinite.add(1, {**_utf8(place_attributes(event.place)), _RANK: event.rank, _FIRST_RANK: first},
-                            context=dctx or ctx)
+        self._counters.nonfinite.add(1, {**_utf8(place_attributes(event.place)), _RANK: event.rank,
+                                         _FIRST_RANK: first}, context=dctx or ctx)
         if dctx is not None:
             return (dctx, trace.get_current_span(ctx).get_span_context())
         return ctx
@@ -314,40 +367,23 @@ class OtelTelemetry(Sink):
         are flushed; the whole call returns within about timeout_s, whatever the collector does.
         While an earlier flush is still stuck (the collector hangs) it returns at once: a second
         wait would only add timeout_s to the detection or the exit, and export nothing more."""
-        self._flush_timeout_s = timeout_s
+        self._flushes.begin(timeout_s)
         start = time.monotonic()
         if self._stalled():
             log.debug("tensorwatch_otel: OpenTelemetry flush skipped: the previous one has not finished")
-            self._last_flush = (time.monotonic(), 0.0)
+            self._flushes.skipped()
             return
         deadline = start + timeout_s
-        if self._worker is not None and self._worker.is_alive():
-            marker = threading.Event()
-            try:
-                self._queue.put((marker, None), timeout=max(0.0, deadline - time.monotonic()))
-                self._marker = marker
-                marker.wait(max(0.0, deadline - time.monotonic()))
-            except queue.Full:
-                pass
+        self._worker.drain(deadline)
         calls = []
         for provider in self._providers():
             fn = getattr(provider, "force_flush", None)
             if callable(fn):
                 calls.append(fn)
-        # Side by side, so a stalled trace export does not starve the metrics flush; the SDK's
-        # force_flush ignores its timeout, hence the daemon threads and the bounded join.
-        threads = [threading.Thread(target=self._flush_one, args=(fn,), name="tensorwatch-otel-flush",
-                                    daemon=True) for fn in calls]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(max(0.0, deadline - time.monotonic()))
-        self._flush_threads = [th for th in threads if th.is_alive()]
-        self._last_flush = (time.monotonic(), time.monotonic() - start)
+        self._flushes.run(calls, start, deadline)
         if self._stalled() and None in (self._tracer_provider, self._meter_provider):
             _bound_application_exit(self)  # the collector hangs: the application's exit would wait on it too
-        if self._stalled() and not self._flush_late_logged:
-            self._flush_late_logged = True
+        if self._stalled() and self._flushes.first_late():
             log.warning("tensorwatch_otel: OpenTelemetry flush did not finish within %.1f s (collector "
                         "slow or unreachable?); training goes on, the export continues in the background",
                         timeout_s)
@@ -358,25 +394,14 @@ class OtelTelemetry(Sink):
 
     def _stalled(self) -> bool:
         """True while a flush that outlived its timeout is still under way."""
-        return (self._marker is not None and not self._marker.is_set()) or \
-            any(th.is_alive() for th in self._flush_threads)
+        return self._worker.draining() or self._flushes.running()
 
     def _exit_budget(self) -> float:
         """Seconds close() or the exit may still wait: flush_timeout_s in all, counting the flush
         that came just before (detach() flushes, then closes); nothing while the collector hangs."""
         if self._stalled():
             return 0.0
-        ended, took = self._last_flush
-        if time.monotonic() - ended < 1.0:
-            return max(0.0, self._flush_timeout_s - took)
-        return self._flush_timeout_s
-
-    @staticmethod
-    def _flush_one(fn) -> None:
-        try:
-            fn()
-        except Exception as exc:
-            log.warning("tensorwatch_otel: OpenTelemetry flush failed: %s: %s", type(exc).__name__, exc)
+        return self._flushes.budget()
 
     def close(self) -> None:
         if self._closed:
@@ -384,13 +409,8 @@ class OtelTelemetry(Sink):
         self._closed = True
         budget = self._exit_budget()
         start = time.monotonic()
-        if self._worker is not None:
-            try:
-                self._queue.put_nowait((_STOP, None))
-            except queue.Full:
-                pass
-            # spans still queued reach the processor before the providers shut down
-            self._worker.join(min(2.0, budget))
+        # spans still queued reach the processor before the providers shut down
+        self._worker.stop(min(2.0, budget))
         if self._shutdown_on_close:
             providers = [p for p in (self._tracer_provider, self._meter_provider)
                          if callable(getattr(p, "shutdown", None))]
@@ -401,36 +421,6 @@ class OtelTelemetry(Sink):
         else:  # the application's providers go on: this sink's histogram leaves them now
             for hook in self._magnitude_hooks:
                 hook.sources.discard(self)
-
-    # -- span worker ---------------------------------------------------------------------
-    def _enqueue(self, item) -> None:
-        if self._worker is None:
-            with self._worker_lock:
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._run, name="tensorwatch-otel-spans",
-                                                    daemon=True)
-                    self._worker.start()
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self._dropped += 1
-            if self._dropped == 1:
-                log.warning("tensorwatch_otel: OpenTelemetry span queue full (%d events); dropping "
-                            "events until it drains", _QUEUE_SIZE)
-
-    def _run(self) -> None:
-        while True:
-            item, ctx = self._queue.get()
-            if item is _STOP:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            try:
-                self._spans.emit(utf8_safe(item), ctx)  # protobuf takes only encodable strings
-            except Exception as exc:  # never let one bad event stop the worker
-                log.warning("tensorwatch_otel: building the span for %s failed: %s: %s",
-                            getattr(item, "event", type(item).__name__), type(exc).__name__, exc)
 
     # -- metric callbacks (the SDK's collection thread) --------------------------------------
     def _entries(self) -> list:

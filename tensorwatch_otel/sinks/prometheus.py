@@ -1,7 +1,8 @@
 """PrometheusMetrics: per-module tensor statistics and inf/nan detections as Prometheus series.
 
 A custom collector builds the series at scrape time, on the HTTP server's thread, from the
-window of batches the training thread folds into (see _aggregate.Window).
+window of batches the training thread folds into (see _aggregate.Window). After a detection the
+endpoint waits for one more scrape at close or exit (see _prometheus_linger.ScrapeLinger).
 """
 
 from __future__ import annotations
@@ -10,10 +11,8 @@ import atexit
 import inspect
 import logging
 import os
-import signal
 import socket
 import threading
-import time
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
@@ -31,6 +30,7 @@ from ._aggregate import ModuleFilter, Patterns, Snapshot, Window, window_seconds
 from ._base import SamplingTally, Sink, StepTally, utf8_text
 from ._detail import DetailPolicy, detail_ranks_setting, detail_setting, summary_families
 from ._options import number_option
+from ._prometheus_linger import ScrapeLinger
 from .catalogue import BY_KEY
 
 __all__ = ["PrometheusMetrics", "DEFAULT_MAX_SERIES", "DEFAULT_LINGER_S"]
@@ -46,13 +46,6 @@ DEFAULT_MAX_SERIES = 10_000
 DEFAULT_LINGER_S = 30.0
 ENV_MAX_SERIES = _env.ENV_PROMETHEUS_MAX_SERIES
 ENV_LINGER = _env.ENV_PROMETHEUS_LINGER_SECONDS
-# Time left for the HTTP response to reach Prometheus after the collector produced it.
-_RESPONSE_GRACE_S = 0.5
-# How often a linger looks whether a SIGTERM came. A Python signal handler runs on the main
-# thread between bytecodes, possibly while that thread holds the sink's lock, so it cannot
-# notify the waiting condition: it sets a flag, which the wait reads this often.
-_SIGTERM_POLL_S = 0.2
-
 _MAX_PORT = 65535
 
 
@@ -93,18 +86,41 @@ def _encodable(families: List[Metric]) -> List[Metric]:
     return families
 
 
-class _SigtermNote:
-    """The application's own SIGTERM handler, chained: notes the signal for a sink waiting to be
-    scraped (a preemption's grace period has begun, so its linger must end), then runs the
-    application's handler as before, which may raise SystemExit as it always did."""
+_Key = Tuple[str, str, str, int, int]  # module label, class, tensor, rank, first rank
 
-    def __init__(self, sink: "PrometheusMetrics", previous):
-        self.sink = sink
-        self.previous = previous
 
-    def __call__(self, signum, frame):
-        self.sink.sigterm_received()
-        return self.previous(signum, frame)
+class _Detections:
+    """The detection counters' series: inf/nan detections (each with the trace id and time of
+    its last one) and stops by another rank's detection, by labels; whether this rank detected.
+    Written under the sink's lock."""
+
+    def __init__(self):
+        self.detected = False  # this rank detected inf/nan: serve every per-module series
+        # (module, class, tensor, rank, first_rank) -> [count, trace id, time of the last detection]
+        self._nonfinite: Dict[_Key, list] = {}
+        self._stopped: Dict[_Key, int] = {}  # StoppedByRankEvents, same key
+
+    def nonfinite(self, event: NonFiniteEvent) -> None:
+        self.detected = True
+        entry = self._nonfinite.setdefault(self._key(event), [0, None, None])
+        entry[0] += 1
+        if event.trace_id:
+            entry[1], entry[2] = event.trace_id, event.time
+
+    def stopped(self, event: StoppedByRankEvent) -> None:
+        key = self._key(event)
+        self._stopped[key] = self._stopped.get(key, 0) + 1
+
+    def counts(self) -> Tuple[List[Tuple[_Key, list]], List[Tuple[_Key, int]]]:
+        """Copies of the nonfinite and stopped_by_rank counts (the caller holds the lock)."""
+        return [(k, list(v)) for k, v in self._nonfinite.items()], list(self._stopped.items())
+
+    @staticmethod
+    def _key(event: Union[NonFiniteEvent, StoppedByRankEvent]) -> _Key:
+        """The detection counters' labels: module (`(root)` for the root), class, tensor, rank, first rank."""
+        place, first = event.place, event.first_rank
+        return (label_for_module(place.module), place.module_class, place.tensor, event.rank,
+                event.rank if first is None else first)
 
 
 class _TensorwatchCollector(Collector):
@@ -163,32 +179,22 @@ class PrometheusMetrics(Sink):
         self.max_series = number_option("max_series", max_series, ENV_MAX_SERIES, DEFAULT_MAX_SERIES,
                                         minimum=1, integer=True)
         # finite: no wait at exit takes an endless timeout
-        self.linger_s = number_option("linger_s", linger_s, ENV_LINGER, DEFAULT_LINGER_S, minimum=0.0)
-        self._wanted = ModuleFilter(include, exclude)
+        linger_s = number_option("linger_s", linger_s, ENV_LINGER, DEFAULT_LINGER_S, minimum=0.0)
         self.detail = detail_setting(detail)
         self.detail_ranks = detail_ranks_setting(detail_ranks)
         self._policy = DetailPolicy(self.detail, self.detail_ranks)
-        self._detected = False  # this rank detected inf/nan: serve every per-module series
         self._default_rank = current_rank()  # a bad RANK fails here, naming it
 
         # The tensor gauges: extremes over the batches of the last window_s seconds.
-        self._window = Window(self._wanted, self.max_series, window_seconds(window_s), "Prometheus")
-        # (module, class, tensor, rank, first_rank) -> [count, trace id, time of the last detection]
-        self._nonfinite: Dict[Tuple[str, str, str, int, int], list] = {}
-        self._stopped: Dict[Tuple[str, str, str, int, int], int] = {}  # StoppedByRankEvents, same key
+        self._window = Window(ModuleFilter(include, exclude), self.max_series, window_seconds(window_s),
+                              "Prometheus")
+        self._detections = _Detections()
         self._steps = StepTally(self._default_rank)  # skipped optimizer steps, streaks, loss scale
         self._sampling = SamplingTally()  # the interval between measured batches, the measured overhead
         self._lock = threading.Lock()
-        self._scraped = threading.Condition(self._lock)
-        self._scrapes = 0
-        self._unscraped_detection = False
+        # after a detection: the wait for a scrape at close or exit, and the SIGTERM that ends it
+        self._linger = ScrapeLinger(self._lock, linger_s)
         self._closed = False
-        # SIGTERM: set by _SigtermNote, chained to the application's handler while a detection
-        # waits for a scrape; no linger starts or goes on after it.
-        self._sigterm = False
-        self._sigterm_note: Optional[_SigtermNote] = None
-        self._sigterm_logged = False
-        self._want_sigterm = False  # a detection waits; chain the handler from the main thread
 
         # Every argument is checked before anything is registered or bound, and a failure after
         # that undoes it, so a corrected PrometheusMetrics in the same process starts clean.
@@ -247,6 +253,11 @@ class PrometheusMetrics(Sink):
 
     # -- sink port ----------------------------------------------------------------------
     @property
+    def linger_s(self) -> float:
+        """After a detection, seconds to wait at close or exit for a scrape."""
+        return self._linger.linger_s
+
+    @property
     def window_s(self) -> float:
         """Seconds of batches the tensor gauges cover (0: the last watched batch)."""
         return self._window.window_s
@@ -256,7 +267,7 @@ class PrometheusMetrics(Sink):
         self._steps.on_batch(stats)
         with self._lock:
             self._sampling.on_batch(stats)
-        if self._want_sigterm:  # a detection came on another thread (backward on a GPU)
+        if self._linger.want_sigterm:  # a detection came on another thread (backward on a GPU)
             self._note_sigterm()
 
     # the event types it counts (Sink.on_event calls handle_<event type>)
@@ -271,7 +282,7 @@ class PrometheusMetrics(Sink):
     def handle_skipped_steps_streak(self, event: SkipStreakEvent) -> None:
         with self._lock:
             self._steps.on_skip(event, True)
-            self._unscraped_detection = True  # may precede the exception that ends the run: linger for it
+            self._linger.detection()  # may precede the exception that ends the run: linger for it
         self._note_sigterm()
 
     def handle_sampling_rate(self, event: SamplingRateEvent) -> None:
@@ -280,27 +291,15 @@ class PrometheusMetrics(Sink):
 
     def handle_nonfinite_detected(self, event: NonFiniteEvent) -> None:
         with self._lock:
-            self._detected = True
-            entry = self._nonfinite.setdefault(self._key(event), [0, None, None])
-            entry[0] += 1
-            if event.trace_id:
-                entry[1], entry[2] = event.trace_id, event.time
-            self._unscraped_detection = True  # let the next scrape see it
+            self._detections.nonfinite(event)
+            self._linger.detection()  # let the next scrape see it
         self._note_sigterm()
 
     def handle_stopped_by_rank(self, event: StoppedByRankEvent) -> None:
-        key = self._key(event)
         with self._lock:
-            self._stopped[key] = self._stopped.get(key, 0) + 1
-            self._unscraped_detection = True  # this rank stops now: let the next scrape see it
+            self._detections.stopped(event)
+            self._linger.detection()  # this rank stops now: let the next scrape see it
         self._note_sigterm()
-
-    @staticmethod
-    def _key(event: Union[NonFiniteEvent, StoppedByRankEvent]) -> Tuple[str, str, str, int, int]:
-        """The detection counters' labels: module (`(root)` for the root), class, tensor, rank, first rank."""
-        place, first = event.place, event.first_rank
-        return (label_for_module(place.module), place.module_class, place.tensor, event.rank,
-                event.rank if first is None else first)
 
     def close(self) -> None:
         if self._closed:
@@ -309,10 +308,10 @@ class PrometheusMetrics(Sink):
         if self._server is None:
             self._unregister()
             return
-        if self._pending_scrape():
+        if self._linger.pending():
             self._note_sigterm()
-            if self._sigterm:  # preempted: the grace period is the application's, not ours
-                self._log_sigterm(waited=False)
+            if self._linger.sigterm:  # preempted: the grace period is the application's, not ours
+                self._linger.log_sigterm(False, self.url)
                 self._stop()
                 return
             # Let Prometheus see the detection before the endpoint goes away, off this thread.
@@ -322,108 +321,55 @@ class PrometheusMetrics(Sink):
             self._stop()
 
     # -- linger -------------------------------------------------------------------------
-    def _pending_scrape(self) -> bool:
-        return self._unscraped_detection and self.linger_s > 0
-
     def wait_for_scrape(self, timeout_s: float) -> bool:
         """Blocks until a scrape after the last detection, at most timeout_s, and no longer once
         a SIGTERM came through the application's handler; True if a scrape came."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while self._unscraped_detection:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._sigterm:
-                    return False
-                self._scraped.wait(min(left, _SIGTERM_POLL_S))
-        time.sleep(_RESPONSE_GRACE_S)
-        return True
+        return self._linger.wait(timeout_s)
 
     def _linger_then_stop(self) -> None:
         self.wait_for_scrape(self.linger_s)
-        if self._sigterm:
-            self._log_sigterm(waited=True)
+        if self._linger.sigterm:
+            self._linger.log_sigterm(True, self.url)
         self._stop()
 
     def _at_exit(self) -> None:
-        if self._server is not None and self._pending_scrape():
+        if self._server is not None and self._linger.pending():
             self._note_sigterm()  # a SIGTERM now (the scheduler's, after the run ended) ends the wait
-            if self._sigterm:
-                self._log_sigterm(waited=False)
+            if self._linger.sigterm:
+                self._linger.log_sigterm(False, self.url)
                 self._stop()
                 return
             log.warning("tensorwatch_otel: waiting up to %.0f s for Prometheus to scrape the inf/nan "
                         "detection from %s (%s=0 skips this, Ctrl-C ends the wait%s)",
                         self.linger_s, self.url, ENV_LINGER,
-                        ", SIGTERM ends the wait" if self._sigterm_note is not None else "")
+                        ", SIGTERM ends the wait" if self._linger.chained else "")
             try:
-                if not self.wait_for_scrape(self.linger_s) and not self._sigterm:
+                if not self.wait_for_scrape(self.linger_s) and not self._linger.sigterm:
                     log.warning("tensorwatch_otel: no scrape within %.0f s; the detection is in the "
                                 "logs and other sinks only", self.linger_s)
             except KeyboardInterrupt:  # the user chose not to wait: no traceback from an exit hook
                 log.warning("tensorwatch_otel: wait for a scrape ended by Ctrl-C; the detection is in "
                             "the logs and other sinks only")
             except SystemExit:  # the application's signal handler (SIGTERM: sys.exit(143)), run through ours
-                if not self._sigterm:
+                if not self._linger.sigterm:
                     log.warning("tensorwatch_otel: wait for a scrape ended by a signal; the detection is "
                                 "in the logs and other sinks only")
-            if self._sigterm:
-                self._log_sigterm(waited=True)
+            if self._linger.sigterm:
+                self._linger.log_sigterm(True, self.url)
         self._stop()
 
     # -- SIGTERM ------------------------------------------------------------------------
     def _note_sigterm(self) -> None:
-        """While a detection waits for a scrape, chain the application's SIGTERM handler (only a
-        Python one: without it SIGTERM ends the process at once anyway, and an ignored SIGTERM
-        stays ignored). Signal handlers are set from the main thread only; from another thread
-        this waits for the next call from the main thread (on_batch, close, the exit hook)."""
-        self._want_sigterm = False
-        if self._sigterm_note is not None or self.linger_s <= 0 or self._server is None:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            self._want_sigterm = True
-            return
-        try:
-            previous = signal.getsignal(signal.SIGTERM)
-            if not callable(previous):  # SIG_DFL, SIG_IGN, or set outside Python (None)
-                return
-            note = _SigtermNote(self, previous)
-            signal.signal(signal.SIGTERM, note)
-        except (ValueError, OSError, RuntimeError) as exc:  # no signals here (an embedded interpreter)
-            log.debug("tensorwatch_otel: cannot chain the SIGTERM handler: %s", exc)
-            return
-        self._sigterm_note = note
-
-    def _unnote_sigterm(self) -> None:
-        """Gives the application its handler back, when ours is still the one installed and this
-        is the main thread; otherwise ours stays, passing every SIGTERM on."""
-        note = self._sigterm_note
-        if note is None or threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            if signal.getsignal(signal.SIGTERM) is note:
-                signal.signal(signal.SIGTERM, note.previous)
-                self._sigterm_note = None
-        except (ValueError, OSError, RuntimeError):
-            pass
+        """While a detection waits for a scrape, chain the application's SIGTERM handler (see
+        ScrapeLinger.note_sigterm); only while /metrics is served."""
+        self._linger.note_sigterm(self._server is not None)
 
     def sigterm_received(self) -> None:
-        """Called by the chained SIGTERM handler: a preemption's grace period has begun. A plain
-        store (a signal handler must take no lock); the linger's wait reads it."""
-        self._sigterm = True
-
-    def _log_sigterm(self, waited: bool) -> None:
-        if self._sigterm_logged:
-            return
-        self._sigterm_logged = True
-        if waited:
-            log.warning("tensorwatch_otel: wait for a scrape ended by SIGTERM (preemption); the detection "
-                        "is in the logs and other sinks only")
-        else:
-            log.warning("tensorwatch_otel: SIGTERM (preemption): not waiting for Prometheus to scrape the "
-                        "inf/nan detection from %s; it is in the logs and other sinks only", self.url)
+        """A preemption's grace period has begun: no linger starts or goes on (a plain store)."""
+        self._linger.sigterm_received()
 
     def _stop(self) -> None:
-        self._unnote_sigterm()
+        self._linger.unnote_sigterm()
         server, self._server = self._server, None
         if server is not None:
             try:
@@ -447,10 +393,7 @@ class PrometheusMetrics(Sink):
         return self._families(None, self._default_rank)
 
     def collect_families(self) -> Iterator[Metric]:
-        with self._lock:
-            self._scrapes += 1
-            self._unscraped_detection = False
-            self._scraped.notify_all()
+        self._linger.scraped()
         snap = self._window.snapshot()
         rank = snap.rank if snap is not None else self._default_rank
         return iter(_encodable(self._families(snap, rank)))
@@ -468,7 +411,7 @@ class PrometheusMetrics(Sink):
         every_f, overhead_f = f("measure_every"), f("overhead")
         batches = 0
         rows, cutoff, hidden = ((), 0.0, 0) if snap is None else \
-            self._policy.select(snap.rows, rank, self._detected)
+            self._policy.select(snap.rows, rank, self._detections.detected)
         if snap is not None:
             for module, cls, tensor, dtype, lo, hi, ru, shares in rows:
                 labels = (module, cls, tensor, r)
@@ -490,8 +433,7 @@ class PrometheusMetrics(Sink):
             skipped, streaks, streak, scale = steps.skipped, steps.streaks, steps.streak, steps.scale
             nonfinite_skips = steps.nonfinite
             every, overhead = self._sampling.every_n_batches, self._sampling.overhead
-            counts = [(k, list(v)) for k, v in self._nonfinite.items()]
-            stopped = list(self._stopped.items())
+            counts, stopped = self._detections.counts()
         skipped_f.add_metric((r,), skipped)
         streaks_f.add_metric((r,), streaks)
         nonfinite_skips_f.add_metric((r,), nonfinite_skips)
