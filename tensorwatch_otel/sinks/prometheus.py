@@ -257,6 +257,10 @@ class PrometheusMetrics(Sink):
         """After a detection, seconds to wait at close or exit for a scrape."""
         return self._linger.linger_s
 
+    @linger_s.setter
+    def linger_s(self, seconds: float) -> None:  # (settable after construction, as before)
+        self._linger.linger_s = seconds
+
     @property
     def window_s(self) -> float:
         """Seconds of batches the tensor gauges cover (0: the last watched batch)."""
