@@ -30,7 +30,7 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
     "frames.compiled.EAGER": "the hook code objects dynamo must run eagerly when reached as a frame of their own, "
                              "marked once dynamo is loaded",
     "measure.cpu_kernel.KERNEL": "the CPU statistics kernel, built once per process on a thread of its own",
-    "measure.cpu_kernel.COMPILERS": "compiler processes still running, killed with their process groups at exit",
+    "measure.cpu_kernel_build.COMPILERS": "compiler processes still running, killed with their process groups at exit",
     "measure.device_stats.DEVICE_PATH": "which devices take the fused device path (a test/benchmark switch) and the "
                                         "fused kernels, built once per process",
     "measure.device_stats.IMMEDIATE": "per thread, inside a compiled graph's ops: frames are measured at once, never "
