@@ -26,7 +26,8 @@ from ..measure.cpu_kernel import CODES, KERNEL
 from ..measure.device_stats import FRESH_READS, CountLayout, DeviceFrame, DeviceStats, SlotStat
 from ..measure.device_stats import wanted as device_path_wanted
 from ..measure.magnitude import HISTOGRAM_EVERY, measure_counts
-from ..measure.stats import HostBatch, host_readable, measure_host as measure, nonfinite_kind_of
+from ..measure.host_batch import HostBatch
+from ..measure.stats import host_readable, measure_host as measure, nonfinite_kind_of
 from ..measure.weights import WeightTable, takes
 
 MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded
