@@ -35,7 +35,7 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
                                         "fused kernels, built once per process",
     "measure.device_stats.IMMEDIATE": "per thread, inside a compiled graph's ops: frames are measured at once, never "
                                       "deferred (inductor reuses the graph's buffers without a version bump)",
-    "measure.graph_stats.SITES": "in-graph statistics: the call sites compiled graphs were traced with (their "
+    "measure.graph_sites.SITES": "in-graph statistics: the call sites compiled graphs were traced with (their "
                                  "values are stored on them after each run) and the per-device sequence counters",
     "measure.graph_stats.ROOT_TRACED": "the tracing contexts (weakly held) whose graph traced a model's own hooks: "
                                        "their submodules keep the ops",
