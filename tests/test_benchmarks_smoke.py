@@ -74,8 +74,8 @@ def test_bench_paired_quick(tmp_path):
     # the watcher adds device work and at most one host sync per step (the optimizer-step guard's
     # read; none on a CPU with the compiled kernel, whose values are on the host at once;
     # gradients=True has none); the peer reads values on the host
-    from tensorwatch_otel.core.measure import cpu_kernel
-    guard_sync = 0 if cpu_kernel.find_compiler() else 1
+    from tensorwatch_otel.core.measure import cpu_kernel_build
+    guard_sync = 0 if cpu_kernel_build.find_compiler() else 1
     assert c["watch"]["extra_ops"] > 0 and c["gradients"]["extra_ops"] > c["watch"]["extra_ops"]
     assert c["watch"]["host_syncs"] == c["unwatched"]["host_syncs"] + guard_sync
     assert c["gradients"]["host_syncs"] == c["unwatched"]["host_syncs"]

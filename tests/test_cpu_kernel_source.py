@@ -1,6 +1,6 @@
 """The CPU kernel's C source is a file of the package (tensorwatch_otel/core/measure/cpu_kernel.c): its
 own C test (tests/c/test_cpu_kernel.c) checks it without Python or torch in between, and the
-loader reads that same file."""
+build reads that same file (core/measure/cpu_kernel_build.py)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,22 @@ import zipfile
 
 import pytest
 
-from tensorwatch_otel.core.measure import cpu_kernel
+from tensorwatch_otel.core.measure import cpu_kernel_build
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
 def test_the_kernel_source_is_the_packaged_file() -> None:
-    path = os.path.join(ROOT, "tensorwatch_otel", "core", "measure", cpu_kernel.SOURCE_FILE)
+    path = os.path.join(ROOT, "tensorwatch_otel", "core", "measure", cpu_kernel_build.SOURCE_FILE)
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    assert cpu_kernel.source() == text
+    assert cpu_kernel_build.source() == text
     assert "void tw_abs_minmax_many(" in text
 
 
 def test_the_c_kernel_passes_its_own_edge_value_checks(tmp_path: "os.PathLike[str]") -> None:
-    cc = cpu_kernel.find_compiler()
+    cc = cpu_kernel_build.find_compiler()
     if cc is None:
         pytest.skip("no C compiler on this machine: the kernel is not built here either")
     exe = os.path.join(str(tmp_path), "test_cpu_kernel")

@@ -211,7 +211,7 @@ def _train_forward(model, x, forced):
 def test_cpu_tensors_keep_the_cpu_kernel_on_a_device_path_recorder(monkeypatch):
     """A CPU model watched on a machine with a GPU (the device path on for CUDA tensors only):
     its frames still go to the CPU kernel in one call per frame, with the weight table."""
-    from tensorwatch_otel.core.measure import cpu_kernel, stats
+    from tensorwatch_otel.core.measure import cpu_kernel, host_batch
     from tensorwatch_otel.core.frames import recorder
 
     if cpu_kernel.KERNEL.wait() is None:
@@ -223,8 +223,8 @@ def test_cpu_tensors_keep_the_cpu_kernel_on_a_device_path_recorder(monkeypatch):
     default, _ = _train(model, xs, device_path=False)
     monkeypatch.setattr(recorder, "device_path_wanted", lambda: True)
     calls = []
-    real = stats.HostBatch.measure
-    monkeypatch.setattr(stats.HostBatch, "measure", lambda self: (calls.append(len(self.ns)), real(self))[1])
+    real = host_batch.HostBatch.measure
+    monkeypatch.setattr(host_batch.HostBatch, "measure", lambda self: (calls.append(len(self.ns)), real(self))[1])
     launches = _counting_launches(monkeypatch)
     sink = Collect()
     opt = torch.optim.SGD(twin.parameters(), lr=0.1)

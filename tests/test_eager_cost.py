@@ -12,7 +12,8 @@ import torch.nn as nn
 
 from tensorwatch_otel import NonFiniteDetected, watch
 from tensorwatch_otel.core.measure import cpu_kernel, stats
-from tensorwatch_otel.core.measure.stats import HostBatch, measure, measure_host
+from tensorwatch_otel.core.measure.host_batch import HostBatch
+from tensorwatch_otel.core.measure.stats import measure, measure_host
 from _collect import Collect
 
 

@@ -14,7 +14,7 @@ import torch
 
 from _collect import Collect
 from tensorwatch_otel import watch
-from tensorwatch_otel.core.measure import cpu_kernel, stats
+from tensorwatch_otel.core.measure import cpu_kernel, cpu_kernel_build, stats
 
 
 def _alive(pid: int) -> bool:
@@ -60,7 +60,7 @@ def hanging_cc(tmp_path, monkeypatch):
                   "wait\n")
     cc.chmod(cc.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setattr(cpu_kernel, "COMPILE_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(cpu_kernel_build, "COMPILE_TIMEOUT_S", 1.5)
     return tmp_path
 
 
@@ -98,7 +98,7 @@ def test_a_hanging_compiler_holds_no_batch_and_is_killed_with_its_children(fresh
 
 
 def test_a_working_compiler_takes_over_once_built(fresh_kernel):
-    cc = cpu_kernel.find_compiler()
+    cc = cpu_kernel_build.find_compiler()
     if not cc or not (os.path.isabs(cc) or shutil.which(cc)):
         pytest.skip("no C compiler on this machine")
     x = _big(2)

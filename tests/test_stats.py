@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tensorwatch_otel.core.measure import cpu_kernel, stats
+from tensorwatch_otel.core.measure import cpu_kernel, cpu_kernel_build, stats
 from tensorwatch_otel.core.frame_stats import NOTE_EMPTY, NOTE_NO_DATA
 from tensorwatch_otel.core.measure.stats import measure
 
@@ -246,11 +246,11 @@ def test_the_kernel_is_built_where_a_compiler_exists():
     """On a machine with a C compiler (this one, CI) measure() reads CPU tensors with the
     compiled kernel, on torch's OpenMP threads where torch runs on libgomp; the kernel is what
     the other tests of this file exercise through `measure`."""
-    if not cpu_kernel.find_compiler():
+    if not cpu_kernel_build.find_compiler():
         pytest.skip("no C compiler on this machine: the torch path is the one in use")
     kernel = cpu_kernel.KERNEL.wait()  # built on a thread of its own (tests/test_kernel_build.py)
     assert kernel is not None
-    assert kernel.parallel == (cpu_kernel._loaded_libgomp() is not None)
+    assert kernel.parallel == (cpu_kernel_build.loaded_libgomp() is not None)
     x = _values(torch.float32, 3 * stats._CHUNK + 5, seed=11)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         pair = measure(x)
@@ -263,10 +263,11 @@ def test_the_kernel_is_built_where_a_compiler_exists():
 def test_kernel_without_openmp_and_with_many_threads_agree(dtype, tmp_path):
     """The one-thread build (a compiler without OpenMP) and the parallel one give the torch
     path's exact values, NaN and inf included, at every thread count."""
-    cc = cpu_kernel.find_compiler()
+    cc = cpu_kernel_build.find_compiler()
     if not cc:
         pytest.skip("no C compiler on this machine")
-    single = cpu_kernel._bind(__import__("ctypes").CDLL(cpu_kernel._compile(cc, str(tmp_path), None)), parallel=False)
+    library = cpu_kernel_build.compile_library(cc, str(tmp_path), None)
+    single = cpu_kernel._bind(__import__("ctypes").CDLL(library), parallel=False)
     kernels = [single] + ([cpu_kernel.KERNEL.wait()] if cpu_kernel.KERNEL.wait() is not None else [])
     threads = torch.get_num_threads()
     try:

@@ -30,12 +30,12 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
     "frames.compiled.EAGER": "the hook code objects dynamo must run eagerly when reached as a frame of their own, "
                              "marked once dynamo is loaded",
     "measure.cpu_kernel.KERNEL": "the CPU statistics kernel, built once per process on a thread of its own",
-    "measure.cpu_kernel.COMPILERS": "compiler processes still running, killed with their process groups at exit",
+    "measure.cpu_kernel_build.COMPILERS": "compiler processes still running, killed with their process groups at exit",
     "measure.device_path.DEVICE_PATH": "which devices take the fused device path (a test/benchmark switch) and the "
                                        "fused kernels, built once per process",
     "measure.device_path.IMMEDIATE": "per thread, inside a compiled graph's ops: frames are measured at once, never "
                                      "deferred (inductor reuses the graph's buffers without a version bump)",
-    "measure.graph_stats.SITES": "in-graph statistics: the call sites compiled graphs were traced with (their "
+    "measure.graph_sites.SITES": "in-graph statistics: the call sites compiled graphs were traced with (their "
                                  "values are stored on them after each run) and the per-device sequence counters",
     "measure.graph_stats.ROOT_TRACED": "the tracing contexts (weakly held) whose graph traced a model's own hooks: "
                                        "their submodules keep the ops",

@@ -18,7 +18,8 @@ import torch
 
 from .. import naming
 from .recorder import MAX_DEPTH, MAX_ITEMS
-from ..measure.stats import HostBatch, measure
+from ..measure.host_batch import HostBatch
+from ..measure.stats import measure
 
 _INF = float("inf")
 # dtypes one float32 inf-norm takes without narrowing (float64 would not fit: measured alone)

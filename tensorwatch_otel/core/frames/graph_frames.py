@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..measure import graph_stats
+from ..measure import graph_sites, graph_stats
 from . import transforms
 from .op_spec import parsed_spec
 from ..frame_stats import NOTE_EMPTY, NOTE_NO_DATA
@@ -50,7 +50,7 @@ class GraphFrames:
         self._model = model
         self._infos: Dict[int, ModuleInfo] = {}  # row id -> the module it was given for
         self._holders: List[Tuple["weakref.ref[Any]", ModuleInfo]] = []  # (its hook, its module) per row id given
-        self._cursor: Dict[torch.device, Tuple[graph_stats.Table, int]] = {}
+        self._cursor: Dict[torch.device, Tuple[graph_sites.Table, int]] = {}
         self._stamp = -1.0
         self._plans: Dict[Tuple[int, int], Optional[Plan]] = {}
         self._device: Optional[torch.device] = None  # the model's device when the ids were made
@@ -122,7 +122,7 @@ class GraphFrames:
             rec.add_frame(info, d)
 
     @staticmethod
-    def _plan(info: Optional[ModuleInfo], site: graph_stats.Site) -> Optional[Plan]:
+    def _plan(info: Optional[ModuleInfo], site: graph_sites.Site) -> Optional[Plan]:
         """The frame of `site`'s rows for `info`'s module, made once (None: not recorded)."""
         if info is None or not info.recorded:
             return None

@@ -29,7 +29,8 @@ from ..measure.device_stats import DeviceFrame, DeviceStats
 from ..measure.slot_buffer import SlotStat
 from ..measure.slot_words import FRESH_READS, CountLayout
 from ..measure.magnitude import HISTOGRAM_EVERY, measure_counts
-from ..measure.stats import HostBatch, host_readable, measure_host as measure, nonfinite_kind_of
+from ..measure.host_batch import HostBatch
+from ..measure.stats import host_readable, measure_host as measure, nonfinite_kind_of
 from ..measure.weights import WeightTable, takes
 
 MAX_ITEMS = 256  # values looked at per container, so odd outputs stay bounded

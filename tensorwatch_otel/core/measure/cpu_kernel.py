@@ -1,5 +1,5 @@
 """A one-read abs min/max kernel for CPU tensors, compiled on first use with the machine's C
-compiler; without a compiler the torch ops in stats.py are used.
+compiler (core/measure/cpu_kernel_build.py); without a compiler the torch ops in stats.py are used.
 
 Stock CPU ops cannot take both extremes of |x| in one read: |x| has to be written somewhere and
 read again (three passes over memory), and each op pays torch's parallel dispatch. The kernel
@@ -11,25 +11,18 @@ kernel then makes the minimum NaN too (the contract of stats.measure).
 
 It is built once per process, on a thread of its own (the torch ops measure until it is
 loaded: a slow or hanging compiler holds no batch), into a temporary folder removed right after
-loading, with `-march=native` (the process's own CPU: nothing built here runs on another machine). Where torch
-runs on OpenMP (libgomp, already loaded) the kernel links that same library, so it splits large
-tensors over torch's threads (`torch.get_num_threads()`) instead of starting a second pool.
-`TENSORWATCH_CPU_KERNEL=torch` keeps the torch ops; `CC` names the compiler. A compiler still
-running after COMPILE_TIMEOUT_S is killed with its whole process group (its own children too),
-and the torch ops stay.
+loading. Where the library links torch's OpenMP runtime the kernel splits large tensors over
+torch's threads (`torch.get_num_threads()`). `TENSORWATCH_CPU_KERNEL=torch` keeps the torch ops.
+A compiler killed at its timeout leaves the torch ops in place.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
-import importlib.resources
 import logging
 import os
-import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
@@ -37,22 +30,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import env as _env
+from .cpu_kernel_build import compile_library, find_compiler, kill_running, loaded_libgomp
 from .histogram_layout import row_width
 
 log = logging.getLogger(__name__)
 
-COMPILE_TIMEOUT_S = 60.0  # most seconds one compiler command may run
 EXIT_WAIT_S = 2.0  # most seconds the interpreter's exit waits for the build's thread to end
 _PARALLEL_MIN = 1 << 16  # elements below which waking a second thread costs more than it saves
-
-# The kernel's C source, a file of the package (tensorwatch_otel/core/measure/cpu_kernel.c)
-SOURCE_FILE = "cpu_kernel.c"
-
-
-def source() -> str:
-    """The kernel's C source, read from the package."""
-    return importlib.resources.files(__package__).joinpath(SOURCE_FILE).read_text(encoding="utf-8")
-
 
 _SYMBOLS = {torch.float64: "tw_abs_minmax_f64", torch.float32: "tw_abs_minmax_f32",
             torch.float16: "tw_abs_minmax_f16", torch.bfloat16: "tw_abs_minmax_bf16"}
@@ -64,99 +48,6 @@ _SLAB = 512  # result pairs per allocation
 Kernel = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
-def _loaded_libgomp() -> Optional[str]:
-    """The path of the libgomp this process has loaded (torch's OpenMP runtime), if any."""
-    if not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return None
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                path = line.rstrip("\n").split(None, 5)[-1]
-                if os.path.basename(path).startswith("libgomp") and ".so" in path and os.path.isfile(path):
-                    return path
-    except OSError:
-        return None
-    return None
-
-
-def _compile(cc: str, folder: str, openmp: Optional[str]) -> str:
-    src, obj, lib = (os.path.join(folder, n) for n in ("kernel.c", "kernel.o", "kernel.so"))
-    with open(src, "w", encoding="utf-8") as fh:
-        fh.write(source())
-    errors: List[str] = []
-    for arch in (["-march=native"], []):  # a compiler that does not know the flag still builds
-        # compile with OpenMP, link the runtime torch already runs (no second thread pool)
-        cmds = [[cc, "-O3", "-fPIC", *arch, *(["-fopenmp"] if openmp else []), "-c", src, "-o", obj],
-                [cc, "-shared", obj, "-o", lib, *([openmp] if openmp else [])]]
-        for cmd in cmds:
-            code, stderr = _run(cmd)
-            if code != 0:
-                said = stderr.strip().splitlines()
-                errors.append(said[-1] if said else f"{cmd[0]} exited with {code}")
-                break
-        else:
-            return lib
-    raise RuntimeError("; ".join(errors))
-
-
-class _Compilers:
-    """Compiler processes in flight, killed at interpreter exit; none starts after it."""
-
-    def __init__(self) -> None:
-        self.running: "set[subprocess.Popen[str]]" = set()
-        self.lock = threading.Lock()
-        self.exiting = False
-
-
-COMPILERS = _Compilers()
-
-
-def _run(cmd: List[str]) -> Tuple[int, str]:
-    """Run one compiler command in a session of its own; past COMPILE_TIMEOUT_S the whole
-    process group is killed (a driver's cc1/as/ld children too) and TimeoutExpired raised."""
-    with COMPILERS.lock:  # started and registered at once: the exit handler sees every compiler
-        if COMPILERS.exiting:
-            raise RuntimeError("the interpreter is exiting")
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        COMPILERS.running.add(proc)
-    try:
-        _, stderr = proc.communicate(timeout=COMPILE_TIMEOUT_S)
-        return proc.returncode, stderr or ""
-    except BaseException:
-        _kill_group(proc)
-        try:
-            proc.communicate(timeout=5)  # reap the leader, close its pipe
-        except (subprocess.TimeoutExpired, OSError, ValueError):
-            pass
-        raise
-    finally:
-        with COMPILERS.lock:
-            COMPILERS.running.discard(proc)
-
-
-def _kill_group(proc: "subprocess.Popen[str]") -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session's group id is the leader's pid
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill_running() -> None:
-    """The interpreter exits during a build: leave no compiler behind (the build's thread reaps
-    its own process; _at_exit waits a moment for that thread)."""
-    with COMPILERS.lock:
-        COMPILERS.exiting = True
-        procs = list(COMPILERS.running)
-    for proc in procs:
-        _kill_group(proc)
-
-
-def find_compiler() -> Optional[str]:
-    """The C compiler the kernel is built with: `CC`, else cc, gcc or clang on PATH; None."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
 def build(cc: Optional[str] = None) -> Optional[Kernel]:
     """Compile and load the kernel: a function tensor -> (abs_min, abs_max) for contiguous CPU
     float tensors, or None (with one log line saying why) when it cannot be built here."""
@@ -165,16 +56,16 @@ def build(cc: Optional[str] = None) -> Optional[Kernel]:
         log.info("tensorwatch_otel: no C compiler found (set CC): CPU statistics use torch ops, "
                  "about 2x the time of the compiled kernel")
         return None
-    openmp = _loaded_libgomp()
+    openmp = loaded_libgomp()
     try:
         with tempfile.TemporaryDirectory(prefix="tensorwatch_otel-") as folder:
             try:
-                path = _compile(cc, folder, openmp)
+                path = compile_library(cc, folder, openmp)
             except RuntimeError:  # a failed command; a timeout (TimeoutExpired) is not retried
                 if not openmp:
                     raise
                 openmp = None  # a compiler without OpenMP: one thread
-                path = _compile(cc, folder, None)
+                path = compile_library(cc, folder, None)
             lib = ctypes.CDLL(path)  # stays mapped once the file is gone
     except (OSError, RuntimeError, subprocess.SubprocessError, ValueError) as exc:
         log.info("tensorwatch_otel: could not build the CPU statistics kernel with %s (%s): CPU statistics "
@@ -435,5 +326,5 @@ def _at_exit() -> None:
     """Kill a compiler still running, then let the build's thread finish (it has little left once
     its compiler is gone) before the interpreter's finalization: a daemon thread still running
     then is stopped wherever it stands, which native code beneath it may not survive."""
-    _kill_running()
+    kill_running()
     KERNEL.wait_for_thread(EXIT_WAIT_S)
