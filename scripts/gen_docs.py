@@ -103,9 +103,9 @@ VARIABLES: Dict[str, str] = {
                               "without a compiler; a compiler still running after 60 s is killed) or `torch` (torch "
                               "ops only, same values)",
     "TENSORWATCH_GRAPH_STATS": "where a compiled model's submodules are measured by plain ops inside the graph "
-                               "instead of ops with a Python body (docs/compile.md; read at import): `cpu` "
-                               "(default: graphs on the CPU), `1` (every device; not yet run on a GPU) or `0` "
-                               "(nowhere)",
+                               "instead of ops with a Python body, for the whole process (docs/compile.md; read "
+                               "when `watch()` builds its options): `1` (default: every device; not yet run on a "
+                               "GPU), `cpu` (graphs on the CPU only) or `0` (nowhere)",
     "TENSORWATCH_PROMETHEUS_PORT": "with `sinks=None`: serve `/metrics` on this port plus `LOCAL_RANK` (0..65535; "
                                    "anything else is an error naming the variable)",
     "TENSORWATCH_PROMETHEUS_ADDR": "address the `/metrics` endpoint binds (`127.0.0.1`; `0.0.0.0` to let a "

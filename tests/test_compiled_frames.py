@@ -28,7 +28,8 @@ def engine(request, monkeypatch):
     """The compiled front end under test; dynamo guards on the switch, and graphs are traced afresh."""
     from tensorwatch_otel.core.measure import graph_stats
 
-    monkeypatch.setattr(graph_stats, "ON", request.param == "in_graph")
+    monkeypatch.setattr(graph_stats, "ON", request.param == "in_graph")  # (put back after the test)
+    monkeypatch.setenv("TENSORWATCH_GRAPH_STATS", "1" if request.param == "in_graph" else "0")
     torch._dynamo.reset()
     yield request.param
     torch._dynamo.reset()

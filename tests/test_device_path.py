@@ -464,7 +464,8 @@ def test_frames_inside_an_inductor_graph_are_measured_at_once(monkeypatch):
     compiled values equal eager's."""
     from tensorwatch_otel.core.measure import graph_stats
 
-    monkeypatch.setattr(graph_stats, "ON", False)  # the ops, as on CUDA today
+    monkeypatch.setattr(graph_stats, "ON", False)  # the ops (put back after the test)
+    monkeypatch.setenv("TENSORWATCH_GRAPH_STATS", "0")
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Stack(n_blocks=2, d=16, heads=2)

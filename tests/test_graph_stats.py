@@ -347,6 +347,21 @@ def test_the_traced_hooks_add_no_guard_on_the_watchers_objects_or_parameter_keys
     assert "._parameters))" not in guards  # (a guard on a parameter dict's keys: list(dict.keys(m._parameters)))
 
 
+def test_the_variable_is_read_where_the_options_are_built_not_at_import(monkeypatch):
+    """TENSORWATCH_GRAPH_STATS set after the package was imported still decides, at watch()."""
+    monkeypatch.setattr(graph_stats, "ON", graph_stats.ON)  # (both put back after the test)
+    monkeypatch.setattr(graph_stats, "EVERY_DEVICE", graph_stats.EVERY_DEVICE)
+    seen = []
+    for value in ("0", "cpu", "1", None):
+        if value is None:
+            monkeypatch.delenv("TENSORWATCH_GRAPH_STATS", raising=False)
+        else:
+            monkeypatch.setenv("TENSORWATCH_GRAPH_STATS", value)
+        watch(nn.Linear(2, 2), sinks=[]).detach()
+        seen.append((graph_stats.ON, graph_stats.EVERY_DEVICE))
+    assert seen == [(False, False), (True, False), (True, True), (True, True)]
+
+
 def test_the_default_is_every_device_and_a_bad_value_is_an_error_naming_the_variable(monkeypatch):
     from tensorwatch_otel.core import env
     from tensorwatch_otel.core.env import ConfigError

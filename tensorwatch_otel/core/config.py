@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, FrozenSet, Iterable, Mapping, Optional, 
 import torch
 
 from . import env as _env
+from .measure import graph_stats
 from .measure.magnitude import parse_targets
 from .rank import env_rank
 from .env import ENV_EVERY_N_BATCHES, ENV_MAX_FRAMES, ENV_ON_DETECT, ConfigError  # noqa: F401  (re-exported)
@@ -199,7 +200,7 @@ class WatchConfig:
         _env.warn_unknown(env)
         env_rank(env)  # a bad RANK fails when the watcher is built, not in a sink or at a detection
         _env.cpu_kernel_mode(env)  # process-wide, read by core/measure/cpu_kernel.py; a bad value fails here, early
-        _env.graph_stats_mode(env)  # process-wide, read by core/measure/graph_stats.py at import; the same
+        graph_stats.use_mode(_env.graph_stats_mode(env))  # process-wide (dynamo guards on it); a bad value fails here
         return cls(max_frames=max_frames, trace_batches=traced, abort_after_batch=abort_after_batch,
                    every_n_batches=every, gradients=flags["gradients"], include=include,
                    exclude=exclude, on_detect=on_detect, check=check,

@@ -41,8 +41,10 @@ PROCESS_WIDE: Mapping[str, str] = MappingProxyType({
                                        "their submodules keep the ops",
     "measure.graph_stats._TRACE_TIME": "the functions (of graph_stats and compiled) marked for dynamo to run at trace "
                                        "time, at the first watch()",
-    "measure.graph_stats.ON": "whether submodules of compiled graphs are measured inside the graph (the environment "
-                              "at import; dynamo guards on it)",
+    "measure.graph_stats.ON": "whether submodules of compiled graphs are measured inside the graph "
+                              "(TENSORWATCH_GRAPH_STATS, where a watcher's options are built; dynamo guards on it)",
+    "measure.graph_stats.EVERY_DEVICE": "whether graphs on every device measure inside, or only the CPU's (set "
+                                        "with ON)",
     "events.TRACE_IDS": "where events take the current trace id from (the OpenTelemetry sink sets it)",
     "fleet_node.NODE_FILES": "node files this process opened, numbered in the same sequence on every local rank",
     "frames.quiet._instances": "every quiet-batch switch alive: a sentry pre-hook registered globally consults them",

@@ -266,7 +266,7 @@ class BatchLifecycle:
             log.warning("tensorwatch_otel: a second thread calls a model whose compiled graphs measure "
                         "inside the graph: those values are kept per process, not per thread, so "
                         "threads running its graphs at the same time can read each other's; set "
-                        "TENSORWATCH_GRAPH_STATS=0 before importing tensorwatch_otel to measure with "
+                        "TENSORWATCH_GRAPH_STATS=0 before watch() to measure with "
                         "the ops, per thread; said once")
 
     def rows_unseen(self, rec: Record) -> bool:
@@ -292,7 +292,7 @@ class BatchLifecycle:
                         "measure its modules inside the graph, in every batch, sampled or not, and that time "
                         "is the graph's (not the watcher's host work, which max_overhead times and "
                         "Watcher.overhead reports). To bound it, sample with every_n_batches and measure "
-                        "with the ops (TENSORWATCH_GRAPH_STATS=0 before importing tensorwatch_otel), or "
+                        "with the ops (TENSORWATCH_GRAPH_STATS=0 before watch()), or "
                         "watch the model uncompiled; said once")
 
     def take_unwrapped(self, rec: Record, info: ModuleInfo, args: Tuple[Any, ...], kwargs: Dict[str, Any],

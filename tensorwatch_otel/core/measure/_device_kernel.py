@@ -1,5 +1,5 @@
 """The fused Triton kernels of the device path (core/measure/device_stats.py); importing this module
-imports Triton, so device_stats imports it only when a device first needs it. `build()` makes
+imports Triton, so core/measure/device_path.py imports it only when a device first needs it. `build()` makes
 the kernels: compiled for the GPU, or run by Triton's interpreter when TRITON_INTERPRET=1 (Triton
 decides when the function is decorated)."""
 
@@ -134,7 +134,7 @@ def abs_minmax_table(slots, table, BLOCK: tl.constexpr):
     entry i is four int64s (the tensor's address, its element count, its dtype code: 0
     float32, 1 float16, 2 bfloat16, and the index of its slot's first int32 word). The grid is
     (entries, programs per tensor): program (i, p) reads blocks p, p + programs, ... of tensor
-    i. One launch for the tensors of many module calls (core/measure/device_stats.py defers them), with
+    i. One launch for the tensors of many module calls (core/measure/slot_buffer.py defers them), with
     a signature that does not change with their number, dtypes or sizes: one compiled variant."""
     i = tl.program_id(0)
     p = tl.program_id(1)

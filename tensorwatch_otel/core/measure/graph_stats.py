@@ -27,13 +27,11 @@ and post-hooks begin and end the batch. A graph that traced them (`mark_root_tra
 on another device than its module's row id, and a watcher with `target_dtypes`,
 `gradients=True` or `check="module"` keep the ops of core/frames/compiled.py."""
 
-import os
 import weakref
 from typing import Any, Container, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..env import GRAPH_STATS_MODES, ConfigError, graph_stats_mode
 from .graph_sites import HEAD, KIND_EMPTY, KIND_MEASURED, ROW, ROW_VALUES, SITES, Site, Table, table_name
 
 _F = Any
@@ -67,21 +65,20 @@ MEASURED = frozenset(FLOATS + INTEGERS + (torch.bool,))
 _MEASURED, _EMPTY = KIND_MEASURED, KIND_EMPTY
 
 
-def mode() -> str:
-    """TENSORWATCH_GRAPH_STATS (core/env.py): ``1`` (default), ``cpu`` or ``0``. A bad value reads
-    as the default here; `watch()` raises on it, naming the variable (core/config.py)."""
-    try:
-        return graph_stats_mode(os.environ)
-    except ConfigError:
-        return GRAPH_STATS_MODES[0]
-
-
-_MODE = mode()
-#: On or off for the process (from the environment at import; tests set it). Dynamo guards on it:
-#: a graph traced with one setting is traced again under the other.
-ON = _MODE != "0"
+#: On or off for the process; dynamo guards on it: a graph traced with one setting is traced again
+#: under the other. Set by use_mode() from TENSORWATCH_GRAPH_STATS where a watcher's options are
+#: built (core/config.py); until then the default.
+ON = True
 #: Graphs on every device (``1``, the default), not only on the CPU (``cpu``).
-EVERY_DEVICE = _MODE == "1"
+EVERY_DEVICE = True
+
+
+def use_mode(mode: str) -> None:
+    """The process's in-graph statistics: ``1`` (every device), ``cpu`` or ``0`` (nowhere), as
+    core/env.py parsed TENSORWATCH_GRAPH_STATS."""
+    global ON, EVERY_DEVICE
+    ON = mode != "0"
+    EVERY_DEVICE = mode == "1"
 
 
 def device_allowed(device_type: str) -> bool:

@@ -227,7 +227,7 @@ class Plan:
         self._device_layout: Optional[CountLayout] = None
 
     def device_layout(self) -> CountLayout:
-        """The same counts for the device path's kernels (core/measure/device_stats.py), made once: each
+        """The same counts for the device path's kernels (core/measure/slot_words.py's CountLayout), made once: each
         direct range of each kernel dtype D moved to the float32 patterns of the same values (the
         kernel widens D to float32 exactly, and the move keeps the order), and per scaled target
         (fmax, the largest float64 whose float32 rounding is at most Y) so that the kernel's
