@@ -52,9 +52,9 @@ def test_bench_compiled_quick(tmp_path):
         assert first[name]["graphs"] >= 1 and first[name]["graph_breaks"] == 0, first[name]
         m = result["eager_match"][name]
         assert m["rel_diff_abs_max"] < 1e-4 and m["rows"] == 2 * 13, m
-    from tensorwatch_otel.core.measure import graph_stats
+    from tensorwatch_otel.core.env import graph_stats_mode
 
-    in_graph = graph_stats.mode() != "0"  # the default for CPU graphs: no op of ours in the graph
+    in_graph = graph_stats_mode(os.environ) != "0"  # the default for CPU graphs: no op of ours in the graph
     for name in ("watched", "watched_sampled", "wrapped"):  # the package: every module, inside the graph
         assert first[name]["graph_breaks"] == 0 and first[name]["frames"] == result["eager_frames"] == 13, first
         if in_graph:
