@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from _attribution import HookClock, hook_dispatch_s  # noqa: E402
 from tensorwatch_otel import watch  # noqa: E402
-from tensorwatch_otel.core.frames import recorder
+from tensorwatch_otel.core.frames import recorder  # noqa: E402
+from tensorwatch_otel.core.measure.host_batch import HostBatch  # noqa: E402
 from tensorwatch_otel.core.steps import tracker as steps  # noqa: E402
 
 pytestmark = pytest.mark.timing  # times the hooks: run alone (scripts/test.sh)
@@ -39,7 +40,7 @@ def test_a_known_delay_in_the_measurement_is_attributed_in_full(monkeypatch):
         return real(t)
 
     monkeypatch.setattr(recorder, "measure", slow_measure)
-    real_many = recorder.HostBatch.measure
+    real_many = HostBatch.measure
 
     def slow_many(self):  # a frame's (or the step guard's) one kernel call for its CPU tensors
         if len(self.ns):
@@ -47,7 +48,7 @@ def test_a_known_delay_in_the_measurement_is_attributed_in_full(monkeypatch):
             _busy(DELAY)
         return real_many(self)
 
-    monkeypatch.setattr(recorder.HostBatch, "measure", slow_many)
+    monkeypatch.setattr(HostBatch, "measure", slow_many)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     originals = (nn.Module.register_forward_hook, nn.Module.register_forward_pre_hook,

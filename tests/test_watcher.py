@@ -26,6 +26,7 @@ from tensorwatch_otel import (
     watch,
 )
 from tensorwatch_otel.sinks import Sink
+from tensorwatch_otel.core.measure.host_batch import HostBatch
 from _collect import Collect
 
 
@@ -35,14 +36,14 @@ def count_measured(monkeypatch, into: list) -> None:
     a frame's one kernel call (HostBatch.add accepting it), or read with the weight table."""
     real = watcher_mod.measure
     monkeypatch.setattr(watcher_mod, "measure", lambda t: into.append(t) or real(t))
-    real_add = watcher_mod.HostBatch.add
+    real_add = HostBatch.add
 
     def add(self, t):
         took = real_add(self, t)
         if took and self is not None:
             into.append(t)
         return took
-    monkeypatch.setattr(watcher_mod.HostBatch, "add", add)
+    monkeypatch.setattr(HostBatch, "add", add)
     real_state = WeightTable.state
 
     def state(self):  # a read of the weight table measures every row

@@ -16,6 +16,11 @@ OUTPUT_NESTED = tuple(tuple(f"output[{i}][{j}]" for j in range(16)) for i in ran
 
 _CHILD_CACHE_MAX = 100_000
 
+#: How far a module call's values are looked into, wherever they are walked (a frame, a compiled
+#: op's structure, the finite check of an output): values per container, containers deep.
+MAX_ITEMS = 256
+MAX_DEPTH = 6
+
 
 # Path segments that wrappers add around the user's model: torch.compile's OptimizedModule,
 # FSDP1, activation-checkpoint wrappers, DDP / DataParallel at the root.

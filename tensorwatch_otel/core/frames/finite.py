@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import naming
-from .recorder import MAX_DEPTH, MAX_ITEMS
+from ..naming import MAX_DEPTH, MAX_ITEMS
 from ..measure.host_batch import HostBatch
 from ..measure.stats import measure
 
@@ -138,9 +138,15 @@ def _walk(v: Any, found: List[torch.Tensor], depth: int, items: int, max_depth: 
             for f in fields[:items]:
                 _walk(getattr(v, f, None), found, depth + 1, items, max_depth, total)
             return
-        attrs = getattr(v, "__dict__", None)
-        if isinstance(attrs, dict) and not isinstance(v, (torch.nn.Module, type)):
-            tensors = [x for k, x in attrs.items()
-                       if isinstance(x, torch.Tensor) and isinstance(k, str) and k[:1] != "_"]
-            for x in tensors[:items]:
-                _walk(x, found, depth + 1, items, max_depth, total)
+        for k in tensor_attributes(v)[:items]:
+            _walk(v.__dict__[k], found, depth + 1, items, max_depth, total)
+
+
+def tensor_attributes(v: object) -> Tuple[str, ...]:
+    """The public attributes of a plain object (a result with `.loss`, `.logits`) that are
+    tensors: looked into as dataclass fields are. Only direct tensors: an object holding lists of
+    them (a key/value cache) is not walked on every call. Modules and classes are not looked into."""
+    attrs = getattr(v, "__dict__", None)
+    if not isinstance(attrs, dict) or isinstance(v, (torch.nn.Module, type)):
+        return ()
+    return tuple(k for k, x in attrs.items() if isinstance(x, torch.Tensor) and isinstance(k, str) and k[:1] != "_")

@@ -10,8 +10,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
-MAX_ITEMS = 256  # as recorder.MAX_ITEMS: values looked at per container
-MAX_DEPTH = 6  # as recorder.MAX_DEPTH
+from ..naming import MAX_DEPTH, MAX_ITEMS
 
 
 class _Other:

@@ -102,7 +102,7 @@ class UnwrappedRecorder(FrameRecorder):
         try:
             self._frame(rec, info, d, args, kwargs, output)
         except BaseException:
-            self._abandon()
+            self._fb.abandon()
             raise
         rec.add_frame(info, d)
 
@@ -125,6 +125,6 @@ class UnwrappedRecorder(FrameRecorder):
             d.items.append((name, NOTE_NO_DATA))
             return
         if rec.targets:
-            self._measure(rec, v, name, d)
+            self._magnitudes.measure(rec, v, name, d)
             return
         d.add(name, measure_host(v), v.dtype)

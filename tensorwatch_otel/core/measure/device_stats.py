@@ -35,7 +35,7 @@ class DeviceStats:
         self.cpu = DEVICE_PATH.mode == "force" and triton_interpreting()
         self.buffers: Dict[int, Optional[SlotBuffer]] = {}
         # the buffer, while there is exactly one (a model on one GPU): the one-in-one-out frames'
-        # (FrameRecorder._device_call); None before the first and once there are several
+        # (core/frames/device_calls.py); None before the first and once there are several
         self.one: Optional[SlotBuffer] = None
         self.coder: Optional[SlotBuffer] = None  # the buffer that gave slot codes (the one `one` was)
         self.interpreted = triton_interpreting()

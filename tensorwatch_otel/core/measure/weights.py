@@ -160,3 +160,14 @@ class WeightTable:
         self._ns = array.array("q", map(_numel, keep))
         self._codes = array.array("b", (CODES[p.dtype] for p in keep))
         self._dtypes = [p.dtype for p in keep]
+
+
+class NoWeightTable(WeightTable):
+    """The weight table of a recorder whose CPU tensors take the device path: no rows (the
+    weights of a module call are read with its other tensors, by the fused kernel)."""
+
+    def offer(self, p: torch.Tensor) -> bool:
+        return False
+
+    def state(self) -> None:
+        return None
