@@ -163,8 +163,11 @@ _LINGER = textwrap.dedent("""
 
 
 def test_ctrl_c_ends_the_prometheus_linger_at_once_without_traceback():
+    # (Ctrl-C as in a terminal: a suite started in the background by a non-interactive shell has
+    # SIGINT ignored, which its children inherit, and Python then installs no KeyboardInterrupt)
     proc = subprocess.Popen([sys.executable, "-c", _LINGER], env=_env(TENSORWATCH_PROMETHEUS_LINGER_SECONDS="60"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     took, _, text = _signal_once(proc, "waiting up to 60 s for Prometheus", signal.SIGINT)
     assert took < 3.0, took
     assert "Traceback" not in text, text[-3000:]
