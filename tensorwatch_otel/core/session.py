@@ -69,7 +69,6 @@ class Session:
 
     def __init__(self, model: torch.nn.Module, sinks: Sequence[Sink], config: WatchConfig, behaviour: Behaviour,
                  grad_scaler: Any, local: bool, make_probe: MakeProbe) -> None:
-        self.model = model
         self.config = config
         self.attached = False  # the hooks are on the model (attach() to detach())
         self.fanout = SinkFanout(sinks, strict=config.strict)

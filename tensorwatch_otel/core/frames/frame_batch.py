@@ -109,22 +109,21 @@ class FrameBatch(threading.local):
         """Measure the frame's gathered tensors (one kernel call) and put their values in the
         draft's places and the recorder's caches (`counted_slot`: a SlotStat that is a tensor's
         counts row too, with target_dtypes)."""
-        fb = self
-        pending = fb.pending
-        fb.on = False
+        pending = self.pending
+        self.on = False
         if not pending:
             return
-        fb.pending = []
-        fb.acts.clear()
+        self.pending = []
+        self.acts.clear()
         values: Optional[Sequence[Any]]  # floats, or SlotStats (each at both its places)
         plan = rec.plan
         counted = plan is not None  # target_dtypes: each SlotStat is the tensor's counts row too
-        if fb.device is not None:  # the device kernel's SlotStats, and the CPU kernel's floats
+        if self.device is not None:  # the device kernel's SlotStats, and the CPU kernel's floats
             # (a lent parameter, accelerate's offload, lives for the call only: measured at once)
-            values = fb.measure(pending, plan.device_layout() if plan is not None else None,
+            values = self.measure(pending, plan.device_layout() if plan is not None else None,
                                 None if info.lent else info)
         else:
-            values = fb.host.measure()
+            values = self.host.measure()
         stats = d.stats
         if values is None:  # the kernel went away meanwhile (tests): measure each as before
             for pos, t, is_param, _version, _ptr in pending:

@@ -10,7 +10,7 @@ slot holds.
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -106,11 +106,7 @@ class DeviceFrame:
         key = keys[0]
         if keys.count(key) == len(keys):
             return self._launch(key, tensors, layout)
-        by_place: Dict[int, SlotStat] = {}
-        for k in dict.fromkeys(keys):
-            idx = [i for i, x in enumerate(keys) if x == k]
-            by_place.update(zip(idx, self._launch(k, [tensors[i] for i in idx], layout)))
-        return [by_place[i] for i in range(len(tensors))]
+        return _per_device(tensors, keys, lambda k, ts: self._launch(k, ts, layout))
 
     def defer(self, key: object) -> List[SlotStat]:
         """As `launch`, for a forward frame of module `key`: the tensors wait in their device's
@@ -122,11 +118,7 @@ class DeviceFrame:
         k0 = keys[0]
         if keys.count(k0) == len(keys):
             return self._buffer(k0).defer(tensors, key)
-        by_place: Dict[int, SlotStat] = {}
-        for k in dict.fromkeys(keys):
-            idx = [i for i, x in enumerate(keys) if x == k]
-            by_place.update(zip(idx, self._buffer(k).defer([tensors[i] for i in idx], key)))
-        return [by_place[i] for i in range(len(tensors))]
+        return _per_device(tensors, keys, lambda k, ts: self._buffer(k).defer(ts, key))
 
     def _buffer(self, key: int) -> SlotBuffer:
         buf = self.stats.buffer(key)
@@ -156,3 +148,14 @@ class DeviceFrame:
         buf = self.stats.buffer(key)
         assert buf is not None  # add() took these tensors only with a buffer
         return buf.measure(tensors, layout)[1]
+
+
+def _per_device(tensors: List[torch.Tensor], keys: List[int],
+                measure: Callable[[int, List[torch.Tensor]], List[SlotStat]]) -> List[SlotStat]:
+    """A frame's tensors on several devices: `measure(device key, its tensors)` per device, the
+    SlotStats back in the order the tensors were added (a frame on one device takes none of it)."""
+    by_place: Dict[int, SlotStat] = {}
+    for k in dict.fromkeys(keys):
+        idx = [i for i, x in enumerate(keys) if x == k]
+        by_place.update(zip(idx, measure(k, [tensors[i] for i in idx])))
+    return [by_place[i] for i in range(len(tensors))]
