@@ -148,3 +148,54 @@ def test_a_process_exiting_during_the_build_leaves_no_compiler_behind(hanging_cc
     while (_alive(cc_pid) or _alive(child_pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(cc_pid) and not _alive(child_pid)
+
+
+def _edge_tensors():
+    """Small tensors of every dtype the kernel reads, with the values a pattern compare can get
+    wrong: signed zeros, subnormals, the largest finite, inf, NaN."""
+    out = []
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        fi = torch.finfo(dt)
+        out.append(torch.tensor([-0.0, 0.0, fi.tiny / 4, -fi.max, 3.5], dtype=dt))
+        out.append(torch.tensor([1.0, -float("inf"), 2.0], dtype=dt))
+        out.append(torch.tensor([1.0, float("nan"), -7.0], dtype=dt))
+        out.append(torch.randn(3, 5, dtype=torch.float64).to(dt))
+    return out
+
+
+def _as_floats(pair):
+    return [float("nan") if v != v else v for v in pair]
+
+
+def test_the_per_frame_call_is_a_python_function_where_pythons_headers_are(fresh_kernel):
+    """Where Python's headers are (sysconfig's include folder has Python.h) the kernel's per-frame
+    call is a function of a Python extension built with it: no ctypes call (about 0.75 us on the
+    2-core machine against 0.24 us; docs/performance.md). Its values are the ctypes call's."""
+    import sysconfig
+
+    cc = cpu_kernel_build.find_compiler()
+    if not cc or not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no C compiler or no Python headers on this machine")
+    kernel = fresh_kernel.wait(timeout=120)
+    assert kernel is not None
+    assert type(kernel.host_call).__name__ == "builtin_function_or_method", kernel.host_call
+    for t in _edge_tensors():
+        a = t.double().abs()
+        want = [a.min().item(), a.max().item()] if not t.isnan().any() else [float("nan")] * 2
+        got = kernel.host(t)
+        assert all(isinstance(v, float) for v in got)
+        assert str(_as_floats(got)) == str(want), (t, got, want)
+
+
+def test_without_pythons_headers_the_ctypes_call_measures_the_same(fresh_kernel, monkeypatch, tmp_path):
+    cc = cpu_kernel_build.find_compiler()
+    if not cc or not (os.path.isabs(cc) or shutil.which(cc)):
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setattr(cpu_kernel_build, "python_include", lambda: None)
+    kernel = fresh_kernel.wait(timeout=120)
+    assert kernel is not None
+    assert type(kernel.host_call).__name__ != "builtin_function_or_method"
+    for t in _edge_tensors():
+        a = t.double().abs()
+        want = [a.min().item(), a.max().item()] if not t.isnan().any() else [float("nan")] * 2
+        assert str(_as_floats(kernel.host(t))) == str(want), t

@@ -266,7 +266,7 @@ def test_kernel_without_openmp_and_with_many_threads_agree(dtype, tmp_path):
     cc = cpu_kernel_build.find_compiler()
     if not cc:
         pytest.skip("no C compiler on this machine")
-    library = cpu_kernel_build.compile_library(cc, str(tmp_path), None)
+    library, _ = cpu_kernel_build.compile_library(cc, str(tmp_path), None)
     single = cpu_kernel._bind(__import__("ctypes").CDLL(library), parallel=False)
     kernels = [single] + ([cpu_kernel.KERNEL.wait()] if cpu_kernel.KERNEL.wait() is not None else [])
     threads = torch.get_num_threads()

@@ -60,7 +60,9 @@ class FrameRecorder:
         self._fb = FrameBatch(self._device)  # the calling thread's frame in progress
         # small dense CPU weights: one kernel call per batch for all of them (core/measure/weights.py)
         self._host: Optional[Callable[[torch.Tensor], Tuple[float, float]]] = None  # the kernel's host call...
-        self._host_of: object = None  # ...as looked up for this weight-table read (_one_in_one_out)
+        self._host_of: object = None  # ...as looked up for this weight-table read (_one_in_one_out),
+        self._host_call: Optional[Callable[[int, int, int], Tuple[float, float]]] = None  # its call on an address
+        self._parallel_min = 0  # elements from which the kernel's host() splits a tensor over threads
         self.weights = NoWeightTable() if self._device is not None and self._device.cpu else WeightTable()
         self._declined: set[int] = set()  # ids of weights that cannot be rows
 
@@ -146,17 +148,26 @@ class FrameRecorder:
         if table is None:
             return False
         rows, vals, versions, ptrs, dtypes = table
-        hits: List[Tuple[str, int]] = []
+        items: List[Item] = []
+        stats: List[Stat] = []
+        rec_dtypes: List[torch.dtype] = []
         for name, p in info.params.items():  # first: a module of large weights leaves at once
             if p is None:
                 continue
             i = rows.get(id(p))
             if i is None or p._version != versions[i] or p.data_ptr() != ptrs[i] or p.dtype is not dtypes[i]:
-                return False
-            hits.append((name, i))
+                return False  # (the lists are this call's own: nothing written)
+            stats.append(vals[2 * i])
+            stats.append(vals[2 * i + 1])
+            rec_dtypes.append(dtypes[i])
+            items.append(name)
         # host_readable(y), written out: a call per frame is a cost here (docs/performance.md)
-        if y is x or not (y.is_cpu and y.dtype in CODES and y.layout is _STRIDED and y.is_contiguous()
-                          and y.numel() and not y.is_inference()):
+        code = CODES.get(y.dtype)
+        if y is x or code is None or not (y.is_cpu and y.layout is _STRIDED and y.is_contiguous()
+                                           and not y.is_inference()):
+            return False
+        n = y.numel()
+        if not n:
             return False
         acts_seen = self.acts_seen
         seen = acts_seen.get(id(x))
@@ -164,25 +175,23 @@ class FrameRecorder:
         x_cached = seen is not None and seen[0]() is x and seen[1] == x._version
         if not x_cached and not host_readable(x):
             return False
-        if self._host_of is not table:  # (the kernel's host call, looked up again with each table read)
+        if self._host_of is not table:  # (the kernel's calls, looked up again with each table read)
             self._host_of = table
-            self._host = getattr(KERNEL.get(), "host", None)
+            kernel = KERNEL.get()
+            self._host = getattr(kernel, "host", None)
+            self._host_call = getattr(kernel, "host_call", None)
+            self._parallel_min = getattr(kernel, "parallel_min", 0)  # (below it: one thread, host_call)
         host = self._host
         if host is None:
             return False
-        if seen is None or not x_cached:  # (None: never cached)
+        if not x_cached:
             seen = acts_seen[id(x)] = (weakref.ref(x), x._version, host(x), x.dtype)
         out = acts_seen.get(id(y))  # (an output passed up unchanged: measured once)
         if out is None or out[0]() is not y or out[1] != y._version:
-            out = acts_seen[id(y)] = (weakref.ref(y), y._version, host(y), y.dtype)  # as at its return
-        items: List[Item] = []
-        stats: List[Stat] = []
-        rec_dtypes: List[torch.dtype] = []
-        for name, i in hits:
-            stats.append(vals[2 * i])
-            stats.append(vals[2 * i + 1])
-            rec_dtypes.append(dtypes[i])
-            items.append(name)
+            call = self._host_call  # (a small y: the kernel's call on (address, elements, code) at once)
+            pair = call(y.data_ptr(), n, code) if call is not None and n < self._parallel_min else host(y)
+            out = acts_seen[id(y)] = (weakref.ref(y), y._version, pair, y.dtype)  # as at its return
+        assert seen is not None
         stats += seen[2]
         rec_dtypes.append(seen[3])
         stats += out[2]

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import subprocess
@@ -30,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import env as _env
-from .cpu_kernel_build import compile_library, find_compiler, kill_running, loaded_libgomp
+from .cpu_kernel_build import HOST_MODULE, compile_library, find_compiler, kill_running, loaded_libgomp
 from .histogram_layout import row_width
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,8 @@ _SYMBOLS = {torch.float64: "tw_abs_minmax_f64", torch.float32: "tw_abs_minmax_f3
 CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # tw_abs_minmax_many's
 _SLAB = 512  # result pairs per allocation
 
-# tensor -> (abs_min, abs_max); a built kernel also has the attributes parallel, host, host_many,
-# magnitude and counts (see _bind, build)
+# tensor -> (abs_min, abs_max); a built kernel also has the attributes parallel, parallel_min, host,
+# host_call, host_many, magnitude and counts (see _bind, build)
 Kernel = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -60,21 +62,39 @@ def build(cc: Optional[str] = None) -> Optional[Kernel]:
     try:
         with tempfile.TemporaryDirectory(prefix="tensorwatch_otel-") as folder:
             try:
-                path = compile_library(cc, folder, openmp)
+                path, with_host = compile_library(cc, folder, openmp)
             except RuntimeError:  # a failed command; a timeout (TimeoutExpired) is not retried
                 if not openmp:
                     raise
                 openmp = None  # a compiler without OpenMP: one thread
-                path = compile_library(cc, folder, None)
+                path, with_host = compile_library(cc, folder, None)
             lib = ctypes.CDLL(path)  # stays mapped once the file is gone
+            host_call = _host_function(path) if with_host else None
     except (OSError, RuntimeError, subprocess.SubprocessError, ValueError) as exc:
         log.info("tensorwatch_otel: could not build the CPU statistics kernel with %s (%s): CPU statistics "
                  "use torch ops, about 2x the time", cc, exc)
         return None
-    kernel = _bind(lib, parallel=openmp is not None)
+    kernel = _bind(lib, parallel=openmp is not None, host_call=host_call)
     vars(kernel).update(magnitude=_bind_magnitude(lib, parallel=openmp is not None),
                         counts=_bind_counts(lib, parallel=openmp is not None))
     return kernel
+
+
+def _host_function(path: str) -> Optional[Callable[[int, int, int], Tuple[float, float]]]:
+    """The library at `path` loaded as the extension module HOST_MODULE: its `host` function
+    (cpu_kernel_host.c), or None (said at debug level) when it does not load here."""
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(HOST_MODULE, path)
+        spec = importlib.util.spec_from_file_location(HOST_MODULE, path, loader=loader)
+        if spec is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        fn: Callable[[int, int, int], Tuple[float, float]] = module.host
+        return fn
+    except (ImportError, OSError, AttributeError) as exc:
+        log.debug("tensorwatch_otel: the kernel's Python function did not load (%s): its ctypes call is used", exc)
+        return None
 
 
 class _Pair(ctypes.Structure):
@@ -83,7 +103,8 @@ class _Pair(ctypes.Structure):
     _fields_ = (("lo", ctypes.c_double), ("hi", ctypes.c_double))
 
 
-def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
+def _bind(lib: ctypes.CDLL, parallel: bool,
+          host_call: Optional[Callable[[int, int, int], Tuple[float, float]]] = None) -> Kernel:
     fns: Dict[torch.dtype, Callable[[int, int, int, int], None]] = {}
     for dt, symbol in _SYMBOLS.items():
         fn = getattr(lib, symbol)
@@ -122,15 +143,20 @@ def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
     one_fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
     one_fn.restype = _Pair
 
+    def one_call(ptr: int, n: int, code: int) -> Tuple[float, float]:
+        r = one_fn(ptr, n, code)
+        return r.lo, r.hi
+    call = host_call or one_call  # (address, elements, dtype code) -> the pair, on this thread
+
     def host(v: torch.Tensor) -> Tuple[float, float]:
         """(abs_min, abs_max) of `v` (as abs_min_max takes it) as Python floats: the values are
         on the host as soon as the call returns, and no tensor is made for them. A tensor below
-        the parallel size in one call of three arguments on this thread (the recorder's
-        per-frame call; what it saves: docs/performance.md, "Figures behind the code")."""
+        the parallel size in one call on this thread: the extension function where it was built,
+        else a ctypes call (the recorder's per-frame call; what each costs: docs/performance.md,
+        "Figures behind the code")."""
         n = v.numel()
         if n < par_min:
-            r = one_fn(v.data_ptr(), n, CODES[v.dtype])
-            return r.lo, r.hi
+            return call(v.data_ptr(), n, CODES[v.dtype])
         with one_lock:
             one[0] = v.data_ptr()
             one_n[0] = n
@@ -145,7 +171,8 @@ def _bind(lib: ctypes.CDLL, parallel: bool) -> Kernel:
 
     # what else the loaded kernel offers, as attributes of the function (read with getattr: a
     # kernel that tests stand in may offer only the call)
-    vars(abs_min_max).update(parallel=parallel, host=host, host_many=host_many)
+    vars(abs_min_max).update(parallel=parallel, parallel_min=par_min, host=host, host_call=call,
+                            host_many=host_many)
     return abs_min_max
 
 

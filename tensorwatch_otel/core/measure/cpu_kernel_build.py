@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 from typing import List, Optional, Tuple
 
@@ -24,13 +25,24 @@ import torch
 
 COMPILE_TIMEOUT_S = 60.0  # most seconds one compiler command may run
 
-# The kernel's C source, a file of the package (tensorwatch_otel/core/measure/cpu_kernel.c)
+# The kernel's C source, a file of the package (tensorwatch_otel/core/measure/cpu_kernel.c), and
+# its per-frame call as a Python extension function (cpu_kernel_host.c), linked in where Python's
+# headers are
 SOURCE_FILE = "cpu_kernel.c"
+HOST_SOURCE_FILE = "cpu_kernel_host.c"
+HOST_MODULE = "_tw_cpu_host"  # the extension module's name (its PyInit_ function)
 
 
-def source() -> str:
-    """The kernel's C source, read from the package."""
-    return importlib.resources.files(__package__).joinpath(SOURCE_FILE).read_text(encoding="utf-8")
+def source(name: str = SOURCE_FILE) -> str:
+    """A C source of the kernel, read from the package."""
+    return importlib.resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+
+
+def python_include() -> Optional[str]:
+    """The folder holding this Python's headers (Python.h), or None where they are not installed
+    (a distribution's Python without its -dev package)."""
+    folder = sysconfig.get_paths().get("include")
+    return folder if folder and os.path.isfile(os.path.join(folder, "Python.h")) else None
 
 
 def find_compiler() -> Optional[str]:
@@ -53,26 +65,37 @@ def loaded_libgomp() -> Optional[str]:
     return None
 
 
-def compile_library(cc: str, folder: str, openmp: Optional[str]) -> str:
+def compile_library(cc: str, folder: str, openmp: Optional[str]) -> Tuple[str, bool]:
     """The kernel's shared library, built with `cc` in `folder` (linking the OpenMP runtime at
-    path `openmp`, if given): its path. RuntimeError naming what each failed command said;
-    subprocess.TimeoutExpired past COMPILE_TIMEOUT_S."""
+    path `openmp`, if given): its path, and whether it is also the extension module HOST_MODULE
+    (built in where Python's headers are and the host source compiles; the library without it
+    otherwise). RuntimeError naming what each failed command said; subprocess.TimeoutExpired
+    past COMPILE_TIMEOUT_S."""
     src, obj, lib = (os.path.join(folder, n) for n in ("kernel.c", "kernel.o", "kernel.so"))
+    host_src, host_obj = os.path.join(folder, "host.c"), os.path.join(folder, "host.o")
     with open(src, "w", encoding="utf-8") as fh:
         fh.write(source())
+    include = python_include()
+    if include:
+        with open(host_src, "w", encoding="utf-8") as fh:
+            fh.write(source(HOST_SOURCE_FILE))
     errors: List[str] = []
     for arch in (["-march=native"], []):  # a compiler that does not know the flag still builds
         # compile with OpenMP, link the runtime torch already runs (no second thread pool)
-        cmds = [[cc, "-O3", "-fPIC", *arch, *(["-fopenmp"] if openmp else []), "-c", src, "-o", obj],
-                [cc, "-shared", obj, "-o", lib, *([openmp] if openmp else [])]]
-        for cmd in cmds:
-            code, stderr = _run(cmd)
-            if code != 0:
-                said = stderr.strip().splitlines()
-                errors.append(said[-1] if said else f"{cmd[0]} exited with {code}")
-                break
-        else:
-            return lib
+        code, stderr = _run([cc, "-O3", "-fPIC", *arch, *(["-fopenmp"] if openmp else []), "-c", src, "-o", obj])
+        if code != 0:
+            said = stderr.strip().splitlines()
+            errors.append(said[-1] if said else f"{cc} exited with {code}")
+            continue
+        # the Python function: left out (the ctypes call stays) when it does not compile here
+        with_host = bool(include) and _run([cc, "-O2", "-fPIC", *arch, f"-I{include}", "-c", host_src,
+                                            "-o", host_obj])[0] == 0
+        objs = [obj, host_obj] if with_host else [obj]
+        code, stderr = _run([cc, "-shared", *objs, "-o", lib, *([openmp] if openmp else [])])
+        if code == 0:
+            return lib, with_host
+        said = stderr.strip().splitlines()
+        errors.append(said[-1] if said else f"{cc} exited with {code}")
     raise RuntimeError("; ".join(errors))
 
 
