@@ -268,3 +268,49 @@ def test_the_guard_still_reads_odd_gradients_among_plain_ones(kernel, odd):
         with pytest.raises(NonFiniteDetected) as ei:
             opt.step()
     assert (ei.value.event.module, ei.value.event.tensor) == ("6", "bias.grad")
+
+
+def test_a_one_in_one_out_cpu_frame_leaves_autograd_alone(kernel, monkeypatch):
+    """On the C kernel's route a frame of one tensor in and one out runs no torch op, so its hook
+    does not switch autograd off and on around it (two calls a frame, about 0.2 us); a frame the
+    route does not take (two inputs) still does. The frames' values are the tensors' own."""
+    from tensorwatch_otel.core.batch import forward_hook
+    from tensorwatch_otel.core.frames import recorder
+
+    switches = []
+    real = torch._C._set_grad_enabled
+    for module in (forward_hook, recorder):  # (each keeps torch's call as a module-level alias)
+        monkeypatch.setattr(module, "_set_grad", lambda on: (switches.append(on), real(on))[1], raising=False)
+
+    class Pair(nn.Module):
+        def forward(self, a, b):
+            return a * b
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    pair = Pair()
+    sink = Collect()
+    with watch(model, sinks=[sink]), watch(pair, sinks=[]):
+        x = torch.randn(3, 8)
+        model(x).square().mean().backward()  # (its frames offer the weights as rows of the next read)
+        del switches[:]
+        for _ in range(2):
+            model(x).square().mean().backward()
+        assert switches == []
+        pair(x, x)
+        assert switches == [False, True]
+    frames = {f.module: f for f in sink.batches[-1].frames}
+    with torch.no_grad():
+        h = model[0](x)
+        want = {"0": (x, h), "1": (h, h.relu()), "2": (h.relu(), model(x))}
+        weights = {"0": model[0].weight, "2": model[2].bias}
+    for name, (inp, out) in want.items():
+        got = {t.name: (t.abs_min, t.abs_max) for t in frames[name].tensors}
+        for key, t in (("input[0]", inp), ("output", out)):
+            a = t.abs()
+            assert got[key] == (a.min().item(), a.max().item()), (name, key, got[key])
+    for name, w in weights.items():
+        a = w.detach().abs()
+        assert frames[name].tensors[0].name in ("weight", "bias")
+        assert {t.name: (t.abs_min, t.abs_max) for t in frames[name].tensors}[
+            "weight" if w.dim() == 2 else "bias"] == (a.min().item(), a.max().item())

@@ -70,17 +70,19 @@ class ForwardHook(ModuleHook):
     lifecycle). `slot`: its op slot (core/frames/compiled.py), called in its place while dynamo traces.
     Copied with its module, it is a no-op (core/frames/copies.py)."""
 
-    __slots__ = ("_life", "_info", "_slot", "_take", "_tls", "_detect", "_backward", "_check_module",
+    __slots__ = ("_life", "_info", "_slot", "_take", "_own_grad", "_tls", "_detect", "_backward", "_check_module",
                  "_grad_acts", "_budget", "_row_id", "_params", "_pre")
 
     def __init__(self, life: HookLifecycle, info: ModuleInfo, slot: int, take: Take, tls: PerThread,
                  detect: DetectionPipeline, backward: BackwardRecorder, *, check_module: bool, grad_acts: bool,
-                 budget: "FixedSampling | OverheadBudget | None") -> None:
+                 budget: "FixedSampling | OverheadBudget | None", take_turns_grad_off: bool = False) -> None:
         super().__init__()
         self._life = life
         self._info = info
         self._slot = slot_tensor(slot) if slot else None  # (its op slot, as the ops take it)
         self._take = take
+        # `take` turns autograd off itself where it needs it (FrameRecorder.frame): not turned off here
+        self._own_grad = take_turns_grad_off
         self._tls = tls
         self._detect = detect
         self._backward = backward
@@ -184,18 +186,23 @@ class ForwardHook(ModuleHook):
         t0 = budget.clock() if budget is not None else 0.0
         info = self._info
         try:
-            grad = _grad_enabled()
-            _set_grad(False)  # (torch.no_grad() without its three Python calls)
-            wrapped = _transforms()  # torch.func's tensors: measured through what they wrap
-            try:
-                if wrapped:
-                    self._life.take_unwrapped(rec, info, args, kwargs, output)
-                else:
-                    self._take(rec, info, args, kwargs, output)
-            finally:
-                _set_grad(grad)
-            if grad and self._grad_acts and not wrapped:
-                self._backward.hook_activations(info, args, output)
+            if self._own_grad and not _transforms():
+                self._take(rec, info, args, kwargs, output)
+                if self._grad_acts and _grad_enabled():
+                    self._backward.hook_activations(info, args, output)
+            else:
+                grad = _grad_enabled()
+                _set_grad(False)  # (torch.no_grad() without its three Python calls)
+                wrapped = _transforms()  # torch.func's tensors: measured through what they wrap
+                try:
+                    if wrapped:
+                        self._life.take_unwrapped(rec, info, args, kwargs, output)
+                    else:
+                        self._take(rec, info, args, kwargs, output)
+                finally:
+                    _set_grad(grad)
+                if grad and self._grad_acts and not wrapped:
+                    self._backward.hook_activations(info, args, output)
         except Exception as exc:  # a frame we cannot take must not stop training
             self._life.hook_failed(info, exc)
         if self._check_module:

@@ -173,13 +173,14 @@ class BatchLifecycle:
         while dynamo traces; a submodule's hook also gets a row id (core/frames/graph_frames.py), by
         which it writes its rows inside compiled graphs instead."""
         recorder = self._recorder
-        # the default behaviour records with the recorder's own frame(): one call less per frame
-        take: Take = recorder.frame if type(self._behaviour).record is Behaviour.record \
-            else functools.partial(self._behaviour.record, recorder)
+        # the default behaviour records with the recorder's own frame(): one call less per frame,
+        # and autograd turned off only where that frame needs it
+        default = type(self._behaviour).record is Behaviour.record
+        take: Take = recorder.frame if default else functools.partial(self._behaviour.record, recorder)
         sampling = self._sampling
         hook = ForwardHook(self, info, slot, take, self._tls, self._detect, self._backward,
                            check_module=self._config.check == "module", grad_acts=self._config.gradients,
-                           budget=sampling if sampling.timed else None)
+                           budget=sampling if sampling.timed else None, take_turns_grad_off=default)
         if self._rows and not info.is_root and not info.lent:
             hook.rehome(self._graph.row_id(info, hook))
         return hook

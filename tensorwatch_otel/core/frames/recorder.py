@@ -35,6 +35,8 @@ from .magnitude_frames import MagnitudeFrames
 
 MAX_ITEMS, MAX_DEPTH = naming.MAX_ITEMS, naming.MAX_DEPTH  # (values per container, so odd outputs stay bounded)
 _PLAIN = (torch.nn.Parameter, torch.Tensor)  # data_ptr() is cheap and defined for these
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
 _TENSOR = torch.Tensor
 _STRIDED = torch.strided
 
@@ -119,23 +121,32 @@ class FrameRecorder:
     # ------------------------------------------------------------------ a module call
     def frame(self, rec: Record, info: ModuleInfo, args: Tuple[object, ...], kwargs: Optional[Dict[str, object]],
               output: object) -> None:
-        """The full view: parameters, every positional and keyword input, any output value."""
-        if output.__class__ is _TENSOR and len(args) == 1 and not kwargs and not rec.targets \
-                and args[0].__class__ is _TENSOR and (device_call(self._device, self.params_seen, self.acts_seen, rec,
-                                                                  info, args[0], output)
-                                                      if self._device is not None else
-                                                      self._one_in_one_out(rec, info, args[0], output)):
+        """The full view: parameters, every positional and keyword input, any output value.
+        Autograd is off while it measures (a caller need not turn it off), except on the C
+        kernel's one-in-one-out route, which runs no torch op (two calls a frame saved there)."""
+        simple = output.__class__ is _TENSOR and len(args) == 1 and not kwargs and not rec.targets \
+            and args[0].__class__ is _TENSOR
+        device = self._device
+        if simple and device is None and self._one_in_one_out(rec, info, args[0], output):  # type: ignore[arg-type]
             return
-        d = FrameDraft()
-        fb = self._fb
-        fb.start()
+        grad = _grad_enabled()
+        _set_grad(False)  # (torch.no_grad() without its three Python calls)
         try:
-            self._frame(rec, info, d, args, kwargs, output)
-            fb.finish(rec, d, info, self.params_seen, self.acts_seen, self._magnitudes.counted)
-        except BaseException:
-            fb.abandon()
-            raise
-        rec.add_frame(info, d)
+            if simple and device is not None and device_call(device, self.params_seen, self.acts_seen, rec, info,
+                                                             args[0], output):  # type: ignore[arg-type]
+                return
+            d = FrameDraft()
+            fb = self._fb
+            fb.start()
+            try:
+                self._frame(rec, info, d, args, kwargs, output)
+                fb.finish(rec, d, info, self.params_seen, self.acts_seen, self._magnitudes.counted)
+            except BaseException:
+                fb.abandon()
+                raise
+            rec.add_frame(info, d)
+        finally:
+            _set_grad(grad)
 
     def _one_in_one_out(self, rec: Record, info: ModuleInfo, x: torch.Tensor, y: torch.Tensor) -> bool:
         """The commonest frame (a module of small CPU weights, one tensor in, one out) taken in a
