@@ -186,14 +186,14 @@ class ForwardHook(ModuleHook):
         t0 = budget.clock() if budget is not None else 0.0
         info = self._info
         try:
-            if self._own_grad and not _transforms():
+            wrapped = _transforms()  # torch.func's tensors: measured through what they wrap
+            if self._own_grad and not wrapped:
                 self._take(rec, info, args, kwargs, output)
                 if self._grad_acts and _grad_enabled():
                     self._backward.hook_activations(info, args, output)
             else:
                 grad = _grad_enabled()
                 _set_grad(False)  # (torch.no_grad() without its three Python calls)
-                wrapped = _transforms()  # torch.func's tensors: measured through what they wrap
                 try:
                     if wrapped:
                         self._life.take_unwrapped(rec, info, args, kwargs, output)
