@@ -467,3 +467,55 @@ def test_threads_calling_an_eager_watched_model_say_nothing_of_graphs(caplog):
         model(x)
     assert graph_stats.ON is True
     assert not [r for r in caplog.records if "TENSORWATCH_GRAPH_STATS=0" in r.getMessage()]
+
+
+def _train_step_compiled_watched(seed: int) -> None:
+    """One watched training step of a fresh pre-norm stack, compiled (forward and backward)."""
+    torch.manual_seed(seed)
+    model = Stack(n_blocks=2)
+    with watch(model, sinks=[Collect()], on_detect="report"):
+        torch.compile(model)(torch.randn(2, 8, 16)).pow(2).mean().backward()
+
+
+def test_a_watched_model_compiled_again_in_the_same_process_loads_its_graphs_from_the_caches():
+    """A second watch of the same architecture (a new trial, a restarted loop, a test after a
+    test) traces the same graph, so inductor's and AOTAutograd's caches serve it: its layouts
+    are numbered by what they are, not by how many were traced before (a process counter in
+    the graph made every compile after the first a cache miss: a watched model's whole
+    compile, tens of seconds, again)."""
+    from torch._dynamo.utils import counters
+
+    _train_step_compiled_watched(0)
+    torch._dynamo.reset()
+    counters.clear()
+    _train_step_compiled_watched(1)
+    inductor, aot = dict(counters["inductor"]), dict(counters["aot_autograd"])
+    assert inductor.get("fxgraph_cache_miss", 0) == 0, inductor
+    assert inductor.get("fxgraph_cache_hit", 0) >= 1, inductor
+    assert aot.get("autograd_cache_hit", 0) >= 1 and aot.get("autograd_cache_miss", 0) == 0, aot
+
+
+def test_compiling_a_watched_model_traces_it_once():
+    """The row id and the batch stamp the graph reads are not scalars dynamo turns into
+    symbolic floats: one of those, specialized after the trace, made dynamo trace the whole
+    model a second time (a restart of its analysis: seconds of compile time on every watched
+    compile)."""
+    import logging
+
+    restarts = []
+
+    class _Restarts(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "Restarting analysis" in record.getMessage():
+                restarts.append(record.getMessage())
+
+    handler = _Restarts(level=logging.INFO)
+    log = logging.getLogger("torch._dynamo.convert_frame")
+    torch._logging.set_logs(dynamo=logging.INFO)
+    log.addHandler(handler)
+    try:
+        _train_step_compiled_watched(0)
+    finally:
+        log.removeHandler(handler)
+        torch._logging.set_logs()
+    assert restarts == []

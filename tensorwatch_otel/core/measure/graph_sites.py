@@ -9,7 +9,7 @@ statistics (abs min, abs max) per measured value of the site, ROW values in all.
 
 import threading
 import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ class Site:
     spec), its parameter names, per value its kind and dtype name; `number`, its layout number,
     written into each of its rows."""
 
-    __slots__ = ("number", "spec", "params", "kinds", "dtypes", "rows")
+    __slots__ = ("number", "spec", "params", "kinds", "dtypes", "_rows")
 
     def __init__(self, number: int, spec: str, params: Tuple[str, ...], kinds: str, dtypes: Tuple[str, ...]) -> None:
         self.number = number
@@ -33,7 +33,8 @@ class Site:
         self.params = params
         self.kinds = kinds
         self.dtypes = dtypes
-        self.rows: Optional[List[Tuple[str, str, str]]] = None  # layout(), made once
+        # layout() by the keyword names of the modules that share the site (made once each)
+        self._rows: Dict[Tuple[Tuple[str, str], ...], List[Tuple[str, str, str]]] = {}
 
     @property
     def measured(self) -> int:
@@ -42,11 +43,13 @@ class Site:
 
     def layout(self, kw_names: Dict[str, str], parse: Callable[[str], Tuple[Any, ...]]
                ) -> List[Tuple[str, str, str]]:
-        """`names(self, kw_names, parse(self.spec))`, made once (the module's keyword names are
-        its own; `parse`: core/frames/compiled.py's spec parser)."""
-        rows = self.rows
+        """`names(self, kw_names, parse(self.spec))`, made once per set of keyword names (the
+        module's own: modules of several classes may share a site; `parse`: core/frames/
+        compiled.py's spec parser)."""
+        key = tuple(kw_names.items())
+        rows = self._rows.get(key)
         if rows is None:
-            rows = self.rows = names(self, kw_names, parse(self.spec))
+            rows = self._rows[key] = names(self, kw_names, parse(self.spec))
         return rows
 
 
@@ -69,7 +72,9 @@ class Table:
         self.capacity = capacity
         self.rows = torch.zeros(capacity, ROW, dtype=torch.float64, device=device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
-        self.stamp = torch.zeros((), dtype=torch.float64, device=device)
+        # (one element, not a 0-d tensor: dynamo makes a 0-d float64 CPU tensor it reads a
+        # symbolic float, which specialized afterwards makes it trace the whole graph again)
+        self.stamp = torch.zeros(1, dtype=torch.float64, device=device)
         for t in (self.rows, self.counter, self.stamp):
             try:  # a fixed address: CUDA graphs (mode="reduce-overhead") write it in place
                 torch._dynamo.mark_static_address(t, guard=False)
@@ -85,7 +90,10 @@ class Table:
 
 
 class _Sites:
-    """The process's layouts by number, its tables (one per device) and its row ids. Graphs
+    """The process's layouts by number, its tables (one per device) and its row ids. A layout
+    has one number for the process: traced again (another watch of the same model, a dynamo
+    restart, a recompile) it is the same constant in the graph, so the compile caches serve the
+    graph. Graphs
     reach a device's table as attributes of `holders` (a module object: dynamo reads a module's
     attribute afresh and guards on it alone); a grown table is a new object there (the graphs
     that wrote the old one are traced again)."""
@@ -93,6 +101,7 @@ class _Sites:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_number: Dict[int, Site] = {}
+        self._numbers: Dict[Tuple[Any, ...], int] = {}  # a layout's number by what it is
         self.tables: Dict[torch.device, Table] = {}
         self.holders = types.ModuleType("tensorwatch_otel_graph_sites")
         self.dirty = False  # rows written since the last read (set by the graphs' own code)
@@ -107,8 +116,11 @@ class _Sites:
                 table = Table(device, INITIAL_ROWS)
                 table.stamp.fill_(float(self.stamps))  # (the batch under way began before its table)
                 self._put_table(table)
-            number = len(self.by_number) + 1
-            self.by_number[number] = Site(number, spec, params, kinds, dtypes)
+            key = (device, spec, params, kinds, dtypes)
+            number = self._numbers.get(key)
+            if number is None:
+                number = self._numbers[key] = len(self.by_number) + 1
+                self.by_number[number] = Site(number, spec, params, kinds, dtypes)
             return number
 
     def _put_table(self, table: Table) -> None:

@@ -108,12 +108,13 @@ def _side_effects_allowed() -> bool:
 
 
 def new_row_id(device: torch.device) -> Tuple[int, torch.Tensor]:
-    """A module hook's row id: the number, and a 0-d float64 tensor holding it on its module's
-    device (its rows are written there; the CPU for a module on the meta device)."""
+    """A module hook's row id: the number, and a one-element float64 tensor holding it on its
+    module's device (its rows are written there; the CPU for a module on the meta device; one
+    element, not 0-d: graph_sites.Table's stamp says why)."""
     number = SITES.new_row_id()
     if device.type == "meta":
         device = torch.device("cpu")
-    return number, torch.full((), float(number), dtype=torch.float64, device=device)
+    return number, torch.full((1,), float(number), dtype=torch.float64, device=device)
 
 
 def _tracing_context() -> Any:
@@ -195,7 +196,8 @@ def traced_site(row_id: torch.Tensor, spec: str, names: Tuple[str, ...], params:
             measured.append(t)
     number = _new_site(device.type, -1 if device.index is None else device.index, spec, names, kinds, dtypes)
     table = getattr(SITES.holders, table_name(device))
-    row: List[torch.Tensor] = [table.stamp, row_id, torch.full((), float(number), dtype=torch.float64, device=device)]
+    row: List[torch.Tensor] = [table.stamp.view(()), row_id.view(()),
+                               torch.full((), float(number), dtype=torch.float64, device=device)]
     for t in measured:
         d = t.detach()
         if d.dim() < 4:
