@@ -275,6 +275,7 @@ def test_port_mismatch_hint_fires_on_the_instrument_path(clean_env, caplog):
     for _ in range(2):
         sink = otel_sink_from_env()
         assert sink is not None
+        sink.flush(0.2)  # as a watcher with flush_timeout_s=0.2 detaches: its close waits that long, not 5 s
         sink.close()
     told = [r.getMessage() for r in caplog.records if "port 4318 is OTLP/HTTP's" in r.getMessage()]
     assert len(told) == 1, told
