@@ -38,11 +38,11 @@ if [ "$#" -gt 0 ]; then  # tests of one's choice: as asked, in this process
   exit
 fi
 # In parallel worker processes (pytest-xdist), one per CPU: the run is CPU-bound (compiling
-# models is most of it), and one more worker made it slower on 2 cores (847 s against 763 s with
+# models is most of it), and one more worker made it slower on 2 cores (679 s against 653 s with
 # an empty inductor cache, docs/architecture.md). Then the tests marked `timing` (wall-clock
 # bounds) alone, so the others' load does not decide them.
 workers="${TENSORWATCH_TEST_WORKERS:-$(nproc)}"
-echo "== running tests (${SECONDS}s so far; about 13 minutes on 2 cores, 10 with the compiled graphs an earlier run cached, in ${workers} processes, a dot per test)"
+echo "== running tests (${SECONDS}s so far; about 12 minutes on 2 cores, less with the compiled graphs an earlier run cached, in ${workers} processes, a dot per test)"
 python3 -m pytest -p no:cacheprovider -p no:benchmark -n "$workers" --dist worksteal -m "not timing"
 echo "== running the timing tests alone (${SECONDS}s so far; about 2 minutes)"
 python3 -m pytest -p no:cacheprovider -p no:benchmark -m timing
