@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import datetime
 import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -139,15 +141,26 @@ def http(url: str, timeout: float = 30.0) -> bytes:
         return r.read()
 
 
+def rules_every(path: str, every: str, workdir: str) -> str:
+    """A copy of the rule file `path` in `workdir` whose groups are evaluated `every` (a
+    Prometheus duration), as the scrapes: the shipped groups set their own interval."""
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"(?m)^(\s+)interval: \S+$", lambda m: f"{m.group(1)}interval: {every}", f.read())
+    out = os.path.join(workdir, os.path.basename(path))
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    return out
+
+
 class Prometheus:
     def __init__(self, workdir: str, targets: Sequence[str], interval_s: float, rules: Sequence[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         every = f"{round(interval_s * 1000)}ms"  # Prometheus durations take no fractions
-        cfg = {"global": {"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": every},
-               "rule_files": [os.path.abspath(r) for r in rules],
-               "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": list(targets)}]}]}
         os.makedirs(workdir, exist_ok=True)
+        cfg = {"global": {"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": every},
+               "rule_files": [rules_every(os.path.abspath(r), every, workdir) for r in rules],
+               "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": list(targets)}]}]}
         path = os.path.join(workdir, "prometheus.yml")
         with open(path, "w") as fh:
             json.dump(cfg, fh)
@@ -276,10 +289,35 @@ def fleet_budget(n: int, k: int, detail_ranks: int, pairs: int) -> int:
     return (n - detail_ranks) * per_rank + detail_ranks * (3 * pairs + PER_RANK + SCRAPE_META) + 3 * pairs + 10
 
 
-def check_fleet_view(prom: Prometheus, pairs: Sequence[Pair], n: int, args) -> dict:
-    """PromQL's fleet-wide per-module maximum against the truth over every rank."""
+def _unix(rfc3339: str) -> float:
+    """Seconds since the epoch of Prometheus' RFC 3339 time ("...T04:50:01.123456789Z")."""
+    head, _, frac = rfc3339.rstrip("Z").partition(".")
+    stamp = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.timezone.utc).timestamp()
+    return stamp + (float("0." + frac) if frac else 0.0)
+
+
+def rules_evaluated_since(prom: Prometheus, t: float, interval_s: float, timeout_s: float) -> None:
+    """Waits until every rule group was evaluated after `t` (seconds since the epoch), then once
+    more after that (a rule reading another group's output sees it)."""
+    deadline = time.monotonic() + timeout_s
+    for _ in range(2):
+        while True:
+            groups = json.loads(http(prom.url + "/api/v1/rules"))["data"]["groups"]
+            if groups and all(_unix(g.get("lastEvaluation") or "0001-01-01T00:00:00Z") > t for g in groups):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the rule groups were not evaluated within {timeout_s:.0f} s")
+            time.sleep(interval_s / 2)
+        t = time.time()
+
+
+def check_fleet_view(prom: Prometheus, pairs: Sequence[Pair], n: int, args, ready: float) -> dict:
+    """PromQL's fleet-wide per-module maximum against the truth over every rank, from rules
+    evaluated after `ready` (when every target had been scraped: an evaluation before a rank's
+    first scrape lacks that rank's values)."""
     truth = [max(col) for col in zip(*(values(pairs, r, n, args.blocks, args.seed) for r in range(n)))]
     rec = "module_tensor:tensorwatch_tensor_range_used_ratio:max"
+    rules_evaluated_since(prom, ready, args.interval, 60)
     deadline = time.monotonic() + 60
     while True:
         got = prom.query(rec)
@@ -318,13 +356,14 @@ def run_one(n: int, detail: str, detail_ranks: str, rules: Sequence[str], procs:
         t0 = time.monotonic()
         prom = Prometheus(os.path.join(tmp, f"{detail}-{n}"), targets, args.interval, rules)
         scraped(prom, n, args.scrapes, args.interval, args.timeout)
+        ready = time.time()
         m = measure(prom, n, base)
         m["wall_s"] = round(time.monotonic() - t0, 1)
         if rules:
             k = int(detail.split(":")[1])
             nd = len([r for r in detail_ranks.split(",") if r.strip() and int(r) < n])
             m.update(detail=detail, detail_ranks=detail_ranks, budget_series=fleet_budget(n, k, nd, len(pairs)))
-            m["view"] = check_fleet_view(prom, pairs, n, args)
+            m["view"] = check_fleet_view(prom, pairs, n, args, ready)
             m["head_series"] = int(prom.own()["prometheus_tsdb_head_series"])  # with the rules' outputs
             m["within_budget"] = m["head_series"] <= m["budget_series"]
         print(json.dumps(m), flush=True)
