@@ -9,7 +9,7 @@ statistics (abs min, abs max) per measured value of the site, ROW values in all.
 
 import threading
 import types
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ class Site:
     spec), its parameter names, per value its kind and dtype name; `number`, its layout number,
     written into each of its rows."""
 
-    __slots__ = ("number", "spec", "params", "kinds", "dtypes", "_rows")
+    __slots__ = ("number", "spec", "params", "kinds", "dtypes", "rows")
 
     def __init__(self, number: int, spec: str, params: Tuple[str, ...], kinds: str, dtypes: Tuple[str, ...]) -> None:
         self.number = number
@@ -33,8 +33,7 @@ class Site:
         self.params = params
         self.kinds = kinds
         self.dtypes = dtypes
-        # layout() by the keyword names of the modules that share the site (made once each)
-        self._rows: Dict[Tuple[Tuple[str, str], ...], List[Tuple[str, str, str]]] = {}
+        self.rows: Optional[List[Tuple[str, str, str]]] = None  # layout(), made once
 
     @property
     def measured(self) -> int:
@@ -43,13 +42,13 @@ class Site:
 
     def layout(self, kw_names: Dict[str, str], parse: Callable[[str], Tuple[Any, ...]]
                ) -> List[Tuple[str, str, str]]:
-        """`names(self, kw_names, parse(self.spec))`, made once per set of keyword names (the
-        module's own: modules of several classes may share a site; `parse`: core/frames/
+        """`names(self, kw_names, parse(self.spec))`, made once: the same for every module that
+        shares the site, whatever its class (a keyword input is named `input.<key>` alike, with
+        or without the module's `kw_names` cache of those names; `parse`: core/frames/
         compiled.py's spec parser)."""
-        key = tuple(kw_names.items())
-        rows = self._rows.get(key)
+        rows = self.rows
         if rows is None:
-            rows = self._rows[key] = names(self, kw_names, parse(self.spec))
+            rows = self.rows = names(self, kw_names, parse(self.spec))
         return rows
 
 
