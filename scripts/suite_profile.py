@@ -19,6 +19,7 @@ import collections
 import json
 import os
 import resource
+import sys
 import time
 from typing import Any, Dict, Iterator, List
 
@@ -33,8 +34,6 @@ def _children_cpu() -> float:
 
 def _graph_cache() -> Dict[str, int]:
     """Inductor's FX graph cache counters so far in this process (empty before torch compiled)."""
-    import sys
-
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
         return {}
