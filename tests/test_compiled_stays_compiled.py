@@ -5,10 +5,12 @@ object recompiled until the recompile limit and then ran eagerly, and many trial
 did the same; the in-graph statistics stored their values on a Python object, a side effect
 activation checkpointing's operator refuses, so the whole forward fell back. Now a submodule's
 statistics are a row written into a buffer at a fixed address, identified by a tensor its hook
-holds (core/measure/graph_stats.py). Real inductor on the CPU, small models."""
+holds (core/measure/graph_stats.py). Small models; the tests that count graphs, recompiles and
+breaks compile with GRAPHS, those that read values through inductor's code with inductor."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -26,6 +28,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from _prenorm import Stack  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+#: The backend of the tests whose subject is dynamo's graphs (how many, recompiles, breaks) and
+#: AOTAutograd's (activation checkpointing's operator, the static table written in place): those
+#: are made before any backend runs, so inductor would give the same counts after building C++
+#: for every kernel (about 4x the test's time on 2 cores). Values through inductor's code:
+#: test_a_model_checkpointed_whole_still_has_its_rows_read, the sampling test and
+#: tests/test_graph_stats.py.
+GRAPHS = "aot_eager"
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +97,7 @@ def _per_block(watched, counters, **options):
     sink = Collect()
     w = watch(model, sinks=[sink], on_detect="report", **options) if watched else None
     for block in model.blocks:
-        block.compile()  # the FSDP2/torchtitan recipe: each block compiled on its own
+        block.compile(backend=GRAPHS)  # the FSDP2/torchtitan recipe: each block compiled on its own
     x = torch.randn(2, 8, 16)
     for _ in range(3):
         model(x).square().mean().backward()
@@ -131,7 +141,7 @@ def test_a_12_layer_gpt2_compiled_block_by_block_runs_every_block_compiled(_fres
 
         def per_block(m):
             for block in m.transformer.h:
-                block.compile()
+                block.compile(backend=GRAPHS)
             return m
 
         return _gpt2_steps(_fresh, model, per_block, watched)
@@ -165,7 +175,7 @@ def test_twelve_trials_in_one_process_all_run_compiled(_fresh):
             model = Stack(n_blocks=2, d=16, heads=2) if t % 2 else one
             sink = Collect()
             w = watch(model, sinks=[sink], on_detect="report") if watched else None
-            torch.compile(model)(x)
+            torch.compile(model, backend=GRAPHS)(x)
             if w is not None:
                 w.detach()
                 seen.append([f.module for f in sink.batches[-1].frames])
@@ -192,7 +202,7 @@ class _Checkpointed(nn.Module):
 def test_activation_checkpointing_inside_a_compiled_model_keeps_one_graph(_fresh):
     x = torch.randn(2, 8, 16)
     unwatched = _Checkpointed()
-    torch.compile(unwatched)(x).square().mean().backward()
+    torch.compile(unwatched, backend=GRAPHS)(x).square().mean().backward()
     plain = _graphs(_fresh)
     torch._dynamo.reset()
     _fresh.clear()
@@ -200,7 +210,7 @@ def test_activation_checkpointing_inside_a_compiled_model_keeps_one_graph(_fresh
     sink = Collect()
     with watch(model, sinks=[sink], on_detect="report"):
         for _ in range(2):
-            torch.compile(model)(x).square().mean().backward()
+            torch.compile(model, backend=GRAPHS)(x).square().mean().backward()
     assert _graphs(_fresh) == plain and plain[2] == 0, (_graphs(_fresh), plain)
     eager = _eager_frames(_Checkpointed, x)
     assert [f.module for f in sink.batches[-1].frames] == [f.module for f in eager]
@@ -242,7 +252,7 @@ def test_gpt2_with_gradient_checkpointing_compiled_adds_no_graph_break(_fresh):
         _fresh.clear()
         model = build("gpt2", torch.float32).train()
         model.gradient_checkpointing_enable()
-        return _gpt2_steps(_fresh, model, torch.compile, watched)
+        return _gpt2_steps(_fresh, model, functools.partial(torch.compile, backend=GRAPHS), watched)
 
     plain, _ = run(False)
     watched, sink = run(True)
