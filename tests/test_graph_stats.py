@@ -495,6 +495,27 @@ def test_a_watched_model_compiled_again_in_the_same_process_loads_its_graphs_fro
     assert aot.get("autograd_cache_hit", 0) >= 1 and aot.get("autograd_cache_miss", 0) == 0, aot
 
 
+def test_a_layouts_number_is_the_same_in_every_process_whatever_was_traced_before():
+    """A layout's number is a constant of the graph: if it depended on the layouts a process
+    traced before (a counter), the same model compiled in another process (a restarted run
+    that compiled its eval model first, another rank, another test) would be another graph,
+    a miss in inductor's cache shared on disk. Two fresh registries fed the same layouts in
+    opposite orders give each the same number, a float64 holds it exactly, and a registry
+    holding one already gives it back for the same layout."""
+    from tensorwatch_otel.core.measure.graph_sites import _Sites
+
+    layouts = [("cpu", -1, "(T)T", ("weight", "bias"), "mmmm", ("float32",) * 4),
+               ("cpu", -1, "(T)T", (), "mm", ("float32", "float32")),
+               ("cpu", -1, "(T)T", (), "mm", ("float16", "float16")),
+               ("cpu", -1, "(TN)(TT)", ("weight",), "mmmm", ("bfloat16",) * 4)]
+    first, second = _Sites(), _Sites()
+    forward = [first.add(*layout) for layout in layouts]
+    backward = [second.add(*layout) for layout in reversed(layouts)][::-1]
+    assert forward == backward and len(set(forward)) == len(layouts), (forward, backward)
+    assert all(0 < n < 2 ** 53 and float(n) == n for n in forward)
+    assert [first.add(*layout) for layout in layouts] == forward
+
+
 def test_compiling_a_watched_model_traces_it_once():
     """The row id and the batch stamp the graph reads are not scalars dynamo turns into
     symbolic floats: one of those, specialized after the trace, made dynamo trace the whole

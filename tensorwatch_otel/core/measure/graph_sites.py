@@ -7,6 +7,7 @@ statistics (abs min, abs max) per measured value of the site, ROW values in all.
 `layout()` names its values in the order eager watching records them (`names`).
 """
 
+import hashlib
 import threading
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -89,10 +90,10 @@ class Table:
 
 
 class _Sites:
-    """The process's layouts by number, its tables (one per device) and its row ids. A layout
-    has one number for the process: traced again (another watch of the same model, a dynamo
-    restart, a recompile) it is the same constant in the graph, so the compile caches serve the
-    graph. Graphs
+    """The process's layouts by number, its tables (one per device) and its row ids. A layout's
+    number is made from what it is (`layout_number`): traced again (another watch of the same
+    model, a dynamo restart, a recompile, another process) it is the same constant in the
+    graph, so the compile caches serve the graph. Graphs
     reach a device's table as attributes of `holders` (a module object: dynamo reads a module's
     attribute afresh and guards on it alone); a grown table is a new object there (the graphs
     that wrote the old one are traced again)."""
@@ -118,7 +119,10 @@ class _Sites:
             key = (device, spec, params, kinds, dtypes)
             number = self._numbers.get(key)
             if number is None:
-                number = self._numbers[key] = len(self.by_number) + 1
+                number = layout_number(key)
+                while number in self.by_number:  # (two layouts of one hash: the next free number)
+                    number = number % _NUMBERS + 1
+                self._numbers[key] = number
                 self.by_number[number] = Site(number, spec, params, kinds, dtypes)
             return number
 
@@ -144,6 +148,18 @@ class _Sites:
         with self.lock:
             self.stamps += 1
             return float(self.stamps)
+
+
+_NUMBERS = 2 ** 52 - 1  # layout numbers 1.._NUMBERS: exact in a row's float64
+
+
+def layout_number(key: Tuple[Any, ...]) -> int:
+    """A layout's number from what it is (its device, structure, parameters, kinds, dtypes):
+    the same in every process whatever it traced before, so the same model compiled in another
+    process (a restarted run, another rank or test) is the same graph, served by inductor's
+    cache on disk. A hash (`repr` of strings, tuples and a device: stable across processes)."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % _NUMBERS + 1
 
 
 def table_name(device: torch.device) -> str:
