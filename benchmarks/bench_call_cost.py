@@ -5,7 +5,7 @@ and torch.compile'd) timed side by side in rotating rounds; per variant the medi
 per watched module call, (watched - unwatched) / module calls, eager and compiled.
 
     python benchmarks/bench_call_cost.py                  # 24 blocks, 15 rounds (a minute or two)
-    python benchmarks/bench_call_cost.py --quick          # 2 blocks, 2 rounds (smoke test)
+    python benchmarks/bench_call_cost.py --quick          # 1 block, 2 rounds (smoke test)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ VARIANTS = ("eager", "eager_watched", "compiled", "compiled_watched")
 
 def main(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--blocks", type=int, default=None, help="pre-norm blocks (default 24; --quick 2)")
+    p.add_argument("--blocks", type=int, default=None, help="pre-norm blocks (default 24; --quick 1)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15; --quick 2)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=1)
@@ -39,11 +39,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
     import tensorwatch_otel as tw
 
     torch.set_num_threads(args.threads)
-    blocks = args.blocks or (2 if args.quick else 24)
+    blocks = args.blocks or (1 if args.quick else 24)
     rounds = args.rounds or (2 if args.quick else 15)
     torch.manual_seed(0)
     base = Stack(blocks, 32, 4)
-    x = torch.randn(2, 8, 32)
+    # (--quick: bench_compiled.py --quick's model and input, so that one of the two smoke runs
+    # finds the other's compiled graphs in inductor's cache)
+    x = torch.randn(2, 16 if args.quick else 8, 32)
     calls = blocks * 10 + 2  # modules called per forward, the root included
 
     def make(name: str) -> Callable[[], None]:

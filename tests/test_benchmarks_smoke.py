@@ -118,12 +118,3 @@ def test_bench_tensor_quick(tmp_path):
         assert {"measure", "abs_chunked", "abs_full", "norm_pair", "sign"} <= set(r["ratio"])
         assert all(0 < x < 1e4 for x in r["ratio"].values()), r
     assert "ratio of median time to x.amax()" in stdout
-
-
-@pytest.mark.slow
-def test_bench_call_cost_quick(tmp_path):
-    result, stdout = _run("bench_call_cost.py", tmp_path)
-    assert set(result["step_ms_median"]) == {"eager", "eager_watched", "compiled", "compiled_watched"}
-    assert all(v > 0 for v in result["step_ms_median"].values())
-    assert result["module_calls"] == 22 and len(result["step_ms"]["compiled_watched"]) == 2
-    assert "per watched module call" in stdout

@@ -39,6 +39,17 @@ def test_bench_modules_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_call_cost_quick(tmp_path):
+    # (its --quick model and input are bench_compiled's: run just before that test in the same
+    # worker, one of the two compiles the graphs the other loads from inductor's cache)
+    result, stdout = _run("bench_call_cost.py", tmp_path)
+    assert set(result["step_ms_median"]) == {"eager", "eager_watched", "compiled", "compiled_watched"}
+    assert all(v > 0 for v in result["step_ms_median"].values())
+    assert result["module_calls"] == 12 and len(result["step_ms"]["compiled_watched"]) == 2
+    assert "per watched module call" in stdout
+
+
+@pytest.mark.slow
 def test_bench_compiled_quick(tmp_path):
     result, stdout = _run("bench_compiled.py", tmp_path)
     assert result["skip_nnmodule_hook_guards"] is False and result["backend"] == "inductor"
