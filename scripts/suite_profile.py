@@ -3,7 +3,8 @@ worker's own CPU time, the CPU time of the child processes it waited for (torchr
 benchmarks' subprocesses, gcc) and inductor's FX graph cache misses and hits; and a summary of
 the records by file and by test, with the time a test spent waiting (wall time that neither
 the worker nor a waited-for child spent on a CPU: servers' scrape intervals, sleeps, inductor's
-compile worker processes).
+compile worker processes); and per worker, how long it stood idle at the end while another still
+ran.
 
     PYTHONPATH=scripts python -m pytest -p suite_profile -n 2 -m "not timing" -q
     python scripts/suite_profile.py                    # the summary (--most N rows each)
@@ -49,11 +50,13 @@ except ImportError:  # the summary needs no pytest
 if pytest is not None:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
+        start = time.time()
         wall0, cpu0, child0, cache0 = time.perf_counter(), time.process_time(), _children_cpu(), _graph_cache()
         yield
         cache1 = _graph_cache()
         record = {"id": item.nodeid, "wall": time.perf_counter() - wall0, "cpu": time.process_time() - cpu0,
-                  "child": _children_cpu() - child0}
+                  "child": _children_cpu() - child0, "start": start,
+                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
         # (a test that clears dynamo's counters makes these negative: left out)
         record.update({k: max(0, v - cache0.get(k, 0)) for k, v in cache1.items()})
         with open(os.environ.get(PATH_ENV, DEFAULT_PATH), "a", encoding="utf-8") as f:
@@ -82,7 +85,28 @@ def summary(records: List[Dict[str, Any]], most: int) -> str:
         for r in sorted(records, key=lambda r: -r[key])[:most]:
             lines.append(f"{r['wall']:7.1f} {r['cpu']:7.1f} {r['child']:7.1f} {r['waiting']:7.1f} "
                          f"{r.get('miss', 0):4d}  {r['id']}")
+    lines += _workers(records)
     return "\n".join(lines)
+
+
+def _workers(records: List[Dict[str, Any]]) -> List[str]:
+    """Per worker: its tests, the time it was busy with them and how long it stood idle at the
+    end while another worker still ran (records with a start time only)."""
+    timed = [r for r in records if "start" in r]
+    if not timed:
+        return []
+    first = min(r["start"] for r in timed)
+    last = max(r["start"] + r["wall"] for r in timed)
+    per: Dict[str, List[Dict[str, Any]]] = collections.defaultdict(list)
+    for r in timed:
+        per[r.get("worker", "main")].append(r)
+    lines = ["", f"workers (the run: {last - first:.1f} s from the first test's start to the last one's end):"]
+    for name in sorted(per):
+        mine = per[name]
+        end = max(r["start"] + r["wall"] for r in mine)
+        lines.append(f"{name:>6} {len(mine):5d} tests, busy {sum(r['wall'] for r in mine):7.1f} s, "
+                     f"idle at the end {last - end:6.1f} s")
+    return lines
 
 
 def main(argv: Any = None) -> int:

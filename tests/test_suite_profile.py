@@ -1,6 +1,7 @@
 """scripts/suite_profile.py, the suite's time recorder: a test that sleeps is counted as waiting,
 one that spins as the worker's CPU, one that waits for a spinning child as the child's CPU; the
-summary lists them by file and by test."""
+summary lists them by file and by test, and per worker when it was busy and how long it stood idle
+at the end while another still ran."""
 
 from __future__ import annotations
 
@@ -54,6 +55,23 @@ def test_records_and_summary(tmp_path):
     assert "by test, most wall (2 of 3):" in text and "by test, most waiting (2 of 3):" in text
     waiting = text[text.index("most waiting"):].splitlines()[2]
     assert waiting.endswith("test_three.py::test_sleeps"), text
+
+
+def test_the_workers_idle_tail_is_told(tmp_path):
+    """Records of two workers (as pytest-xdist's give): the one that finished first stood idle
+    until the other's last test ended, and the summary says how long."""
+    records = [{"id": "tests/a.py::one", "wall": 10.0, "cpu": 9.0, "child": 0.0, "start": 100.0, "worker": "gw0"},
+               {"id": "tests/a.py::two", "wall": 5.0, "cpu": 5.0, "child": 0.0, "start": 110.0, "worker": "gw0"},
+               {"id": "tests/b.py::three", "wall": 30.0, "cpu": 29.0, "child": 0.0, "start": 100.5, "worker": "gw1"}]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "suite_profile.py"), str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    i = lines.index("workers (the run: 30.5 s from the first test's start to the last one's end):")
+    assert lines[i + 1].split() == ["gw0", "2", "tests,", "busy", "15.0", "s,", "idle", "at", "the", "end", "15.5", "s"]
+    assert lines[i + 2].split() == ["gw1", "1", "tests,", "busy", "30.0", "s,", "idle", "at", "the", "end", "0.0", "s"]
 
 
 def test_a_missing_file_is_one_line_naming_it(tmp_path):
