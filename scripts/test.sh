@@ -42,9 +42,9 @@ fi
 # an empty inductor cache, docs/architecture.md). Then the tests marked `timing` (wall-clock
 # bounds) alone, so the others' load does not decide them.
 workers="${TENSORWATCH_TEST_WORKERS:-$(nproc)}"
-echo "== running tests (${SECONDS}s so far; about 12 minutes on 2 cores, less with the compiled graphs an earlier run cached, in ${workers} processes, a dot per test)"
+echo "== running tests (${SECONDS}s so far; about 10 minutes on 2 cores, less with the compiled graphs an earlier run cached, in ${workers} processes, a dot per test)"
 python3 -m pytest -p no:cacheprovider -p no:benchmark -n "$workers" --dist worksteal -m "not timing"
-echo "== running the timing tests alone (${SECONDS}s so far; about 2 minutes)"
+echo "== running the timing tests alone (${SECONDS}s so far; about a minute and a half)"
 # (only the files that mark some: collecting all the others takes seconds and runs nothing)
 mapfile -t timing_files < <(grep -l "pytest.mark.timing" tests/test_*.py)
 python3 -m pytest -p no:cacheprovider -p no:benchmark -m timing "${timing_files[@]}"
