@@ -18,3 +18,10 @@ def free_port() -> int:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """The tests marked `slow` first, each group in its collection order (the same in every
+    worker): the parallel pass (scripts/test.sh) then ends on short tests, not with one worker
+    idle while the other finishes a compile (a 15 s tail, scripts/suite_profile.py)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
