@@ -602,10 +602,12 @@ def _frames_compiled() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["watch_then_compile", "watch_compiled", "compiled_submodule"])
-def test_a_static_compile_over_eight_shapes_compiles_no_frame_of_ours(how):
+def test_a_static_compile_over_four_shapes_compiles_no_frame_of_ours(how):
     """dynamic=False compiles one graph per input shape; the watcher's hooks must not add frames
     of their own (the root's hook, run from the module's eager call, compiled and recompiled per
-    shape) nor recompiles. Every call is still one recorded batch with the eager frames."""
+    shape) nor recompiles. Every call is still one recorded batch with the eager frames. (Four
+    shapes: a frame of ours would show at the second; dynamo's recompile limit is raised, so the
+    count of shapes is no limit's.)"""
     import torch._dynamo
 
     def run(watched: bool):
@@ -625,7 +627,7 @@ def test_a_static_compile_over_eight_shapes_compiles_no_frame_of_ours(how):
             call = torch.compile(model, dynamic=False, backend="eager")
         before = _frames_compiled()
         with torch._dynamo.config.patch(cache_size_limit=64, recompile_limit=64):
-            for t in range(1, 9):
+            for t in range(1, 5):
                 call(torch.randn(2, t, 16))
         if w is not None:
             w.detach()
@@ -634,7 +636,7 @@ def test_a_static_compile_over_eight_shapes_compiles_no_frame_of_ours(how):
     plain, _ = run(False)
     watched, sink = run(True)
     assert watched == plain, (watched, plain)
-    assert [b.batch_number for b in sink.batches] == list(range(8))
+    assert [b.batch_number for b in sink.batches] == list(range(4))
     assert all(len(b.frames) == len(sink.batches[0].frames) for b in sink.batches)
     assert sink.batches[-1].frames[-1].module == ""
 
