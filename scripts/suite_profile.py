@@ -42,6 +42,13 @@ def _graph_cache() -> Dict[str, int]:
     return {"miss": int(c.get("fxgraph_cache_miss", 0)), "hit": int(c.get("fxgraph_cache_hit", 0))}
 
 
+def _worker(config: Any) -> str:
+    """The pytest-xdist worker running the test ("gw0", ...), "main" without xdist (read from the
+    session's config: a pytest run by a test inherits the worker's environment, not its role)."""
+    workerinput = getattr(config, "workerinput", None)
+    return str(workerinput.get("workerid", "main")) if isinstance(workerinput, dict) else "main"
+
+
 try:
     import pytest
 except ImportError:  # the summary needs no pytest
@@ -56,7 +63,7 @@ if pytest is not None:
         cache1 = _graph_cache()
         record = {"id": item.nodeid, "wall": time.perf_counter() - wall0, "cpu": time.process_time() - cpu0,
                   "child": _children_cpu() - child0, "start": start,
-                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+                  "worker": _worker(item.config)}
         # (a test that clears dynamo's counters makes these negative: left out)
         record.update({k: max(0, v - cache0.get(k, 0)) for k, v in cache1.items()})
         with open(os.environ.get(PATH_ENV, DEFAULT_PATH), "a", encoding="utf-8") as f:
