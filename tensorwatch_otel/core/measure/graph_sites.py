@@ -26,7 +26,7 @@ class Site:
     spec), its parameter names, per value its kind and dtype name; `number`, its layout number,
     written into each of its rows."""
 
-    __slots__ = ("number", "spec", "params", "kinds", "dtypes", "rows")
+    __slots__ = ("number", "spec", "params", "kinds", "dtypes", "_rows")
 
     def __init__(self, number: int, spec: str, params: Tuple[str, ...], kinds: str, dtypes: Tuple[str, ...]) -> None:
         self.number = number
@@ -34,7 +34,7 @@ class Site:
         self.params = params
         self.kinds = kinds
         self.dtypes = dtypes
-        self.rows: Optional[List[Tuple[str, str, str]]] = None  # layout(), made once
+        self._rows: Optional[List[Tuple[str, str, str]]] = None  # layout(), made once
 
     @property
     def measured(self) -> int:
@@ -47,9 +47,9 @@ class Site:
         shares the site, whatever its class (a keyword input is named `input.<key>` alike, with
         or without the module's `kw_names` cache of those names; `parse`: core/frames/
         compiled.py's spec parser)."""
-        rows = self.rows
+        rows = self._rows
         if rows is None:
-            rows = self.rows = names(self, kw_names, parse(self.spec))
+            rows = self._rows = names(self, kw_names, parse(self.spec))
         return rows
 
 
