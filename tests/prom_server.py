@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -145,8 +146,10 @@ class _PortTaken(RuntimeError):
 class PrometheusServer(_ManagedProcess):
     """A real Prometheus scraping `scrape_targets` ("host:port", job "tensorwatch").
 
-    `rule_files` are paths (loaded as given); `alertmanager_url` ("http://127.0.0.1:PORT")
-    is where firing alerts go; `extra_scrape_configs` are appended verbatim.
+    `rule_files` are paths, loaded as copies whose groups are evaluated every `rule_interval`
+    (the shipped groups' own 5 s and 15 s made every alert test wait for them; None: as
+    shipped); `alertmanager_url` ("http://127.0.0.1:PORT") is where firing alerts go;
+    `extra_scrape_configs` are appended verbatim.
     """
 
     name = "prometheus"
@@ -154,10 +157,12 @@ class PrometheusServer(_ManagedProcess):
     def __init__(self, tmp_path: os.PathLike, scrape_targets: Sequence[str] = (),
                  rule_files: Sequence[os.PathLike] = (), alertmanager_url: Optional[str] = None,
                  scrape_interval: str = "1s", evaluation_interval: str = "1s",
-                 extra_scrape_configs: Sequence[Dict[str, Any]] = ()) -> None:
+                 extra_scrape_configs: Sequence[Dict[str, Any]] = (), rule_interval: Optional[str] = "1s") -> None:
         super().__init__(tmp_path)
         self.scrape_targets = list(scrape_targets)
-        self.rule_files = [str(Path(p).resolve()) for p in rule_files]
+        self.shipped_rule_files = [Path(p).resolve() for p in rule_files]
+        self.rule_interval = rule_interval
+        self.rule_files = [str(p) for p in self.shipped_rule_files]
         self.alertmanager_url = alertmanager_url
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
@@ -187,6 +192,16 @@ class PrometheusServer(_ManagedProcess):
         return cfg
 
     def _prepare(self, workdir: Path) -> None:
+        if self.rule_interval is not None:
+            rules_dir = workdir / "rules"
+            rules_dir.mkdir(exist_ok=True)
+            self.rule_files = []
+            for i, path in enumerate(self.shipped_rule_files):
+                text = re.sub(r"(?m)^(\s+)interval: \S+$", rf"\g<1>interval: {self.rule_interval}",
+                              path.read_text(encoding="utf-8"))
+                copy = rules_dir / f"{i}-{path.name}"
+                copy.write_text(text, encoding="utf-8")
+                self.rule_files.append(str(copy))
         self.config_path = workdir / "prometheus.yml"
         # JSON is YAML; this keeps the fixture free of a YAML dependency.
         self.config_path.write_text(json.dumps(self.config(), indent=2))
