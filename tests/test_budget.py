@@ -28,6 +28,10 @@ from tensorwatch_otel.core.config import ConfigError, WatchConfig
 from tensorwatch_otel.core.events import SamplingRateEvent
 from tensorwatch_otel.core.frames.recorder import FrameRecorder
 
+# mostly waiting (a server's interval, a timeout): scripts/test.sh runs the tests marked `waits`
+# beside the CPU-bound parallel pass, in a process of their own
+pytestmark = pytest.mark.waits
+
 
 class FakeClock:
     def __init__(self) -> None:

@@ -29,7 +29,7 @@ from test_deploy_static import DEFAULT_VARIABLES, prometheus_queries  # noqa: E4
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # waits: see tests/test_deploy_static.py
 
 # The overflow batch: early enough to keep the test short, late enough that Prometheus has
 # scraped healthy batches first (so rate()/range panels have history before the inf).

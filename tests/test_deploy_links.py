@@ -18,6 +18,10 @@ from prom_server import PrometheusServer
 from tensorwatch_otel import watch
 from tensorwatch_otel.sinks import PrometheusMetrics
 
+# mostly waiting (a server's interval, a timeout): scripts/test.sh runs the tests marked `waits`
+# beside the CPU-bound parallel pass, in a process of their own
+pytestmark = pytest.mark.waits
+
 RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules" / "tensorwatch.yml"
 DOCS = "https://git.example.org/ml/tensorwatch-otel/-/blob/main"
 

@@ -241,6 +241,7 @@ def _inf_gradient_step(model, opt, x):
     opt.step()
 
 
+@pytest.mark.waits
 @pytest.mark.usefixtures("slow_frames")
 def test_max_overhead_alone_holds_the_inputs_and_names_the_weight():
     """max_overhead without every_n_batches: an inf in a weight in an unmeasured batch is named
@@ -253,6 +254,7 @@ def test_max_overhead_alone_holds_the_inputs_and_names_the_weight():
     assert (sampled.module, sampled.tensor, sampled.kind, sampled.phase) == ("b", "weight", "inf", "forward")
 
 
+@pytest.mark.waits
 @pytest.mark.usefixtures("slow_frames")
 def test_max_overhead_with_gradients_guards_every_step():
     """gradients=True records the gradients of measured batches only; with max_overhead the step

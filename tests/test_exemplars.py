@@ -22,6 +22,10 @@ from tensorwatch_otel.report.codec import to_dict
 from tensorwatch_otel.sinks.otel import OtelTelemetry
 from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
 
+# mostly waiting (a server's interval, a timeout): scripts/test.sh runs the tests marked `waits`
+# beside the CPU-bound parallel pass, in a process of their own
+pytestmark = pytest.mark.waits
+
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 

@@ -25,6 +25,7 @@ def rank_lines(stdout: str) -> dict:
     return out
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_two_ranks_pass_and_export_one_span_per_rank():
     with OtlpReceiver() as otlp:
@@ -86,6 +87,7 @@ def test_wrong_reduced_value_names_the_rank():
     assert "FAILED: 1 of 2 rank(s) broken (1); look at rank(s) 1 first" in run.stdout
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_rank_that_never_joins_is_reported_within_the_timeout():
     run = torchrun(2, ["--backend", "gloo", "--size-mb", "0.01", "--timeout", "6", "--json"],
@@ -100,6 +102,7 @@ def test_rank_that_never_joins_is_reported_within_the_timeout():
     assert r1["reason"].startswith("never joined within 6 s")
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_rank_that_hangs_is_named_by_the_barrier():
     run = torchrun(2, ["--backend", "gloo", "--size-mb", "0.01", "--timeout", "5"],

@@ -20,6 +20,10 @@ from _otel_fixtures import TinyNet, batch, detection, frame, linear_frames, pars
 from conftest import free_port
 from tensorwatch_otel.sinks.prometheus import PrometheusMetrics
 
+# mostly waiting (a server's interval, a timeout): scripts/test.sh runs the tests marked `waits`
+# beside the CPU-bound parallel pass, in a process of their own
+pytestmark = pytest.mark.waits
+
 
 @pytest.fixture
 def registry():

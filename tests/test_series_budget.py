@@ -13,6 +13,10 @@ import sys
 
 import pytest
 
+# mostly waiting (a server's interval, a timeout): scripts/test.sh runs the tests marked `waits`
+# beside the CPU-bound parallel pass, in a process of their own
+pytestmark = pytest.mark.waits
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_series.py")
 
