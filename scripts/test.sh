@@ -63,8 +63,12 @@ if [ "$status" -ne 0 ] || [ "$waits_status" -ne 0 ]; then
   echo "== tests failed (parallel pass: exit $status; waiting tests: exit $waits_status)" >&2
   exit 1
 fi
-echo "== running the timing tests alone (${SECONDS}s so far; about a minute and a half)"
+echo "== running the timing tests (${SECONDS}s so far; about a minute)"
 # (only the files that mark some: collecting all the others takes seconds and runs nothing)
 mapfile -t timing_files < <(grep -l "pytest.mark.timing" tests/test_*.py)
-python3 -m pytest -p no:cacheprovider -p no:benchmark -m timing "${timing_files[@]}"
+# One at a time, but for those that wait in-process for a timeout, which run beside them in a
+# second worker (tests/conftest.py's xdist groups)
+timing_workers=(-n 2 --dist loadgroup)
+if [ "$workers" -lt 2 ]; then timing_workers=(); fi
+python3 -m pytest -p no:cacheprovider -p no:benchmark "${timing_workers[@]}" -m timing "${timing_files[@]}"
 echo "== all tests passed in ${SECONDS}s"

@@ -98,6 +98,7 @@ def _overflow_raise_time(sinks, flush_timeout_s):
         return time.perf_counter() - t, w
 
 
+@pytest.mark.waits  # (in-process: beside the other timing tests, tests/conftest.py)
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_nobody_listening(otlp_env, protocol, caplog):
@@ -126,6 +127,7 @@ def test_nobody_listening(otlp_env, protocol, caplog):
         assert time.perf_counter() - t < 6.5  # shutdown bounded too
 
 
+@pytest.mark.waits  # (in-process: beside the other timing tests, tests/conftest.py)
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_stalling_receiver(otlp_env, protocol, caplog):
@@ -151,6 +153,7 @@ def test_stalling_receiver(otlp_env, protocol, caplog):
             sink.close()
 
 
+@pytest.mark.waits  # (in-process: beside the other timing tests, tests/conftest.py)
 @pytest.mark.slow
 def test_refusing_receiver_grpc(otlp_env):
     with OtlpReceiver(mode="refuse") as r:
@@ -167,6 +170,7 @@ def test_refusing_receiver_grpc(otlp_env):
             sink.close()
 
 
+@pytest.mark.waits  # (in-process: beside the other timing tests, tests/conftest.py)
 @pytest.mark.slow
 def test_after_a_failed_span_export_the_next_wait_but_a_detection_is_tried(otlp_env, monkeypatch):
     """A refusing collector: the failed export starts a wait; ordinary batches meanwhile never
@@ -279,6 +283,7 @@ def test_black_hole_collector_takes_no_cpu_from_training_on_a_loaded_machine(otl
     assert sum(exporting.values()) <= 0.05 * training, (exporting, training)
 
 
+@pytest.mark.waits  # (in-process: beside the other timing tests, tests/conftest.py)
 def test_taken_metrics_port_training_goes_on(monkeypatch, caplog):
     import socket
 
@@ -296,6 +301,7 @@ def test_taken_metrics_port_training_goes_on(monkeypatch, caplog):
         sink.close()
 
 
+@pytest.mark.waits  # (in-process: beside the other timing tests, tests/conftest.py)
 @pytest.mark.parametrize("where", ["full", "impossible"])
 def test_event_log_that_cannot_be_written(monkeypatch, tmp_path, caplog, where):
     if where == "full":
