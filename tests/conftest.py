@@ -31,6 +31,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     or a linger: little CPU) on one, the others one at a time on the other, so that a test
     that runs processes or loads the cores never has another such test beside it."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if not config.pluginmanager.hasplugin("xdist"):  # (the minimum-versions job runs without it)
+        return
     for item in items:
         if item.get_closest_marker("timing") is not None:
             waits = item.get_closest_marker("waits") is not None
