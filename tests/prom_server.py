@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from conftest import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_series import rules_every  # noqa: E402  (the rule files' copies evaluated at another interval)
 
 PROMETHEUS_BIN = shutil.which("prometheus") or "/usr/bin/prometheus"
 ALERTMANAGER_BIN = (
@@ -195,13 +198,7 @@ class PrometheusServer(_ManagedProcess):
         if self.rule_interval is not None:
             rules_dir = workdir / "rules"
             rules_dir.mkdir(exist_ok=True)
-            self.rule_files = []
-            for i, path in enumerate(self.shipped_rule_files):
-                text = re.sub(r"(?m)^(\s+)interval: \S+$", rf"\g<1>interval: {self.rule_interval}",
-                              path.read_text(encoding="utf-8"))
-                copy = rules_dir / f"{i}-{path.name}"
-                copy.write_text(text, encoding="utf-8")
-                self.rule_files.append(str(copy))
+            self.rule_files = [rules_every(str(p), self.rule_interval, str(rules_dir)) for p in self.shipped_rule_files]
         self.config_path = workdir / "prometheus.yml"
         # JSON is YAML; this keeps the fixture free of a YAML dependency.
         self.config_path.write_text(json.dumps(self.config(), indent=2))
