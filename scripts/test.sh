@@ -44,11 +44,6 @@ fi
 # The tests marked `waits` (mostly waiting for a real server's interval or a timeout) run at the
 # same time in a process of their own: they use the CPU time the others leave while they wait.
 workers="${TENSORWATCH_TEST_WORKERS:-$(nproc)}"
-# Inductor compiles the generated C++ in the test process itself, not in a pool of its own:
-# the pytest workers already keep every core busy, and each pool (one per process that
-# compiles: workers, torchrun ranks, benchmark runs) starts three more Python processes
-# (207 s against 219 s for the compiled-model files, docs/architecture.md).
-export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
 waits_log="$(mktemp)"
 echo "== running the tests that mostly wait, in one process in the background (output below when done)"
 python3 -m pytest -p no:cacheprovider -p no:benchmark -m "waits and not timing" >"$waits_log" 2>&1 &
