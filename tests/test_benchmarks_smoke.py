@@ -118,3 +118,17 @@ def test_bench_tensor_quick(tmp_path):
         assert {"measure", "abs_chunked", "abs_full", "norm_pair", "sign"} <= set(r["ratio"])
         assert all(0 < x < 1e4 for x in r["ratio"].values()), r
     assert "ratio of median time to x.amax()" in stdout
+
+
+@pytest.mark.slow
+def test_bench_gc_quick(tmp_path):
+    result, stdout = _run("bench_gc.py", tmp_path)
+    assert result["modules"] == 100 and result["rounds"] == 1
+    v = result["variants"]
+    assert set(v) == {"unwatched", "watch", "sampled"} and v["unwatched"]["ratio_median"] == 1.0
+    for name in ("watch", "sampled"):
+        assert 0.2 < v[name]["ratio_median"] < 20 and v[name]["step_ms_median"] > 0, (name, v[name])
+        # the watcher's hooks, handles and references are objects the collector tracks
+        assert v[name]["tracked_median"] > v["unwatched"]["tracked_median"], v
+    assert all(r["gc_ms_median"] >= 0 for r in v.values())
+    assert "the collector as in a training loop" in stdout

@@ -1,11 +1,15 @@
-"""The batch record's layout (frames as (module, items, first tensor index), two statistics per
+"""The batch record's layout (frames as columns: module, items, first tensor index; two statistics per
 measured tensor) is core/record.py's Record's and private: a frame is built in a FrameDraft and
 handed over whole (`Record.add_frame`), and read through the record's accessors and the
 columnar view the sinks take (BatchStats.columns()). That no core module writes the record's
 private lists is tests/test_hookset.py's check (no module writes another object's private
-state)."""
+state). A recorded batch keeps a frame per module call until its end: a frame adds no object
+of its own for the garbage collector to track and promote."""
 
 from __future__ import annotations
+
+import collections
+import gc
 
 import pytest
 import torch
@@ -90,3 +94,45 @@ def test_sinks_read_a_record_through_batch_stats_columns():
     assert (mins.tolist(), maxs.tolist()) == ([0.5], [2.0])
     assert len(stats.frames) == 1 and stats.columns() is None  # frames built: read those
     assert BatchStats(3, 0, 0.0, ()).columns() is None
+
+
+def _promoted_during(fn):
+    """Objects by type that the collector tracks, made while `fn` ran and alive when it
+    returned (what a collection of the young generations moves to the oldest one)."""
+    gc.collect()
+    gc.freeze()  # (everything older is out of the count)
+    try:
+        keep = fn()
+        gc.collect(1)  # the young generations' survivors move to the oldest
+        promoted = collections.Counter(type(o).__name__ for o in gc.get_objects(generation=2))
+        del keep
+        return promoted
+    finally:
+        gc.unfreeze()
+
+
+def test_a_recorded_batch_promotes_no_object_per_frame_of_its_own():
+    """The many-small-modules shape (one tensor in, one out, small weights: the C kernel's
+    one-in-one-out route). Each module call leaves its output's entry in the batch's cache (a
+    weak reference and a tuple: an output passed on as the next input is read once) and the
+    output's Python object, which the weak reference keeps; the frame itself (its module, its
+    items, its first index) is columns of the record and an items list shared with the
+    module's frame of the batch before, so a batch of N calls promotes about 3N objects, not
+    5N: full collections, whose frequency grows with what each batch promotes, come less often."""
+    from tensorwatch_otel import watch
+    from tensorwatch_otel.core.measure.cpu_kernel import KERNEL
+
+    if KERNEL.wait(300) is None:
+        pytest.skip("the CPU kernel did not build here (the route this test is about)")
+    torch.manual_seed(0)
+    n = 300
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)])
+    x = torch.randn(4, 8)
+    with watch(model, sinks=[]):
+        for _ in range(3):  # (the weight table and the shared items lists are filled)
+            model(x)
+        promoted = _promoted_during(lambda: model(x))  # a batch, still open when the count is taken
+    assert promoted["ReferenceType"] >= n, promoted  # every call was measured, its output cached
+    assert promoted["list"] < 20, promoted  # no items list of a frame's own (N before)
+    assert promoted["tuple"] <= n + 20, promoted  # the cache entries only (2N before: a tuple per frame)
+    assert sum(promoted.values()) <= 3 * n + 60, promoted

@@ -7,7 +7,7 @@ import array
 import bisect
 import logging
 import math
-from typing import Dict, Iterator, List, Optional, Tuple, Union, cast
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 
@@ -23,15 +23,41 @@ log = logging.getLogger(__name__)
 SHARES_FAILED = "underflow/overflow shares failed"  # said_once's key: logged once per process
 
 
+class _Frames:
+    """A record's frames as three parallel lists (per frame: its module, its items, the index
+    of its first measured tensor): a frame adds no object of its own for the garbage collector
+    to track and promote (a recorded batch holds one per module call until its end)."""
+
+    __slots__ = ("infos", "items", "firsts")
+
+    def __init__(self) -> None:
+        self.infos: List[ModuleInfo] = []
+        self.items: List[List[Item]] = []
+        self.firsts: List[int] = []
+
+    def add(self, info: ModuleInfo, items: List[Item], first: int) -> None:
+        self.infos.append(info)
+        self.items.append(items)
+        self.firsts.append(first)
+
+    def drop(self, fi: int) -> None:
+        del self.infos[fi], self.items[fi], self.firsts[fi]
+
+    def triples(self) -> Iterator[Tuple[ModuleInfo, List[Item], int]]:
+        return zip(self.infos, self.items, self.firsts)
+
+
 class Record:
     """One batch (or one phase of it): device stats in call order, and per frame its module,
     its items (a tensor name (str) per measured tensor, or a (name, note) pair for a value
     without statistics) and its first tensor index.
 
-    The layout (frames as those triples, two stats per measured tensor: abs min, abs max) is
-    this class's and private: frames come in whole, built in a FrameDraft and handed over with
-    `add_frame`; they are read with `frame_count`, `frame_info`, `frame_items`, `measured`,
-    `abs_min_entry`, `host_extremes`, `materialize` and `first_nonfinite_frame`."""
+    The layout (frames as `_Frames`' columns, two stats per measured tensor: abs min, abs max)
+    is this class's and private: frames come in whole, built in a FrameDraft and handed over
+    with `add_frame`; they are read with `frame_count`, `frame_info`, `frame_items`,
+    `measured`, `abs_min_entry`, `host_extremes`, `materialize` and `first_nonfinite_frame`.
+    A frame's items list may be one that other frames (of this record or others) hold too: it
+    is read, never written."""
 
     __slots__ = ("batch_number", "_stats", "_dtypes", "_frames", "_host", "phase", "detected", "header",
                  "targets", "_mags", "_counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats",
@@ -44,7 +70,7 @@ class Record:
         # device buffer slots (the same SlotStat at a tensor's two places)
         self._stats: List[Stat] = []
         self._dtypes: List[torch.dtype] = []  # one per measured tensor
-        self._frames: List[Tuple[ModuleInfo, List[Item], int]] = []  # (info, items, first tensor index)
+        self._frames = _Frames()
         self._host: List[float] = []  # the stats read back so far, in order
         self.phase = phase
         self.detected = False  # one detection per record (check="module" checks every frame)
@@ -85,7 +111,7 @@ class Record:
         if counts:  # (target_dtypes)
             self._counts += counts
             self._mags += draft.mags
-        self._frames.append((info, draft.items, first))
+        self._frames.add(info, draft.items, first)
 
     def uses_codes(self, buf: SlotBuffer) -> None:
         """Some statistic of a frame added (or about to be) is a slot code of `buf`."""
@@ -102,11 +128,11 @@ class Record:
         first = len(self._dtypes)
         self._stats += stats
         self._dtypes += dtypes
-        self._frames.append((info, items, first))
+        self._frames.add(info, items, first)
 
     @property
     def frame_count(self) -> int:
-        return len(self._frames)
+        return len(self._frames.infos)
 
     @property
     def stat_count(self) -> int:
@@ -114,31 +140,33 @@ class Record:
         return len(self._stats)
 
     def frame_info(self, fi: int) -> ModuleInfo:
-        return self._frames[fi][0]
+        return self._frames.infos[fi]
 
     def frame_items(self, fi: int) -> List[Item]:
-        return self._frames[fi][1]
+        return self._frames.items[fi]
 
     def drop_frame(self, fi: int) -> None:
         """Frame `fi` leaves the record (its stats stay: nothing else moves)."""
-        del self._frames[fi]
+        self._frames.drop(fi)
 
     def measured(self) -> Iterator[Tuple[ModuleInfo, str, int, torch.dtype]]:
         """(module, tensor name, tensor index, dtype) of every measured tensor whose values are
         known, in order."""
         dtypes = self._dtypes
         lost = self._lost or ()
-        for info, items, k in self._frames:
+        for info, items, k in self._frames.triples():
             for it in items:
                 if it.__class__ is str:
                     if k < len(dtypes) and k not in lost:
                         yield info, it, k, dtypes[k]
                     k += 1
 
-    def layout_key(self) -> Tuple[List[Tuple[ModuleInfo, List[Item], int]], List[torch.dtype]]:
+    def layout_key(self) -> Tuple[List[List[Any]], List[torch.dtype]]:
         """What two records with the same layout hold equal (compare with ==, in C): the
-        record's own lists, to compare or copy, never to write."""
-        return self._frames, self._dtypes
+        record's own lists (modules, items, first indexes; dtypes), to compare or copy, never
+        to write."""
+        f = self._frames
+        return [f.infos, f.items, f.firsts], self._dtypes
 
     def host_extremes(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The values read back so far: abs mins and abs maxs, one float64 tensor each (views of
@@ -151,9 +179,10 @@ class Record:
     def abs_min_entry(self, fi: int, name: str) -> Optional[Stat]:
         """The abs-min entry of tensor `name` of frame `fi` as recorded (a 0-d tensor, a float
         the CPU kernel wrote, or a device buffer's SlotStat), or None."""
-        if not 0 <= fi < len(self._frames):
+        f = self._frames
+        if not 0 <= fi < len(f.infos):
             return None
-        _, items, k = self._frames[fi]
+        items, k = f.items[fi], f.firsts[fi]
         for it in items:
             if it.__class__ is str:
                 if it == name:
@@ -359,10 +388,10 @@ class Record:
     def materialize(self, lo: int = 0, hi: Optional[int] = None) -> Tuple[Frame, ...]:
         host, dtypes = self._host, self._dtypes
         out = []
-        frames = self._frames
-        hi = len(frames) if hi is None else hi
+        infos, items_of, firsts = self._frames.infos, self._frames.items, self._frames.firsts
+        hi = len(infos) if hi is None else hi
         for idx in range(lo, hi):
-            info, items, k = frames[idx]
+            info, items, k = infos[idx], items_of[idx], firsts[idx]
             stats = []
             for it in items:
                 if it.__class__ is str:
@@ -385,14 +414,14 @@ class Record:
 
     def first_nonfinite_frame(self, first_frame: int) -> Optional[int]:
         """Index of the first frame at or after `first_frame` holding inf/nan (host stats)."""
-        if first_frame < 0 or first_frame >= len(self._frames):
+        firsts = self._frames.firsts
+        if first_frame < 0 or first_frame >= len(firsts):
             return None
-        start = self._frames[first_frame][2] * 2
+        start = firsts[first_frame] * 2
         host = self._host
         if math.isfinite(sum(host[start:])):
             return None
         bad = next((i for i in range(start, len(host)) if not math.isfinite(host[i])), None)
         if bad is None:
             return None  # the sum overflowed; every value is finite
-        starts = [f[2] for f in self._frames]
-        return bisect.bisect_right(starts, bad // 2) - 1
+        return bisect.bisect_right(firsts, bad // 2) - 1

@@ -255,7 +255,7 @@ class Window:
                 inv_top[k] = 1.0 / top if top else math.nan
                 if ok:
                     index[k] = self._column(label, name, info.cls, dtype_name(dt), dropped)
-        lay = _Layout(list(frames), list(dtypes), index, inv_top, len(dropped))
+        lay = _Layout([list(part) for part in frames], list(dtypes), index, inv_top, len(dropped))
         self._layouts.insert(0, lay)
         del self._layouts[_LAYOUTS:]
         self._note_cap(len(dropped), getattr(rec, "batch_number", -1))

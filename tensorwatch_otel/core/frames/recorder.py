@@ -67,6 +67,10 @@ class FrameRecorder:
         self._parallel_min = 0  # elements from which the kernel's host() splits a tensor over threads
         self.weights = NoWeightTable() if self._device is not None and self._device.cpu else WeightTable()
         self._declined: set[int] = set()  # ids of weights that cannot be rows
+        # per module, the items list of its last one-in-one-out frame: a frame with the same items
+        # holds that list, not one of its own (a recorded batch keeps a frame per call until its
+        # end: one object fewer each for the garbage collector to track and to promote)
+        self._items_of: Dict[ModuleInfo, List[Item]] = {}
 
     @property
     def device_stats(self) -> Optional[DeviceStats]:
@@ -95,6 +99,7 @@ class FrameRecorder:
 
     def clear(self) -> None:
         self.weights.drop()
+        self._items_of.clear()
         self._declined.clear()
         self.params_seen.clear()
         self.acts_seen.clear()
@@ -144,9 +149,19 @@ class FrameRecorder:
             except BaseException:
                 fb.abandon()
                 raise
+            d.items = self._shared(info, d.items)
             rec.add_frame(info, d)
         finally:
             _set_grad(grad)
+
+    def _shared(self, info: ModuleInfo, items: List[Item]) -> List[Item]:
+        """`items`, or the equal list that module `info`'s last frame holds (a record's items
+        lists are read, never written: see Record)."""
+        last = self._items_of.get(info)
+        if last == items:
+            return last
+        self._items_of[info] = items
+        return items
 
     def _one_in_one_out(self, rec: Record, info: ModuleInfo, x: torch.Tensor, y: torch.Tensor) -> bool:
         """The commonest frame (a module of small CPU weights, one tensor in, one out) taken in a
@@ -209,7 +224,7 @@ class FrameRecorder:
         rec_dtypes.append(out[3])
         items.append(INPUT0)
         items.append("output")
-        rec.add_lists(info, items, stats, rec_dtypes, None, len(stats))  # (FrameDraft's lists, without one)
+        rec.add_lists(info, self._shared(info, items), stats, rec_dtypes, None, len(stats))  # (a draft's lists)
         return True
 
     def _frame(self, rec: Record, info: ModuleInfo, d: FrameDraft, args: Tuple[object, ...],
