@@ -101,6 +101,42 @@ def test_an_unsampled_batch_runs_inner_modules_without_hooks_and_a_recorded_one_
     assert _hooks(model) == [([], [])] * len(placed) and _sentries() == 0
 
 
+def test_another_models_calls_between_batches_turn_quiet_batches_off_and_take_the_fast_path():
+    """A second model trained in the same process (a teacher, a reference model, a benchmark's
+    unwatched twin): while the sentry is up every module call in the process takes torch's
+    slow path (a global hook exists) and calls the sentry (measured: an unwatched 5000-module
+    model's step 1.25x with a sampled watcher on another model, docs/performance.md). Its
+    first call of a module not ours puts our hooks back and takes the sentry off for good:
+    the other model's calls run on torch's fast path, the watched model's unsampled batches
+    keep their hooks on (they cost the watched model, not the other one), and its recorded
+    batches are the same."""
+    torch.manual_seed(0)
+    watched, other = Net(), Net()
+    sink = Collect()
+    w = watch(watched, sinks=[sink], every_n_batches=3)
+    placed = _hooks(watched)
+    x = torch.randn(2, 4)
+    watched(x).sum().backward()  # batch 0, recorded
+    watched(x).sum().backward()  # batch 1, unsampled: the hooks stay off after it
+    assert _sentries() == 1 and _hooks(watched) != placed
+    _clear(other)
+    other(x).sum().backward()  # the other model, between two unsampled batches
+    assert _sentries() == 0 and _hooks(watched) == placed  # at its first module call
+    # (its root's call saw the sentry: torch picked the hooks before; every later call: none)
+    assert _seen(other) == [(0, 0)] * 4
+    _clear(other)
+    for _ in range(5):  # batches 2..6 of the watched model, the other model's steps between them
+        _clear(watched)
+        watched(x).sum().backward()
+        assert _seen(watched) == [(1, 1)] * 4 and _sentries() == 0  # hooks on in every batch
+        other(x).sum().backward()
+    assert _seen(other) == [(0, 0)] * 20  # never a hook on the other model's modules
+    assert [b.batch_number for b in sink.batches] == [0, 3, 6]
+    assert all(len(b.frames) == 6 for b in sink.batches)
+    w.detach()
+    assert _sentries() == 0 and _hooks(watched) == [([], [])] * len(placed)
+
+
 def test_recorded_batches_are_the_same_as_without_quiet_batches():
     torch.manual_seed(0)
     a = Net()

@@ -20,9 +20,13 @@ one put back at the end of its dict is where it was; a module with other hooks (
 user's) keeps ours. Whenever dynamo starts compiling (a compile-start callback, placed again
 after a `torch._dynamo.reset()` clears it) every hook goes back before it traces: a graph must
 see them all. Off for good once a compiled graph holding a watcher's hooks has run (graphs
-guard on the hook dicts: taking hooks off and on would recompile them), once a second thread
-begins a batch (its first call could reach a submodule without hooks during one of our batches,
-where no sentry is), with a torch that has no compile-start callbacks, or after a failure."""
+guard on the hook dicts: taking hooks off and on would recompile them), once a module of
+another model runs between two unsampled batches (a teacher, a reference model, a second
+watched model: with the sentry up each of its calls would take torch's slow path and call the
+sentry, a cost that falls on that model; with the hooks on it falls on the watched model
+alone), once a second thread begins a batch (its first call could reach a submodule without
+hooks during one of our batches, where no sentry is), with a torch that has no compile-start
+callbacks, or after a failure."""
 
 from __future__ import annotations
 
@@ -220,6 +224,9 @@ class QuietBatches:
         if i is None:
             if module is self._root:
                 self._drop_sentry()  # the root keeps its hooks: its pre-hook decides
+            else:  # another model runs between our batches: it would pay for the sentry
+                self.turn_off("a module of another model ran between two unsampled batches (while the sentry "
+                              "is up, every module call in the process takes torch's slower hooked path)")
             return
         taken = self._taken
         if taken is None or self._dicts[i] is not module._forward_pre_hooks:
