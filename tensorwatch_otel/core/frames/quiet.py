@@ -20,13 +20,14 @@ one put back at the end of its dict is where it was; a module with other hooks (
 user's) keeps ours. Whenever dynamo starts compiling (a compile-start callback, placed again
 after a `torch._dynamo.reset()` clears it) every hook goes back before it traces: a graph must
 see them all. Off for good once a compiled graph holding a watcher's hooks has run (graphs
-guard on the hook dicts: taking hooks off and on would recompile them), once a module of
-another model runs between two unsampled batches (a teacher, a reference model, a second
-watched model: with the sentry up each of its calls would take torch's slow path and call the
-sentry, a cost that falls on that model; with the hooks on it falls on the watched model
-alone), once a second thread begins a batch (its first call could reach a submodule without
-hooks during one of our batches, where no sentry is), with a torch that has no compile-start
-callbacks, or after a failure."""
+guard on the hook dicts: taking hooks off and on would recompile them), once another model
+runs between two unsampled batches (FOREIGN_CALLS calls of modules not the watcher's there: a
+teacher, a reference model, a second watched model; a loss module's call or a few do not count
+as one: with the sentry up each such call takes torch's slow path and calls the sentry, a cost
+that falls on that model; with the hooks on it falls on the watched model alone), once a
+second thread begins a batch (its first call could reach a submodule without hooks during one
+of our batches, where no sentry is), with a torch that has no compile-start callbacks, or
+after a failure."""
 
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ Places = List[Tuple[Any, int]]
 
 
 _instances: "weakref.WeakSet[QuietBatches]" = weakref.WeakSet()
+
+#: Calls of modules not the watcher's between two unsampled batches that turn quiet batches off
+#: (another model runs there). Fewer (a loss module, a metric) leave them on: each such call
+#: costs a few microseconds with the sentry up.
+FOREIGN_CALLS = 64
 
 
 def _compile_starts(_args: object) -> None:
@@ -112,6 +118,7 @@ class QuietBatches:
         self._off = not _listening()
         self._ran = compiled.ran.calls  # compiled graphs' pre ops run before this model was watched
         self._lock = threading.Lock()
+        self._foreign = 0  # calls of other models' modules since the sentry was placed
         _instances.add(self)
 
     @property
@@ -183,6 +190,7 @@ class QuietBatches:
             self.turn_off("dynamo cannot say when it compiles")
             return
         try:
+            self._foreign = 0
             self._sentry = _place_sentry(self)
         except Exception as exc:  # (never expected): the hooks go back
             self.turn_off(f"the sentry could not be placed ({type(exc).__name__}: {exc})")
@@ -224,9 +232,12 @@ class QuietBatches:
         if i is None:
             if module is self._root:
                 self._drop_sentry()  # the root keeps its hooks: its pre-hook decides
-            else:  # another model runs between our batches: it would pay for the sentry
-                self.turn_off("a module of another model ran between two unsampled batches (while the sentry "
-                              "is up, every module call in the process takes torch's slower hooked path)")
+            else:  # another model's module (a loss module, a second model) between our batches
+                self._foreign += 1
+                if self._foreign >= FOREIGN_CALLS:  # another model runs here: it would pay for the sentry
+                    self.turn_off(f"{FOREIGN_CALLS} calls of other modules between two unsampled batches (while "
+                                  "the sentry is up, every module call in the process takes torch's slower "
+                                  "hooked path)")
             return
         taken = self._taken
         if taken is None or self._dicts[i] is not module._forward_pre_hooks:
