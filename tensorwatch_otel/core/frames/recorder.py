@@ -67,10 +67,12 @@ class FrameRecorder:
         self._parallel_min = 0  # elements from which the kernel's host() splits a tensor over threads
         self.weights = NoWeightTable() if self._device is not None and self._device.cpu else WeightTable()
         self._declined: set[int] = set()  # ids of weights that cannot be rows
-        # per module, the items list of its last one-in-one-out frame: a frame with the same items
-        # holds that list, not one of its own (a recorded batch keeps a frame per call until its
-        # end: one object fewer each for the garbage collector to track and to promote)
-        self._items_of: Dict[ModuleInfo, List[Item]] = {}
+        # id(module info) -> the items list of its last frame: a frame with the same items holds
+        # that list, not one of its own (a recorded batch keeps a frame per call until its end:
+        # one object fewer each for the garbage collector to track and to promote). Keyed by id,
+        # holding no module info (nor, through it, a replaced module's parameters): only the
+        # list's contents matter, and a list equal to a frame's is that frame's list.
+        self._items_of: Dict[int, List[Item]] = {}
 
     @property
     def device_stats(self) -> Optional[DeviceStats]:
@@ -96,6 +98,8 @@ class FrameRecorder:
         self._magnitudes.clear()
         if len(self.params_seen) > self.params_cap:
             self.params_seen.clear()
+        if len(self._items_of) > self.params_cap:  # (ids of module infos gone since)
+            self._items_of.clear()
 
     def clear(self) -> None:
         self.weights.drop()
@@ -157,10 +161,10 @@ class FrameRecorder:
     def _shared(self, info: ModuleInfo, items: List[Item]) -> List[Item]:
         """`items`, or the equal list that module `info`'s last frame holds (a record's items
         lists are read, never written: see Record)."""
-        last = self._items_of.get(info)
+        last = self._items_of.get(id(info))
         if last == items:
             return last
-        self._items_of[info] = items
+        self._items_of[id(info)] = items
         return items
 
     def _one_in_one_out(self, rec: Record, info: ModuleInfo, x: torch.Tensor, y: torch.Tensor) -> bool:
