@@ -517,7 +517,7 @@ def test_a_failure_in_the_shares_is_logged_once_and_training_goes_on(monkeypatch
 
     monkeypatch.setattr(M, "shares", broken)
     from tensorwatch_otel.core.process import forget_said
-    from tensorwatch_otel.core.record import SHARES_FAILED
+    from tensorwatch_otel.core.precision_rows import SHARES_FAILED
 
     forget_said(SHARES_FAILED)  # (said by an earlier test of this process, perhaps)
     sink = Collect()

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from _otel_fixtures import parse_prom, sample
 from tensorwatch_otel.core.frame_stats import BatchStats
 from tensorwatch_otel.core.frame_draft import FrameDraft, ModuleInfo
+from tensorwatch_otel.core.precision_rows import PrecisionRows
 from tensorwatch_otel.core.record import Record
 from tensorwatch_otel.sinks import catalogue
 from tensorwatch_otel.sinks.otel import OtelTelemetry
@@ -57,8 +58,10 @@ class PrecisionRecord(Record):
             self.add_frame(info, d)
         self.readback()  # (host floats: read back as they are)
         self.targets = tuple(targets)
-        self.underflow = list(underflow)
-        self.overflow = list(overflow)
+        if targets:
+            self.precision = PrecisionRows(self.targets)
+            self.precision.underflow = list(underflow)
+            self.precision.overflow = list(overflow)
         self._given = list(mags)
 
     def magnitude(self, k: int):

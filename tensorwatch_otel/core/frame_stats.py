@@ -182,9 +182,15 @@ class RecordColumns(Protocol):
 
     batch_number: int
     targets: Tuple[str, ...]
-    histogram: Optional[bool]
-    underflow: List[float]
-    overflow: List[float]
+
+    @property
+    def histogram(self) -> Optional[bool]: ...
+
+    @property
+    def underflow(self) -> List[float]: ...
+
+    @property
+    def overflow(self) -> List[float]: ...
 
     def layout_key(self) -> Any: ...
 

@@ -1,6 +1,7 @@
 """A record's statistics brought to the host: device buffer slots and slot codes resolved to their
 values, and the underflow/overflow shares and histogram rows derived from the counts rows read
-back with them (target_dtypes). Functions of what a Record hands them; the record keeps its state.
+back with them (target_dtypes). Functions of what a Record (or its PrecisionRows) hands them;
+those keep the state.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from .measure import magnitude as _mag
 from .measure.slot_buffer import SlotBuffer, SlotStat
 from .measure.histogram_layout import ROW_DTYPE
 
-# Record._rows: (host matrix, its row, dtype) of a measured tensor's histogram
+# PrecisionRows._rows: (host matrix, its row, dtype) of a measured tensor's histogram
 Row = Tuple[torch.Tensor, int, torch.dtype]
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import array
 import bisect
-import logging
 import math
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union, cast
+from typing import Any, Iterator, List, Optional, Tuple, cast
 
 import torch
 
@@ -16,11 +15,8 @@ from .frame_draft import FrameDraft, Item, ModuleInfo, Stat
 from .measure import magnitude as _mag
 from .measure.slot_buffer import SlotBuffer, SlotStat
 from .measure.stats import DTYPE_MAX, dtype_name
-from .process import said_once
-from .readback import Row, code_values, lose_changed, shares_and_rows, slot_values
-
-log = logging.getLogger(__name__)
-SHARES_FAILED = "underflow/overflow shares failed"  # said_once's key: logged once per process
+from .precision_rows import PrecisionRows
+from .readback import code_values, lose_changed, slot_values
 
 
 class _Frames:
@@ -60,8 +56,7 @@ class Record:
     is read, never written."""
 
     __slots__ = ("batch_number", "_stats", "_dtypes", "_frames", "_host", "phase", "detected", "header",
-                 "targets", "_mags", "_counts", "histogram", "plan", "underflow", "overflow", "_rows", "_floats",
-                 "_lost", "_code_buf", "_n_others")
+                 "targets", "plan", "precision", "_lost", "_code_buf", "_n_others")
 
     def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
                  targets: Tuple[str, ...] = ()):
@@ -75,21 +70,10 @@ class Record:
         self.phase = phase
         self.detected = False  # one detection per record (check="module" checks every frame)
         self.header = header and phase == "forward"  # its first frame starts a batch in the report
-        # target_dtypes (core/measure/magnitude.py): per measured tensor k its counts row on the device
-        # (None: no float values) and, on histogram batches (`histogram`, decided by the
-        # recorder at the first measurement), its histogram row (else None); after readback()
-        # the shares [k * len(targets) + j] (NaN where none applies) and the host histogram
-        # rows (for magnitude(k)). On the device path a counts row is the tensor's SlotStat
-        # (its `counts`, read with the slot buffer)
+        # target_dtypes (core/measure/magnitude.py): the counts and histogram rows, the shares
         self.targets = targets
-        self.plan = _mag.plan_for(targets) if targets else None
-        self.histogram: Optional[bool] = None
-        self._mags: List[Optional[torch.Tensor]] = []
-        self._counts: List[Union[torch.Tensor, SlotStat, None]] = []
-        self.underflow: List[float] = []
-        self.overflow: List[float] = []
-        self._rows: List[Optional[Row]] = []  # per k: (host matrix, its row, dtype) or None
-        self._floats: List[bool] = []  # per k: the tensor had float values (shares apply)
+        self.precision = PrecisionRows(targets) if targets else None
+        self.plan: Optional[_mag.Plan] = self.precision.plan if self.precision is not None else None
         # measured tensors whose values were lost (a deferred measurement read the tensor after an
         # in-place write, core/measure/slot_buffer.py): their host values are 0.0 placeholders, never
         # shown, exported or checked
@@ -109,8 +93,7 @@ class Record:
         self._dtypes += draft.dtypes
         counts = draft.counts
         if counts:  # (target_dtypes)
-            self._counts += counts
-            self._mags += draft.mags
+            cast(PrecisionRows, self.precision).add(counts, draft.mags)
         self._frames.add(info, draft.items, first)
 
     def uses_codes(self, buf: SlotBuffer) -> None:
@@ -193,8 +176,10 @@ class Record:
     def readback(self, extra: Optional[torch.Tensor] = None) -> Optional[float]:
         """Bring the not yet read stats to the host: one transfer. `extra`, a 0-d tensor (the
         loss scale), travels in the same transfer; its value is returned."""
-        if self.targets:
-            return self._readback_magnitudes(extra)
+        if self.precision is not None:
+            read, scale = self.precision.read(self._stats, len(self._host), extra)
+            self._host += read
+            return scale
         stats = self._stats
         have = len(self._host)
         pending = stats[have:] if have else stats
@@ -280,110 +265,22 @@ class Record:
         self._host += values.tolist()
         return result
 
-    def _readback_magnitudes(self, extra: Optional[torch.Tensor]) -> Optional[float]:
-        """readback() with target_dtypes: the counts rows (and histogram rows) travel in the
-        same transfer as the stats (all as float64: stats and counts below 2**53 exactly), then
-        the shares."""
-        have = len(self._host)
-        k0, k1 = have // 2, len(self._stats) // 2
-        counts, mags = self._counts[k0:k1], self._mags[k0:k1]
-        if any(s.__class__ is SlotStat for s in self._stats[have:]):
-            return self._readback_slotted(extra, counts, mags)
-        # with target_dtypes every statistic is a device tensor (magnitude.measure_counts)
-        pending = cast(List[torch.Tensor], self._stats[have:])
-        parts = list(pending) + ([extra] if extra is not None else [])
-        if not parts:
-            return None
-        rows = [c for c in counts if isinstance(c, torch.Tensor)] + [m for m in mags if m is not None]
-        try:
-            head = torch.stack(parts).to(torch.float64)
-            flat = torch.cat([head, torch.cat(rows).to(torch.float64)]) if rows else head
-        except RuntimeError:  # several devices (a model split over GPUs)
-            flat = torch.cat([torch.stack([p.to("cpu").to(torch.float64) for p in parts])]
-                             + [r.to("cpu", torch.float64) for r in rows])
-        flat = flat.to("cpu", copy=True)
-        n = len(parts)
-        values = flat[:n].tolist()
-        result = None
-        if extra is not None:
-            result = values.pop()
-        self._host += values
-        self._shares_or_nan(k0, counts, mags, flat[n:], values)
-        return result
+    # target_dtypes' part, as the metric sinks read it (frame_stats.RecordColumns)
+    @property
+    def histogram(self) -> Optional[bool]:
+        return self.precision.histogram if self.precision is not None else None
 
-    def _readback_slotted(self, extra: Optional[torch.Tensor], counts: List[Union[torch.Tensor, SlotStat, None]],
-                          mags: List[Optional[torch.Tensor]]) -> Optional[float]:
-        """_readback_magnitudes on the device path: the SlotStats (abs min/max and counts row in
-        one) come with their buffer's one copy; the device tensors among the statistics and rows
-        (odd tensors measured with torch ops, histogram rows, `extra`) travel in that copy too
-        when there is one buffer on their device, else in one copy of their own."""
-        have = len(self._host)
-        pending = self._stats[have:]
-        tensors = [s for s in pending if isinstance(s, torch.Tensor)] + ([extra] if extra is not None else [])
-        rows = [c for c in counts if isinstance(c, torch.Tensor)] + [m for m in mags if m is not None]
-        packed = [t.reshape(1).to(torch.float64) for t in tensors] + [r.reshape(-1).to(torch.float64) for r in rows]
-        unread = {s.buffer for s in pending if isinstance(s, SlotStat) and not s.read}
-        flat: List[float] = []
-        if len(unread) == 1 and packed and all(p.device == next(iter(unread)).device for p in packed):
-            flat = next(iter(unread)).read(torch.cat(packed))
-        else:
-            for buf in unread:
-                buf.read()
-            if packed:
-                try:
-                    flat = torch.cat(packed).to("cpu", copy=True).tolist()
-                except RuntimeError:  # several devices (a model split over GPUs)
-                    flat = torch.cat([p.to("cpu") for p in packed]).tolist()
-        it = iter(flat)
-        values = [s if s.__class__ is float else next(it) if isinstance(s, torch.Tensor)
-                  else cast(SlotStat, s).hi if (have + i) & 1 else cast(SlotStat, s).lo for i, s in enumerate(pending)]
-        result = next(it) if extra is not None else None
-        row_values: List[float] = []
-        for c in counts:
-            if isinstance(c, SlotStat):
-                row_values += c.counts
-            elif c is not None:
-                row_values += [next(it) for _ in range(c.numel())]
-        row_values += it  # the histogram rows
-        self._host += values
-        self._shares_or_nan(have // 2, counts, mags, torch.tensor(row_values, dtype=torch.float64), values)
-        return result
+    @property
+    def underflow(self) -> List[float]:
+        return self.precision.underflow if self.precision is not None else []
 
-    def _shares_or_nan(self, k0: int, counts: List[Union[torch.Tensor, SlotStat, None]],
-                       mags: List[Optional[torch.Tensor]], flat: torch.Tensor, values: List[float]) -> None:
-        try:
-            plan = cast(_mag.Plan, self.plan)  # set whenever targets are
-            rows, under, over = shares_and_rows(plan, len(self.targets), counts, mags, flat, values)
-        except Exception as exc:  # the shares must not stop training: NaN, said once
-            if said_once(SHARES_FAILED):
-                log.error("tensorwatch_otel: could not derive the underflow/overflow shares (%s: %s); "
-                          "they are NaN, training goes on", type(exc).__name__, exc)
-            self._rows += [None] * (len(counts) - (len(self._rows) - k0))
-            self._floats += [False] * (len(counts) - (len(self._floats) - k0))  # no fields
-            nan = [math.nan] * (len(counts) * len(self.targets))
-            self.underflow[k0 * len(self.targets):] = nan
-            self.overflow[k0 * len(self.targets):] = list(nan)
-            return
-        self._rows += rows
-        self._floats += [c is not None for c in counts]
-        self.underflow += under
-        self.overflow += over
+    @property
+    def overflow(self) -> List[float]:
+        return self.precision.overflow if self.precision is not None else []
 
     def magnitude(self, k: int) -> Optional[Magnitude]:
         """The histogram of measured tensor k (after readback()), or None."""
-        row = self._rows[k] if k < len(self._rows) else None
-        if row is None:
-            return None
-        mat, r, dt = row
-        return _mag.magnitude_of(mat[r], dt)
-
-    def _precision(self, k: int) -> Tuple[Optional[Dict[str, float]], Optional[Dict[str, float]], Optional[Magnitude]]:
-        """(underflow, overflow, magnitude) of measured tensor k for its TensorStat."""
-        if not self.targets or k >= len(self._floats) or not self._floats[k]:
-            return None, None, None
-        nt = len(self.targets)
-        u, o = self.underflow[k * nt:(k + 1) * nt], self.overflow[k * nt:(k + 1) * nt]
-        return dict(zip(self.targets, u)), dict(zip(self.targets, o)), self.magnitude(k)
+        return self.precision.magnitude(k) if self.precision is not None else None
 
     def materialize(self, lo: int = 0, hi: Optional[int] = None) -> Tuple[Frame, ...]:
         host, dtypes = self._host, self._dtypes
@@ -402,8 +299,8 @@ class Record:
                         continue
                     top = DTYPE_MAX.get(dt)
                     used = mx / top if top and mx == mx else None
-                    if self.targets:
-                        stats.append(TensorStat(it, mn, mx, dtype_name(dt), "", used, *self._precision(k - 1)))
+                    if self.precision is not None:
+                        stats.append(TensorStat(it, mn, mx, dtype_name(dt), "", used, *self.precision.of(k - 1)))
                     else:
                         stats.append(TensorStat(it, mn, mx, dtype_name(dt), "", used))
                 else:

@@ -50,7 +50,9 @@ class MagnitudeFrames:
         if b != rec.batch_number:
             hist = seen % HISTOGRAM_EVERY == 0
             self._hist_batch = (rec.batch_number, hist, seen + 1)
-        rec.histogram = hist
+        precision = rec.precision
+        assert precision is not None  # (a record of a watch with target_dtypes)
+        precision.histogram = hist
         return hist
 
     def reuse(self, r: StatPair, dtype: torch.dtype, name: str, d: FrameDraft) -> bool:
