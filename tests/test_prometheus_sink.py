@@ -494,18 +494,27 @@ def test_scrapes_during_real_training_are_consistent(registry):
                 errors.append(repr(exc))
 
     t = threading.Thread(target=scraper)
-    with watch(model, sinks=[sink]):
-        t.start()
-        try:
-            for _ in range(150):
-                opt.zero_grad()
-                model(x).pow(2).mean().backward()
-                opt.step()
-        finally:
-            stop.set()
-            t.join()
+    # The threads take turns every 0.1 ms instead of every 5: each thread is interrupted at any
+    # point of its Python code many times a step (a scrape between two reads of the sink's
+    # state is seen), and the training thread's calls do not each wait out the scraper's turn
+    # (150 steps took 15-30 s with the default interval; 300 take about 2 s with this one)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        with watch(model, sinks=[sink]):
+            t.start()
+            try:
+                for _ in range(300):
+                    opt.zero_grad()
+                    model(x).pow(2).mean().backward()
+                    opt.step()
+            finally:
+                stop.set()
+                t.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert not errors, errors[:3]
-    assert len(seen) > 5
+    assert len(seen) > 20, len(seen)
     # every module that runs a forward (the ModuleList container does not)
     n_modules = sum(1 for _, m in model.named_modules() if not isinstance(m, torch.nn.ModuleList))
     for total, number, mods in seen:
