@@ -90,6 +90,7 @@ def _runnable():
 
 
 @pytest.mark.slow
+@pytest.mark.waits  # (a block with a Prometheus sink waits at its end for a scrape that never comes: ~3 s)
 @pytest.mark.parametrize("page,line,code", _runnable(), ids=[f"{p}:{ln}" for p, ln, _ in _runnable()])
 def test_python_block_runs(page, line, code, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TENSORWATCH_"))}
