@@ -27,9 +27,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     idle while the other finishes a compile (a 15 s tail, scripts/suite_profile.py).
 
     The tests marked `timing` in two xdist groups, for the timing pass's two workers
-    (`--dist loadgroup`): those also marked `waits` (in-process waits for an exporter's timeout
-    or a linger: little CPU) on one, the others one at a time on the other, so that a test
-    that runs processes or loads the cores never has another such test beside it."""
+    (`--dist loadgroup`): those also marked `waits` (waits for an exporter's timeout or a
+    linger, in-process or in one child process: little CPU) on one, the others one at a time
+    on the other, so that a test that runs processes side by side or loads the cores never has
+    another such test beside it."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not config.pluginmanager.hasplugin("xdist"):  # (the minimum-versions job runs without it)
         return

@@ -169,6 +169,7 @@ _LINGER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.waits  # (one process waiting in its linger, bounds of seconds: beside the other waiting tests)
 def test_ctrl_c_ends_the_prometheus_linger_at_once_without_traceback():
     # (Ctrl-C as in a terminal: a suite started in the background by a non-interactive shell has
     # SIGINT ignored, which its children inherit, and Python then installs no KeyboardInterrupt)
@@ -251,6 +252,7 @@ def _signal_once(proc, wait_for: str = "", sig: int = signal.SIGTERM):
 
 
 @pytest.mark.slow
+@pytest.mark.waits  # (as the Ctrl-C test)
 def test_sigterm_with_the_applications_handler_ends_the_linger_during_training():
     proc, _ = _preempted("handler", "training")
     took, code, err = _signal_once(proc)
@@ -261,6 +263,7 @@ def test_sigterm_with_the_applications_handler_ends_the_linger_during_training()
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_sigterm_with_the_applications_handler_ends_the_exit_linger():
     proc, _ = _preempted("handler", "exit")
     took, code, err = _signal_once(proc, wait_for="waiting up to 60 s for Prometheus")
@@ -271,6 +274,7 @@ def test_sigterm_with_the_applications_handler_ends_the_exit_linger():
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 @pytest.mark.parametrize("when", ["training", "exit"])
 def test_sigterm_without_a_handler_kills_at_once(when):
     """No handler: SIGTERM's default action ends the process there and then, linger or not."""
