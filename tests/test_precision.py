@@ -61,7 +61,7 @@ def kernel_paths():
 
 def shares_of(measure, x: torch.Tensor, targets=TARGETS, hist=True):
     rec = Record(0, targets=tuple(targets))
-    mn, mx, counts, row = measure(x, rec.plan, hist)
+    mn, mx, counts, row = measure(x, rec.precision.plan, hist)
     rec.add_frame(INFO, _draft(mn, mx, x.dtype, counts, row))
     rec.readback()
     return rec
@@ -160,7 +160,7 @@ def test_all_zero_and_integer_tensors():
         assert rec.underflow == [0.0] * 4 and rec.overflow == [0.0] * 4
         assert rec.magnitude(0) == Magnitude(100, 0, ())
     rec = Record(0, targets=TARGETS)
-    r = M.measure_counts(torch.arange(10), rec.plan, True)
+    r = M.measure_counts(torch.arange(10), rec.precision.plan, True)
     assert r[2] is None and r[3] is None
     rec.add_frame(INFO, _draft(r[0], r[1], torch.int64, None, None))
     rec.readback()

@@ -12,7 +12,6 @@ import torch
 
 from .frame_stats import NOTE_CHANGED, Frame, Magnitude, TensorStat
 from .frame_draft import FrameDraft, Item, ModuleInfo, Stat
-from .measure import magnitude as _mag
 from .measure.slot_buffer import SlotBuffer, SlotStat
 from .measure.stats import DTYPE_MAX, dtype_name
 from .precision_rows import PrecisionRows
@@ -56,7 +55,7 @@ class Record:
     is read, never written."""
 
     __slots__ = ("batch_number", "_stats", "_dtypes", "_frames", "_host", "phase", "detected", "header",
-                 "targets", "plan", "precision", "_lost", "_code_buf", "_n_others")
+                 "targets", "precision", "_lost", "_code_buf", "_n_others")
 
     def __init__(self, batch_number: int, phase: str = "forward", header: bool = True,
                  targets: Tuple[str, ...] = ()):
@@ -73,7 +72,6 @@ class Record:
         # target_dtypes (core/measure/magnitude.py): the counts and histogram rows, the shares
         self.targets = targets
         self.precision = PrecisionRows(targets) if targets else None
-        self.plan: Optional[_mag.Plan] = self.precision.plan if self.precision is not None else None
         # measured tensors whose values were lost (a deferred measurement read the tensor after an
         # in-place write, core/measure/slot_buffer.py): their host values are 0.0 placeholders, never
         # shown, exported or checked

@@ -116,7 +116,8 @@ class FrameBatch(threading.local):
         self.pending = []
         self.acts.clear()
         values: Optional[Sequence[Any]]  # floats, or SlotStats (each at both its places)
-        plan = rec.plan
+        precision = rec.precision
+        plan = precision.plan if precision is not None else None
         counted = plan is not None  # target_dtypes: each SlotStat is the tensor's counts row too
         if self.device is not None:  # the device kernel's SlotStats, and the CPU kernel's floats
             # (a lent parameter, accelerate's offload, lives for the call only: measured at once)

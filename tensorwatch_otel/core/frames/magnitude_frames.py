@@ -68,12 +68,12 @@ class MagnitudeFrames:
 
     def measure(self, rec: Record, t: torch.Tensor, name: str,
                 d: FrameDraft) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        hist = rec.histogram
+        precision = rec.precision
+        assert precision is not None  # (a record of a watch with target_dtypes: only then is this called)
+        hist = precision.histogram
         if hist is None:
             hist = self.histogram(rec)
-        plan = rec.plan
-        assert plan is not None  # set whenever targets are (only then is this called)
-        r = measure_counts(t, plan, hist)
+        r = measure_counts(t, precision.plan, hist)
         if isinstance(r, str):
             d.items.append((name, r))
             return None
