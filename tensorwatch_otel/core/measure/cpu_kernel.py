@@ -46,7 +46,7 @@ CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3
 _SLAB = 512  # result pairs per allocation
 
 # tensor -> (abs_min, abs_max); a built kernel also has the attributes parallel, parallel_min, host,
-# host_call, host_many, magnitude and counts (see _bind, build)
+# host_call, host_many, magnitude, counts and same_entries (see _bind, build)
 Kernel = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -69,20 +69,24 @@ def build(cc: Optional[str] = None) -> Optional[Kernel]:
                 openmp = None  # a compiler without OpenMP: one thread
                 path, with_host = compile_library(cc, folder, None)
             lib = ctypes.CDLL(path)  # stays mapped once the file is gone
-            host_call = _host_function(path) if with_host else None
+            host = _host_module(path) if with_host else None
     except (OSError, RuntimeError, subprocess.SubprocessError, ValueError) as exc:
         log.info("tensorwatch_otel: could not build the CPU statistics kernel with %s (%s): CPU statistics "
                  "use torch ops, about 2x the time", cc, exc)
         return None
-    kernel = _bind(lib, parallel=openmp is not None, host_call=host_call)
+    kernel = _bind(lib, parallel=openmp is not None, host_call=getattr(host, "host", None))
+    # same_entries: ParamIndex.current's compare in C (core/frames/param_index.py), None without
+    # the extension module
     vars(kernel).update(magnitude=_bind_magnitude(lib, parallel=openmp is not None),
-                        counts=_bind_counts(lib, parallel=openmp is not None))
+                        counts=_bind_counts(lib, parallel=openmp is not None),
+                        same_entries=getattr(host, "same_entries", None))
     return kernel
 
 
-def _host_function(path: str) -> Optional[Callable[[int, int, int], Tuple[float, float]]]:
-    """The library at `path` loaded as the extension module HOST_MODULE: its `host` function
-    (cpu_kernel_host.c), or None (said at debug level) when it does not load here."""
+def _host_module(path: str) -> Optional[object]:
+    """The library at `path` loaded as the extension module HOST_MODULE (cpu_kernel_host.c: its
+    functions `host` and `same_entries`), or None (said at debug level) when it does not load
+    here."""
     try:
         loader = importlib.machinery.ExtensionFileLoader(HOST_MODULE, path)
         spec = importlib.util.spec_from_file_location(HOST_MODULE, path, loader=loader)
@@ -90,10 +94,9 @@ def _host_function(path: str) -> Optional[Callable[[int, int, int], Tuple[float,
             return None
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
-        fn: Callable[[int, int, int], Tuple[float, float]] = module.host
-        return fn
+        return module
     except (ImportError, OSError, AttributeError) as exc:
-        log.debug("tensorwatch_otel: the kernel's Python function did not load (%s): its ctypes call is used", exc)
+        log.debug("tensorwatch_otel: the kernel's Python functions did not load (%s): its ctypes call is used", exc)
         return None
 
 
@@ -285,6 +288,10 @@ class _Loader:
             return self._kernel
         if self._thread is None:
             self._start()
+        return self._kernel if self._done else None
+
+    def loaded(self) -> Optional[Kernel]:
+        """The kernel if it is loaded; None otherwise (starts no build)."""
         return self._kernel if self._done else None
 
     def wait(self, timeout: Optional[float] = None) -> Optional[Kernel]:

@@ -3,7 +3,10 @@
    Linked into the kernel's library beside cpu_kernel.c when Python's headers are found
    (core/measure/cpu_kernel_build.py); loaded as the extension module _tw_cpu_host. A call costs
    a third of the ctypes call it replaces (docs/performance.md); without the headers the
-   ctypes call stays. */
+   ctypes call stays.
+
+   Beside it, same_entries(dicts, keys, ids): the model-integrity check of
+   core/frames/param_index.py (ParamIndex.current) without a Python object made per entry. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -47,9 +50,69 @@ static PyObject* tw_host(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     return pair;
 }
 
+/* same_entries(dicts, keys, ids) -> bool: the plain dicts of the list `dicts`, walked in order,
+   hold exactly the string keys of the list `keys`, in that order, and under them the objects
+   whose addresses (id()) the int64 buffer `ids` holds, one per key. False as soon as one
+   differs, and where a key is not a plain string (the caller then compares in Python). Nothing
+   is allocated and no Python code runs (a plain string's compare calls none), so no dict can
+   change under the walk. */
+static PyObject* tw_same_entries(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "same_entries(dicts, keys, ids) takes 3 arguments");
+        return NULL;
+    }
+    PyObject* dicts = args[0];
+    PyObject* keys = args[1];
+    if (!PyList_CheckExact(dicts) || !PyList_CheckExact(keys)) {
+        PyErr_SetString(PyExc_TypeError, "same_entries(): dicts and keys must be lists");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[2], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t nk = PyList_GET_SIZE(keys);
+    int same = view.len == nk * (Py_ssize_t)sizeof(int64_t);
+    const int64_t* ids = (const int64_t*)view.buf;
+    Py_ssize_t i = 0;
+    Py_ssize_t nd = PyList_GET_SIZE(dicts);
+    for (Py_ssize_t d = 0; same && d < nd; d++) {
+        PyObject* dict = PyList_GET_ITEM(dicts, d);
+        if (!PyDict_CheckExact(dict)) {
+            same = 0;
+            break;
+        }
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(dict, &pos, &k, &v)) {
+            if (i >= nk) {
+                same = 0;
+                break;
+            }
+            PyObject* want = PyList_GET_ITEM(keys, i);
+            if (k != want && (!PyUnicode_CheckExact(k) || !PyUnicode_CheckExact(want)
+                              || PyUnicode_Compare(k, want) != 0)) {
+                same = 0;
+                break;
+            }
+            if ((int64_t)(intptr_t)v != ids[i]) {
+                same = 0;
+                break;
+            }
+            i++;
+        }
+    }
+    PyBuffer_Release(&view);
+    if (PyErr_Occurred())  /* (never expected: plain strings compare without error) */
+        return NULL;
+    return PyBool_FromLong(same && i == nk);
+}
+
 static PyMethodDef tw_methods[] = {
     {"host", (PyCFunction)(void (*)(void))tw_host, METH_FASTCALL,
      "host(address, elements, dtype code) -> (abs min, abs max)"},
+    {"same_entries", (PyCFunction)(void (*)(void))tw_same_entries, METH_FASTCALL,
+     "same_entries(dicts, keys, ids) -> the dicts hold these keys and objects, in order"},
     {NULL, NULL, 0, NULL},
 };
 
