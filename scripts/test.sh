@@ -54,7 +54,7 @@ echo "== running the tests that mostly wait, in one process in the background (o
 python3 -m pytest -p no:cacheprovider -p no:benchmark -m "waits and not timing" >"$waits_log" 2>&1 &
 waits_pid=$!
 trap 'kill "$waits_pid" 2>/dev/null || true; rm -f "$waits_log"' EXIT  # (an interrupted run leaves no process behind)
-echo "== running the other tests (${SECONDS}s so far; about 8 minutes on 2 cores, less with the compiled graphs an earlier run cached, in ${workers} processes, a dot per test)"
+echo "== running the other tests (${SECONDS}s so far; 8 to 25 minutes on 2 cores by the CPU, less with the compiled graphs an earlier run cached, in ${workers} processes, a dot per test)"
 status=0
 python3 -m pytest -p no:cacheprovider -p no:benchmark -n "$workers" --dist worksteal -m "not timing and not waits" \
   || status=$?
@@ -68,7 +68,7 @@ if [ "$status" -ne 0 ] || [ "$waits_status" -ne 0 ]; then
   echo "== tests failed (parallel pass: exit $status; waiting tests: exit $waits_status)" >&2
   exit 1
 fi
-echo "== running the timing tests (${SECONDS}s so far; about a minute)"
+echo "== running the timing tests (${SECONDS}s so far; one to two minutes)"
 # (only the files that mark some: collecting all the others takes seconds and runs nothing)
 mapfile -t timing_files < <(grep -l "pytest.mark.timing" tests/test_*.py)
 # One at a time, but for those that wait in-process for a timeout, which run beside them in a
