@@ -35,7 +35,7 @@ def _dicts(model: nn.Module):
 
 def _snapshot(dicts):
     ids = list(map(id, chain.from_iterable(map(dict.values, dicts))))
-    return list(chain.from_iterable(dicts)), ids, array.array("q", ids)
+    return list(chain.from_iterable(dicts)), ids, array.array("Q", ids)
 
 
 def _python_same(dicts, keys, ids) -> bool:
@@ -115,7 +115,7 @@ def test_same_entries_says_false_where_it_cannot_compare_and_refuses_bad_argumen
     ordered = [OrderedDict(d) for d in dicts]  # not plain dicts: the Python compare decides
     assert same_entries(ordered, keys, words) is False and _python_same(ordered, keys, ids)
     odd = [{10 ** 6: None}]  # a key that is not a plain string (an equal one, another object)
-    assert same_entries(odd, [int("1000000")], array.array("q", [id(None)])) is False
+    assert same_entries(odd, [int("1000000")], array.array("Q", [id(None)])) is False
     assert _python_same(odd, [int("1000000")], [id(None)])
     with pytest.raises(TypeError):
         same_entries(tuple(dicts), keys, words)

@@ -33,7 +33,7 @@ class ParamIndex:
         self._refs: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         # (module._parameters or module._modules, key, what it held): compared at each check
         self._slots: List[SlotEntry] = []
-        # see current(): the dicts, their keys, the ids of what they hold (a list, and as int64s)
+        # see current(): the dicts, their keys, the ids of what they hold (a list, and as uint64s)
         self._fast: Optional[Tuple[List[Dict[str, Any]], List[str], List[int], "array.array[int]"]] = None
         self._died = False
         self._keep_cbs: List["weakref.ref[Any]"] = []
@@ -87,7 +87,7 @@ class ParamIndex:
                         self._fast = None
                         return
         ids = list(map(id, chain.from_iterable(map(dict.values, dicts))))
-        self._fast = (dicts, list(chain.from_iterable(dicts)), ids, array.array("q", ids))
+        self._fast = (dicts, list(chain.from_iterable(dicts)), ids, array.array("Q", ids))  # (ids are unsigned)
 
     def _only_lent(self) -> bool:
         for d, k, ref in self._slots:

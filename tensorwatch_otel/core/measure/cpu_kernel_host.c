@@ -52,7 +52,7 @@ static PyObject* tw_host(PyObject* self, PyObject* const* args, Py_ssize_t nargs
 
 /* same_entries(dicts, keys, ids) -> bool: the plain dicts of the list `dicts`, walked in order,
    hold exactly the string keys of the list `keys`, in that order, and under them the objects
-   whose addresses (id()) the int64 buffer `ids` holds, one per key. False as soon as one
+   whose addresses (id()) the uint64 buffer `ids` holds, one per key. False as soon as one
    differs, and where a key is not a plain string (the caller then compares in Python). Nothing
    is allocated and no Python code runs (a plain string's compare calls none), so no dict can
    change under the walk. */
@@ -72,8 +72,8 @@ static PyObject* tw_same_entries(PyObject* self, PyObject* const* args, Py_ssize
     if (PyObject_GetBuffer(args[2], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     Py_ssize_t nk = PyList_GET_SIZE(keys);
-    int same = view.len == nk * (Py_ssize_t)sizeof(int64_t);
-    const int64_t* ids = (const int64_t*)view.buf;
+    int same = view.len == nk * (Py_ssize_t)sizeof(uint64_t);
+    const uint64_t* ids = (const uint64_t*)view.buf;
     Py_ssize_t i = 0;
     Py_ssize_t nd = PyList_GET_SIZE(dicts);
     for (Py_ssize_t d = 0; same && d < nd; d++) {
@@ -95,7 +95,7 @@ static PyObject* tw_same_entries(PyObject* self, PyObject* const* args, Py_ssize
                 same = 0;
                 break;
             }
-            if ((int64_t)(intptr_t)v != ids[i]) {
+            if ((uint64_t)(uintptr_t)v != ids[i]) {
                 same = 0;
                 break;
             }
