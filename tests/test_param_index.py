@@ -148,3 +148,25 @@ def test_the_watcher_finds_replaced_parameters_on_either_route(same_entries, rou
     assert index.scans == scans + 1 and index.current()
     assert index.owner(model.a.weight) is not None and index.owner(model.a.weight)[1] == "weight"
     w.detach()
+
+
+def test_a_failing_compare_in_c_leaves_the_python_compare_to_decide(monkeypatch):
+    """(never expected) `same_entries` raising: training goes on, replacements still found."""
+    class Broken:
+        @staticmethod
+        def same_entries(*_args):
+            raise TypeError("broken")
+
+    monkeypatch.setattr(cpu_kernel.KERNEL, "loaded", lambda: Broken())
+    torch.manual_seed(0)
+    model = Net()
+    w = watch(model, sinks=[Collect()])
+    index = w._session.hooks.index
+    model(torch.randn(4, 8)).sum().backward()
+    scans = index.scans
+    assert index.current()
+    _replace_weight(model)
+    assert not index.current()
+    model(torch.randn(4, 8)).sum().backward()
+    assert index.scans == scans + 1 and index.current()
+    w.detach()

@@ -50,8 +50,11 @@ class ParamIndex:
             dicts, keys, ids, id_words = self._fast
             same = getattr(KERNEL.loaded(), "same_entries", None)
             if same is not None:
-                if same(dicts, keys, id_words):
-                    return True
+                try:
+                    if same(dicts, keys, id_words):
+                        return True
+                except Exception:  # (never expected: it takes these lists and words) the compare below decides
+                    pass
             elif list(chain.from_iterable(dicts)) == keys and \
                     list(map(id, chain.from_iterable(map(dict.values, dicts)))) == ids:
                 return True
