@@ -288,7 +288,7 @@ class _Loader:
             return self._kernel
         if self._thread is None:
             self._start()
-        return self._kernel if self._done else None
+        return self.loaded()
 
     def loaded(self) -> Optional[Kernel]:
         """The kernel if it is loaded; None otherwise (starts no build)."""
